@@ -1,0 +1,92 @@
+"""Types of IR values: tensors with (possibly symbolic) shapes, sequences, optionals.
+
+A dim is an ``int``, a sympy expression over named symbols (``batch``, ``seq*2``), or ``None``
+when nothing is known about it. A shape of ``None`` means the rank itself is unknown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import sympy
+
+from kiln.ir.dtype import DType
+
+Dim = Union[int, sympy.Expr, None]
+Shape = Union[tuple, None]
+
+
+def sym(name: str) -> sympy.Symbol:
+    return sympy.Symbol(name, integer=True, nonnegative=True)
+
+
+def as_dim(d) -> Dim:
+    """Normalise a dim: sympy integers become ints."""
+    if d is None or isinstance(d, int):
+        return d
+    if isinstance(d, sympy.Expr):
+        d = sympy.simplify(d)
+        return int(d) if d.is_Integer else d
+    return int(d)
+
+
+def dim_str(d: Dim) -> str:
+    return "?" if d is None else str(d)
+
+
+def dim_from_str(s: str, known: dict[str, sympy.Expr] | None = None) -> Dim:
+    """Inverse of :func:`dim_str` for names and expressions kiln wrote itself."""
+    if s == "?":
+        return None
+    if s.lstrip("-").isdigit():
+        return int(s)
+    if known and s in known:
+        return known[s]
+    if s.isidentifier():
+        return sym(s)
+    try:
+        expr = sympy.sympify(s, locals={})
+        names = {n.name: sym(n.name) for n in expr.free_symbols}
+        return as_dim(expr.subs({n: names[n.name] for n in expr.free_symbols}))
+    except (sympy.SympifyError, TypeError, SyntaxError):
+        return sym(s)
+
+
+def is_static(shape: Shape) -> bool:
+    return shape is not None and all(isinstance(d, int) for d in shape)
+
+
+@dataclass(frozen=True)
+class TensorType:
+    dtype: DType | None
+    shape: Shape = None
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.shape is None else len(self.shape)
+
+    def __str__(self) -> str:
+        dt = self.dtype.name if self.dtype else "?"
+        if self.shape is None:
+            return f"{dt}[*]"
+        return f"{dt}[{','.join(dim_str(d) for d in self.shape)}]"
+
+
+@dataclass(frozen=True)
+class SequenceType:
+    elem: Type
+
+    def __str__(self) -> str:
+        return f"seq<{self.elem}>"
+
+
+@dataclass(frozen=True)
+class OptionalType:
+    elem: Type
+
+    def __str__(self) -> str:
+        return f"optional<{self.elem}>"
+
+
+Type = Union[TensorType, SequenceType, OptionalType, None]

@@ -1,0 +1,3 @@
+"""PyTorch kernels: attention ops."""
+
+from kiln.kernels.registry import register  # noqa: F401

@@ -1,0 +1,3 @@
+"""PyTorch kernels: reduce ops."""
+
+from kiln.kernels.registry import register  # noqa: F401

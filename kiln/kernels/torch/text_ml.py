@@ -1,0 +1,3 @@
+"""PyTorch kernels: text_ml ops."""
+
+from kiln.kernels.registry import register  # noqa: F401

@@ -1,0 +1,3 @@
+"""PyTorch kernels: vision ops."""
+
+from kiln.kernels.registry import register  # noqa: F401

@@ -1,0 +1,3 @@
+"""control ops."""
+
+from kiln.ops.schema import onnx_op  # noqa: F401

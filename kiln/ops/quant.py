@@ -1,0 +1,3 @@
+"""quant ops."""
+
+from kiln.ops.schema import onnx_op  # noqa: F401

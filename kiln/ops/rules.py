@@ -1,0 +1,75 @@
+"""Shape/dtype rules shared by many OpDefs. A rule takes an InferCtx and returns output types."""
+
+from __future__ import annotations
+
+import sympy
+
+from kiln.ir.dtype import DType
+from kiln.ir.opdef import InferCtx
+from kiln.ir.types import TensorType, as_dim
+
+
+def tensor(dtype, shape):
+    return TensorType(dtype, None if shape is None else tuple(as_dim(d) for d in shape))
+
+
+def broadcast_shapes(*shapes):
+    if any(s is None for s in shapes):
+        return None
+    rank = max(len(s) for s in shapes)
+    out = []
+    for i in range(rank):
+        dims = [s[i - rank + len(s)] for s in shapes if i - rank + len(s) >= 0]
+        known = [d for d in dims if d is not None and d != 1]
+        if not known:
+            out.append(None if None in dims else 1)
+        elif len({str(d) for d in known}) == 1:
+            out.append(known[0])
+        elif any(isinstance(d, int) for d in known):
+            out.append(next(d for d in known if isinstance(d, int)))
+        else:
+            out.append(known[0])
+    return tuple(out)
+
+
+def norm_axis(axis: int, rank: int) -> int:
+    return axis + rank if axis < 0 else axis
+
+
+def same(i: int = 0):
+    def rule(ctx: InferCtx):
+        return [ctx.type(i)] * max(ctx.n_out, 1)
+    return rule
+
+
+def same_shape(dtype: DType):
+    def rule(ctx: InferCtx):
+        return [tensor(dtype, ctx.shape(0))]
+    return rule
+
+
+def broadcast(dtype: DType | None = None):
+    """Elementwise ops over broadcast inputs; result dtype is the first input's or ``dtype``."""
+    def rule(ctx: InferCtx):
+        shapes = [ctx.shape(i) for i in range(len(ctx.in_types)) if ctx.has(i)]
+        return [tensor(dtype or ctx.dtype(0), broadcast_shapes(*shapes))]
+    return rule
+
+
+def reduce_shape(shape, axes, keepdims: bool):
+    if shape is None or axes is None:
+        return None
+    r = len(shape)
+    axes = {norm_axis(a, r) for a in axes} if len(axes) else set(range(r))
+    if keepdims:
+        return tuple(1 if i in axes else d for i, d in enumerate(shape))
+    return tuple(d for i, d in enumerate(shape) if i not in axes)
+
+
+def prod(dims):
+    out = 1
+    for d in dims:
+        if d is None:
+            return None
+        out = out * d
+    return as_dim(out) if isinstance(out, sympy.Expr) else out

@@ -1,0 +1,3 @@
+"""text_ml ops."""
+
+from kiln.ops.schema import onnx_op  # noqa: F401

@@ -1,0 +1,20 @@
+import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "conformance: ONNX backend node test cases")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+
+
+def pytest_terminal_summary(terminalreporter):
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    for outcome in counts:
+        for rep in terminalreporter.stats.get(outcome, []):
+            if "test_onnx_node[" in rep.nodeid and (rep.when == "call" or outcome == "skipped"):
+                counts[outcome] += 1
+    total = sum(counts.values())
+    if total:
+        terminalreporter.write_line(
+            f"ONNX node conformance: {counts['passed']} passed, {counts['failed']} failed, "
+            f"{counts['skipped']} skipped of {total} run "
+            f"({100.0 * counts['passed'] / total:.1f}% passing)")
