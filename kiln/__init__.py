@@ -1,3 +1,22 @@
-"""kiln: an inference optimizer and runtime for ONNX models."""
+"""kiln: an inference optimizer and runtime for ONNX models.
+
+    import kiln
+    engine = kiln.Builder(kiln.BuilderConfig()).build("model.onnx")
+    engine.save("model.kiln")
+    engine = kiln.load("model.kiln")
+    outputs = engine.create_context().run({"input": x})
+"""
 
 __version__ = "0.1.0"
+
+from kiln.build import Builder, BuilderConfig  # noqa: E402
+from kiln.engine.engine import Engine, ExecutionContext, TensorInfo, load  # noqa: E402
+from kiln.engine.profile import Profile  # noqa: E402
+from kiln.errors import (  # noqa: E402
+    EngineFileError, KernelError, KilnError, ModelLoadError, ShapeError, UnsupportedOpsError)
+
+__all__ = [
+    "Builder", "BuilderConfig", "Engine", "ExecutionContext", "TensorInfo", "Profile", "load",
+    "KilnError", "ModelLoadError", "UnsupportedOpsError", "ShapeError", "EngineFileError",
+    "KernelError",
+]

@@ -62,6 +62,7 @@ class _Converter:
         self.opset = opset
         self.problems: list[str] = []
         self._count = 0
+        self._used: set[str] = set()
 
     def graph(self, gp: GraphProto, parent: _Scope | None) -> Graph:
         g = Graph(gp.name or "main")
@@ -97,7 +98,7 @@ class _Converter:
     def node(self, np_: NodeProto, g: Graph, scope: _Scope, hints: dict) -> None:
         domain = "" if np_.domain in DEFAULT_DOMAINS else np_.domain
         op = REGISTRY.get(domain, np_.op_type)
-        name = np_.name or f"{np_.op_type}_{self._next()}"
+        name = self._unique(np_.name or f"{np_.op_type}_{self._next()}")
         version = self.opset.get(domain, 1)
         if op is None:
             body = find_function(np_, domain, version, self._input_types(np_, scope))
@@ -179,6 +180,12 @@ class _Converter:
 
     def _input_types(self, np_: NodeProto, scope: _Scope) -> list:
         return [scope.get(i).type if i and scope.get(i) is not None else None for i in np_.input]
+
+    def _unique(self, name: str) -> str:
+        while name in self._used:
+            name = f"{name}_{self._next()}"
+        self._used.add(name)
+        return name
 
     def _next(self) -> int:
         self._count += 1

@@ -1,0 +1,46 @@
+"""BuilderConfig: everything that decides how an engine is built."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from kiln.engine.profile import Profile
+
+
+@dataclass
+class BuilderConfig:
+    """How to build an engine.
+
+    Args:
+        device: ``"cpu"`` or ``"cuda"``.
+        fp16, bf16, int8: precisions the builder may use in addition to FP32 (permissions,
+            as in TensorRT: a layer runs in the fastest allowed precision that has a kernel).
+        tf32: allow TF32 math for FP32 layers on CUDA.
+        profiles: optimization profiles (min/opt/max shape per input); with none, every
+            shape the model allows is accepted.
+        workspace: bytes of scratch memory kernels may use (None: no limit).
+        optimize: run the graph optimizer (folding, elimination, fusion).
+        timing_cache: path of a timing cache file for kernel selection.
+        verbose: log every step (fusions, kernel choices).
+    """
+
+    device: str = "cpu"
+    fp16: bool = False
+    bf16: bool = False
+    int8: bool = False
+    tf32: bool = True
+    profiles: list[Profile] = field(default_factory=list)
+    workspace: int | None = None
+    optimize: bool = True
+    timing_cache: str | None = None
+    cuda_graph: bool = True
+    verbose: bool = False
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["profiles"] = [p.to_json() for p in self.profiles]
+        return d
