@@ -1,0 +1,67 @@
+"""Argument groups shared between subcommands, and parsers for their values."""
+
+from __future__ import annotations
+
+import argparse
+
+from kiln.errors import KilnError
+
+
+def parse_shapes(text: str | None) -> dict[str, tuple[int, ...]]:
+    """``"input:1x3x224x224,mask:1x128"`` -> ``{"input": (1, 3, 224, 224), "mask": (1, 128)}``."""
+    out: dict[str, tuple[int, ...]] = {}
+    if not text:
+        return out
+    for item in text.split(","):
+        name, sep, dims = item.rpartition(":")
+        if not sep or not name:
+            raise KilnError(f"bad shape '{item}': write it as name:1x3x224x224")
+        try:
+            out[name] = tuple(int(d) for d in dims.lower().split("x")) if dims else ()
+        except ValueError:
+            raise KilnError(f"bad shape '{item}': dims must be integers joined by 'x'") from None
+    return out
+
+
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("shapes")
+    g.add_argument("--shapes", help="fixed input shapes, e.g. input:1x3x224x224,mask:1x128")
+    g.add_argument("--min-shapes", help="smallest shapes of the optimization profile")
+    g.add_argument("--opt-shapes", help="shapes the engine is tuned for")
+    g.add_argument("--max-shapes", help="largest shapes of the optimization profile")
+
+
+def add_precision_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("precision and device")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    g.add_argument("--fp16", action="store_true", help="allow FP16 layers")
+    g.add_argument("--bf16", action="store_true", help="allow BF16 layers")
+    g.add_argument("--int8", action="store_true", help="allow INT8 layers")
+    g.add_argument("--no-tf32", action="store_true", help="disallow TF32 for FP32 layers")
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print every step, and Python tracebacks on errors")
+
+
+def profile_from_args(args):
+    """The optimization profile the shape flags describe, or None."""
+    from kiln.engine.profile import Profile
+
+    fixed = parse_shapes(args.shapes)
+    lo, opt, hi = (parse_shapes(getattr(args, k)) for k in ("min_shapes", "opt_shapes",
+                                                            "max_shapes"))
+    if not (fixed or lo or opt or hi):
+        return None
+    if fixed and (lo or opt or hi):
+        raise KilnError("give either --shapes or --min/--opt/--max-shapes, not both")
+    if fixed:
+        return Profile.fixed(fixed)
+    names = set(lo) | set(opt) | set(hi)
+    for n in names:
+        got = [k for k, d in (("min", lo), ("opt", opt), ("max", hi)) if n in d]
+        if len(got) != 3:
+            raise KilnError(f"input '{n}' needs --min-shapes, --opt-shapes and --max-shapes "
+                            f"(got only {', '.join(got)})")
+    return Profile(lo, opt, hi)

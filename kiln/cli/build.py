@@ -1,0 +1,50 @@
+"""kiln build: ONNX model -> engine file."""
+
+from __future__ import annotations
+
+import time
+
+from kiln.cli.args import add_common_args, add_precision_args, add_shape_args, profile_from_args
+from kiln.cli.progress import Stages, human_bytes
+
+NAME = "build"
+HELP = "build an engine file from an ONNX model"
+
+
+def add_arguments(p):
+    p.add_argument("model", help="the ONNX model")
+    p.add_argument("-o", "--output", help="engine file to write (default: MODEL.kiln)")
+    add_shape_args(p)
+    add_precision_args(p)
+    p.add_argument("--no-optimize", action="store_true", help="skip the graph optimizer")
+    p.add_argument("--timing-cache", help="timing cache file for kernel selection")
+    add_common_args(p)
+
+
+def main(args) -> int:
+    from kiln.build import Builder, BuilderConfig
+
+    profile = profile_from_args(args)
+    cfg = BuilderConfig(device=args.device, fp16=args.fp16, bf16=args.bf16, int8=args.int8,
+                        tf32=not args.no_tf32, profiles=[profile] if profile else [],
+                        optimize=not args.no_optimize, timing_cache=args.timing_cache,
+                        verbose=args.verbose)
+    out = args.output or (args.model.rsplit(".", 1)[0] + ".kiln")
+    log = print if args.verbose else (lambda m: None)
+    stages = Stages(2)
+    t0 = time.perf_counter()
+    builder = Builder(cfg, log=log)
+    with stages.stage(f"building {args.model}"):
+        engine = builder.build(args.model)
+    with stages.stage(f"writing {out}"):
+        size = engine.save(out)
+    rep = builder.report
+    before, after = rep["nodes_before"], rep["nodes_after"]
+    print(f"{args.model}: {sum(before.values())} nodes -> {len(engine.graph.nodes)} layers, "
+          f"{human_bytes(engine.weight_bytes)} of weights")
+    if args.verbose:
+        print("nodes per op (before -> after):")
+        for op in sorted(set(before) | set(after)):
+            print(f"  {op:<28} {before.get(op, 0):>5} -> {after.get(op, 0):>5}")
+    print(f"wrote {out} ({human_bytes(size)}) in {time.perf_counter() - t0:.2f} s")
+    return 0
