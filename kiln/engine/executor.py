@@ -82,7 +82,11 @@ class Executor:
         for i, st in enumerate(self.steps):
             st.free = tuple(frees.get(i, ()))
 
-    def run(self, args: list) -> list:
+    def run(self, args: list, timer=None) -> list:
+        """Run once. ``timer(step_index, seconds)``, when given, receives every step's time
+        (a profiling run: slower, as each step is synchronised)."""
+        if timer is not None:
+            return self._run_timed(args, timer)
         env: list = [None] * self.n_slots
         for s, v in zip(self.input_slots, args):
             env[s] = v
@@ -105,6 +109,26 @@ class Executor:
                         env[s] = o
                 for s in st.free:
                     env[s] = None
+        return [env[s] for s in self.output_slots]
+
+
+    def _run_timed(self, args: list, timer) -> list:
+        import time
+
+        env: list = [None] * self.n_slots
+        for s, v in zip(self.input_slots, args):
+            env[s] = v
+        for s, c in self.consts:
+            env[s] = c
+        with torch.inference_mode():
+            for k, st in enumerate(self.steps):
+                t0 = time.perf_counter()
+                out = st.fn(st.call, *[env[i] if i >= 0 else None for i in st.ins])
+                timer(k, time.perf_counter() - t0)
+                outs = out if len(st.outs) > 1 else (
+                    (out[0] if isinstance(out, tuple) else out),)
+                for s, o in zip(st.outs, outs):
+                    env[s] = o
         return [env[s] for s in self.output_slots]
 
 
