@@ -36,8 +36,9 @@ class Executor:
     """Executes ``graph`` with the kernels ``choose(node, backend)`` picks."""
 
     def __init__(self, graph: Graph, backend: str = "cpu",
-                 choose: Callable = default_choice):
+                 choose: Callable = default_choice, opset: dict | None = None):
         self.graph, self.backend, self.choose = graph, backend, choose
+        self.opset = dict(opset or {}, **graph.opset)
         slot: dict[int, int] = {}
 
         def slot_of(v) -> int:
@@ -61,9 +62,10 @@ class Executor:
         subgraphs = node.subgraphs()
         n_caps = len({c.name for g in subgraphs for c in g.captures})
         call = Call(node.attrs, len(node.outputs), len(node.inputs) - n_caps, node.name,
-                    tuple(v.type for v in node.outputs))
+                    tuple(v.type for v in node.outputs), opset=self.opset.get(node.op.domain, 0))
         if subgraphs:
-            call.run_graph = _SubgraphRunner(node, subgraphs, n_caps, self.backend, self.choose)
+            call.run_graph = _SubgraphRunner(node, subgraphs, n_caps, self.backend, self.choose,
+                                             self.opset)
         ins = tuple(-1 if v is None else slot_of(v) for v in node.inputs)
         outs = tuple(slot_of(v) for v in node.outputs)
         return Step(kernel.fn, call, ins, outs, (), node)
@@ -136,14 +138,15 @@ class _SubgraphRunner:
     """``call.run_graph(graph, args, captured)``: runs one of the node's subgraphs, handing it
     the captured outer values it reads."""
 
-    def __init__(self, node: Node, subgraphs: list[Graph], n_caps: int, backend, choose):
+    def __init__(self, node: Node, subgraphs: list[Graph], n_caps: int, backend, choose,
+                 opset: dict):
         names: list[str] = []
         for g in subgraphs:
             for c in g.captures:
                 if c.name not in names:
                     names.append(c.name)
         self.index = {id(g): [names.index(c.name) for c in g.captures] for g in subgraphs}
-        self.execs = {id(g): Executor(g, backend, choose) for g in subgraphs}
+        self.execs = {id(g): Executor(g, backend, choose, opset) for g in subgraphs}
 
     def __call__(self, graph: Graph, args: list, captured) -> list:
         caps = [captured[i] for i in self.index[id(graph)]]

@@ -35,6 +35,7 @@ class Call:
     node_name: str = ""
     out_types: tuple = ()
     run_graph: Callable | None = None  # (graph, args, captured) -> list of outputs
+    opset: int = 0  # the model's opset version for the node's domain
     cache: dict = field(default_factory=dict)
 
     @property

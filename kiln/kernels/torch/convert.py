@@ -42,7 +42,8 @@ def to_torch(a):
     tdt = TORCH_DTYPE.get(dt)
     if tdt is None:
         return a
-    a = np.ascontiguousarray(a)
+    if not a.flags.c_contiguous:  # ascontiguousarray would turn a 0-d array into 1-d
+        a = np.ascontiguousarray(a).reshape(a.shape)
     if tdt in _VIA:
         npv, tv = _VIA[tdt]
         return torch.from_numpy(a.view(npv).copy()).view(tdt)

@@ -1,0 +1,199 @@
+"""Casts and quantization ops against onnx.reference (or NumPy where the reference is loose)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import sympy
+from onnx import TensorProto
+
+from kiln.errors import KernelError
+from kiln.ir import DType, InferCtx, TensorType, sym
+from kiln.ops import quant as Q
+from tests.ops.harness import assert_close, check_against_reference, node_model, run_kiln
+
+RNG = np.random.default_rng(0)
+X = np.concatenate([RNG.standard_normal(40).astype(np.float32) * 100,
+                    np.array([0.5, 1.5, 2.5, -0.5, 1e6, -1e6, 1e-7, 0.0], np.float32)])
+
+
+def _cast(x, to, **attrs):
+    return node_model("Cast", {"x": x}, to=to, **attrs)
+
+
+@pytest.mark.parametrize("to", [
+    TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE, TensorProto.INT32,
+    TensorProto.INT8, TensorProto.UINT8, TensorProto.BOOL, TensorProto.INT64,
+    TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E4M3FNUZ, TensorProto.FLOAT8E5M2,
+    TensorProto.FLOAT8E5M2FNUZ, TensorProto.FLOAT4E2M1, TensorProto.INT4, TensorProto.UINT4,
+    TensorProto.INT2, TensorProto.UINT2])
+def test_cast_from_float(to):
+    check_against_reference(_cast(X, to), {"x": X})
+
+
+@pytest.mark.parametrize("to", [TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E4M3FNUZ,
+                                TensorProto.FLOAT8E5M2, TensorProto.FLOAT8E5M2FNUZ])
+def test_cast_float8_no_saturate(to):
+    x = np.array([1e6, -1e6, 448, 500, 60000, np.inf, -np.inf, 0.3], np.float32)
+    got = run_kiln(_cast(x, to, saturate=0), {"x": x})[0]
+    want = x.astype(DType.from_onnx(to).np)
+    np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+
+
+@pytest.mark.parametrize("mode", ["up", "down", "nearest"])
+@pytest.mark.parametrize("saturate", [0, 1])
+def test_cast_e8m0_round_modes(mode, saturate):
+    x = np.array([0.0, 0.124, 0.75, 1.1, 3.0, 6.0, 1e38, 3e38, np.inf, np.nan], np.float32)
+    model = _cast(x, TensorProto.FLOAT8E8M0, round_mode=mode, saturate=saturate)
+    check_against_reference(model, {"x": x})
+
+
+def test_cast_from_small_types():
+    for np_dt in (ml_dtypes.int4, ml_dtypes.uint2, ml_dtypes.float4_e2m1fn,
+                  ml_dtypes.float8_e4m3fn, ml_dtypes.bfloat16):
+        x = np.array([0, 1, 2, 3, 1.5, -1], np.float32).astype(np_dt)
+        for to in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT8):
+            check_against_reference(_cast(x, to), {"x": x})
+
+
+def test_cast_strings():
+    x = np.array([0.1, -2.5, 1e6, 3.0], np.float32)
+    got = run_kiln(_cast(x, TensorProto.STRING), {"x": x})[0]
+    assert list(got) == ["0.1", "-2.5", "1e+06", "3.0"]
+    s = np.array(["1.5", "-2", "NaN", "INF", "1e-3"], dtype=object)
+    got = run_kiln(_cast(s, TensorProto.FLOAT), {"x": s})[0]
+    assert_close(got, np.array([1.5, -2, np.nan, np.inf, 1e-3], np.float32))
+    ints = np.array(["12", "-7", "9007199254740993"], dtype=object)
+    got = run_kiln(_cast(ints, TensorProto.INT64), {"x": ints})[0]
+    assert got.tolist() == [12, -7, 9007199254740993]
+
+
+def test_cast_like():
+    like = np.zeros(1, np.float16)
+    check_against_reference(node_model("CastLike", {"x": X, "like": like}), {"x": X, "like": like})
+    like8 = np.zeros(1, ml_dtypes.float8_e5m2)
+    check_against_reference(node_model("CastLike", {"x": X, "like": like8}),
+                            {"x": X, "like": like8})
+
+
+def test_bitcast():
+    x = np.array([1.0, -2.5, np.inf], np.float32)
+    got = run_kiln(node_model("BitCast", {"x": x}, to=TensorProto.INT32), {"x": x})[0]
+    np.testing.assert_array_equal(got, x.view(np.int32))
+    with pytest.raises(KernelError, match="bit width"):
+        run_kiln(node_model("BitCast", {"x": x}, to=TensorProto.INT64), {"x": x})
+
+
+def _quant_inputs(x, scale, zp=None):
+    d = {"x": x, "s": scale}
+    if zp is not None:
+        d["zp"] = zp
+    return d
+
+
+@pytest.mark.parametrize("zp", [
+    np.array([10, 20, 30], np.uint8), np.array([-3, 0, 3], np.int8),
+    np.array([1, 2, 3], np.uint16), np.array([-1, 0, 1], ml_dtypes.int4),
+    np.array([0, 1, 2], ml_dtypes.uint4), np.zeros(3, ml_dtypes.float8_e4m3fn)])
+def test_quantize_dequantize_per_axis(zp):
+    x = RNG.standard_normal((2, 3, 4)).astype(np.float32) * 20
+    ins = _quant_inputs(x, np.array([0.5, 1.0, 2.5], np.float32), zp)
+    check_against_reference(node_model("QuantizeLinear", ins, axis=1), ins)
+    q = x.astype(zp.dtype) if zp.dtype.kind == "V" else np.clip(x, 0, 3).astype(zp.dtype)
+    dins = _quant_inputs(q, ins["s"], zp)
+    check_against_reference(node_model("DequantizeLinear", dins, axis=1), dins)
+
+
+def test_quantize_blocked_and_output_dtype():
+    x = RNG.standard_normal((3, 5)).astype(np.float32) * 10
+    scale = np.array([[1.0, 2.0, 3.0]] * 3, np.float32)
+    ins = _quant_inputs(x, scale)
+    check_against_reference(node_model("QuantizeLinear", ins, axis=1, block_size=2,
+                                       output_dtype=TensorProto.INT8), ins)
+    q = np.arange(15, dtype=np.int8).reshape(3, 5)
+    dins = _quant_inputs(q, scale.astype(np.float16))
+    check_against_reference(node_model("DequantizeLinear", dins, axis=1, block_size=2), dins)
+
+
+def test_quantize_bad_inputs():
+    x = np.ones((2, 4), np.float32)
+    ins = _quant_inputs(x, np.ones(2, np.float32), np.zeros(2, np.uint8))
+    with pytest.raises(KernelError, match="output_dtype"):
+        run_kiln(node_model("QuantizeLinear", ins, axis=0, output_dtype=TensorProto.INT8), ins)
+    ins = _quant_inputs(x, np.ones(3, np.float32))
+    with pytest.raises(KernelError, match="does not match"):
+        run_kiln(node_model("QuantizeLinear", ins, axis=1), ins)
+
+
+def test_dynamic_quantize_linear():
+    for x in (X, np.abs(X), -np.abs(X)):
+        check_against_reference(node_model("DynamicQuantizeLinear", {"x": x}, n_out=3), {"x": x})
+
+
+def test_matmul_integer_per_row_zero_points():
+    a = RNG.integers(0, 255, (2, 3, 300), dtype=np.uint8)  # K > 256: the float64 path
+    b = RNG.integers(-128, 127, (300, 5), dtype=np.int8)
+    azp, bzp = np.array([3, 7, 9], np.uint8), np.array([1, -2, 0, 4, 5], np.int8)
+    ins = {"a": a, "b": b, "azp": azp, "bzp": bzp}
+    got = run_kiln(node_model("MatMulInteger", ins), ins)[0]
+    want = (a.astype(np.int64) - azp[:, None]) @ (b.astype(np.int64) - bzp)
+    np.testing.assert_array_equal(got, want.astype(np.int32))
+
+
+@pytest.mark.parametrize("attrs", [
+    {}, {"pads": [1, 0, 2, 1]}, {"strides": [2, 1], "dilations": [1, 2]},
+    {"auto_pad": "SAME_LOWER", "strides": [2, 2]}, {"group": 2}, {"channels": 40},
+    {"channels": 64, "group": 2}])
+def test_conv_integer(attrs):
+    c = attrs.pop("channels", 4)  # 40 * 3 * 3 > 256 terms: accumulated over channel chunks
+    x = RNG.integers(0, 255, (1, c, 7, 6), dtype=np.uint8)
+    w = RNG.integers(0, 255, (4, c // attrs.get("group", 1), 3, 3), dtype=np.uint8)
+    ins = {"x": x, "w": w, "xzp": np.array([17], np.uint8)}
+    check_against_reference(node_model("ConvInteger", ins, **attrs), ins)
+
+
+def test_qlinear_conv_bias_per_channel():
+    x = RNG.integers(0, 255, (1, 2, 5, 5), dtype=np.uint8)
+    w = RNG.integers(-128, 127, (3, 2, 3, 3), dtype=np.int8)
+    ins = {"x": x, "xs": np.array(0.02, np.float32), "xzp": np.array(128, np.uint8), "w": w,
+           "ws": np.array([0.01, 0.02, 0.03], np.float32), "wzp": np.zeros(3, np.int8),
+           "ys": np.array(0.5, np.float32), "yzp": np.array(5, np.uint8),
+           "b": np.array([100, -200, 3000], np.int32)}
+    ins = {k: v.reshape(-1) if v.ndim == 0 else v for k, v in ins.items()}  # 1-element params
+    check_against_reference(node_model("QLinearConv", ins, pads=[1, 1, 1, 1]), ins)
+
+
+@pytest.mark.parametrize("dt", [np.uint8, np.int8])
+def test_qlinear_matmul_3d(dt):
+    lo, hi = (0, 255) if dt == np.uint8 else (-128, 127)
+    a = RNG.integers(lo, hi, (2, 3, 4), dtype=dt)
+    b = RNG.integers(lo, hi, (4, 5), dtype=dt)
+    one = np.ones(1, np.float32)
+    ins = {"a": a, "as": one * 0.05, "azp": np.array([3], dt), "b": b, "bs": one * 0.02,
+           "bzp": np.array([1], dt), "ys": one * 0.3, "yzp": np.array([7], dt)}
+    check_against_reference(node_model("QLinearMatMul", ins), ins)
+
+
+def _ctx(op, in_types, attrs, syms=None):
+    return InferCtx(op.make_attrs(**attrs), in_types, [None] * len(in_types),
+                    syms or [None] * len(in_types), 1)
+
+
+def test_rules_symbolic():
+    n, h = sym("n"), sym("h")
+    ctx = _ctx(Q.QLinearConv, [TensorType(DType.uint8, (n, 3, h, 8))] + [None] * 2
+               + [TensorType(DType.int8, (16, 3, 3, 3))] + [None] * 3
+               + [TensorType(DType.uint8, ())], {"strides": (2, 2), "pads": (1, 1, 1, 1)})
+    (t,) = Q.QLinearConv.infer(ctx)
+    assert t.dtype == DType.uint8 and t.shape[:2] == (n, 16) and t.shape[3] == 4
+    assert sympy.simplify(t.shape[2] - (sympy.floor((h - 1) / 2) + 1)) == 0
+    ctx = _ctx(Q.Cast, [TensorType(DType.int64, (2,))], {"to": TensorProto.INT32},
+               [(n, h)])
+    (t,) = Q.Cast.infer(ctx)
+    assert t == TensorType(DType.int32, (2,)) and ctx.out_syms == [(n, h)]
+    ctx = _ctx(Q.MatMulInteger, [TensorType(DType.uint8, (n, h, 8)),
+                                 TensorType(DType.int8, (8, 5))], {})
+    assert Q.MatMulInteger.infer(ctx) == [TensorType(DType.int32, (n, h, 5))]
+    ctx = _ctx(Q.Cast, [TensorType(DType.float32, (n,))], {"to": "FLOAT16"})  # Cast-1 form
+    assert Q.Cast.infer(ctx) == [TensorType(DType.float16, (n,))]
