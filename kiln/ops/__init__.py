@@ -12,6 +12,8 @@ from kiln.ops import rnn  # noqa: F401
 from kiln.ops import attention  # noqa: F401
 from kiln.ops import random  # noqa: F401
 from kiln.ops import vision  # noqa: F401
+from kiln.ops import fused_conv  # noqa: F401
+from kiln.ops import fused_transformer  # noqa: F401
 
 from kiln.ir import REGISTRY  # noqa: E402
 

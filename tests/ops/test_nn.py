@@ -9,8 +9,13 @@ from onnx import helper
 
 from kiln.errors import KilnError
 from kiln.frontend import import_onnx
-from tests.ops.harness import (assert_close, check_against_reference, node_model, run_kiln,
-                               run_reference)
+from tests.ops.harness import (
+    assert_close,
+    check_against_reference,
+    node_model,
+    run_kiln,
+    run_reference,
+)
 
 RNG = np.random.default_rng(0)
 
@@ -27,18 +32,19 @@ def check(op, inputs, n_out=1, opset=None, **attrs):
 
 
 @pytest.mark.parametrize("attrs", [
-    dict(pads=[1, 0, 2, 1], strides=[2, 1]),  # asymmetric pads
-    dict(auto_pad="SAME_LOWER", strides=[2, 2]),
-    dict(auto_pad="SAME_UPPER", dilations=[2, 1]),
-    dict(auto_pad="VALID", strides=[1, 2]),
-    dict(pads=[1, 1, 1, 1], group=2),
+    {"pads": [1, 0, 2, 1], "strides": [2, 1]},  # asymmetric pads
+    {"auto_pad": "SAME_LOWER", "strides": [2, 2]},
+    {"auto_pad": "SAME_UPPER", "dilations": [2, 1]},
+    {"auto_pad": "VALID", "strides": [1, 2]},
+    {"pads": [1, 1, 1, 1], "group": 2},
 ])
 def test_conv_2d(attrs):
     x, w, b = f32(2, 4, 7, 8), f32(6, 4 // attrs.get("group", 1), 3, 3), f32(6)
     check("Conv", {"x": x, "w": w, "b": b}, **attrs)
 
 
-@pytest.mark.parametrize("shape,kernel", [((1, 2, 9), (3, 2, 3)), ((1, 2, 5, 4, 6), (2, 2, 2, 3, 2))])
+@pytest.mark.parametrize(("shape", "kernel"), [((1, 2, 9), (3, 2, 3)),
+                                               ((1, 2, 5, 4, 6), (2, 2, 2, 3, 2))])
 def test_conv_1d_3d(shape, kernel):
     check("Conv", {"x": f32(*shape), "w": f32(*kernel)}, strides=[2] * (len(shape) - 2))
 
@@ -72,10 +78,10 @@ def _conv_transpose_oracle(x, w, b, s, d, pads, out_pad, group):
 
 
 @pytest.mark.parametrize("attrs", [
-    dict(strides=[2, 2], pads=[0, 1, 1, 0], output_padding=[1, 1]),
-    dict(strides=[1, 1], output_padding=[1, 0], pads=[1, 0, 0, 0]),  # output_padding >= stride
-    dict(strides=[2, 3], dilations=[2, 1], pads=[1, 1, 1, 1]),
-    dict(strides=[1, 1], dilations=[2, 2], group=2),
+    {"strides": [2, 2], "pads": [0, 1, 1, 0], "output_padding": [1, 1]},
+    {"strides": [1, 1], "output_padding": [1, 0], "pads": [1, 0, 0, 0]},  # output_padding >= stride
+    {"strides": [2, 3], "dilations": [2, 1], "pads": [1, 1, 1, 1]},
+    {"strides": [1, 1], "dilations": [2, 2], "group": 2},
 ])
 def test_conv_transpose(attrs):
     group = attrs.get("group", 1)
@@ -119,10 +125,10 @@ def _check_max_pool_indices(x, storage_order=0, **attrs):
 
 
 @pytest.mark.parametrize("attrs", [
-    dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),  # torch fast path
-    dict(kernel_shape=[3, 2], strides=[2, 1], pads=[0, 1, 2, 0]),  # asymmetric: unfold path
-    dict(kernel_shape=[2, 2], strides=[2, 2], dilations=[2, 1], ceil_mode=1),
-    dict(kernel_shape=[3, 3], auto_pad="SAME_LOWER"),
+    {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},  # torch fast path
+    {"kernel_shape": [3, 2], "strides": [2, 1], "pads": [0, 1, 2, 0]},  # asymmetric: unfold path
+    {"kernel_shape": [2, 2], "strides": [2, 2], "dilations": [2, 1], "ceil_mode": 1},
+    {"kernel_shape": [3, 3], "auto_pad": "SAME_LOWER"},
 ])
 def test_max_pool_with_indices(attrs):
     _check_max_pool_indices(f32(2, 3, 7, 6), **attrs)
@@ -137,11 +143,11 @@ def test_max_pool_storage_order_and_uint8():
 
 
 @pytest.mark.parametrize("attrs", [
-    dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], count_include_pad=1),
-    dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
-    dict(kernel_shape=[2, 3], pads=[0, 1, 1, 0]),
-    dict(kernel_shape=[2, 2], dilations=[2, 2], count_include_pad=1, pads=[1, 1, 1, 1]),
-    dict(kernel_shape=[3, 3], auto_pad="SAME_UPPER", strides=[2, 2]),
+    {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "count_include_pad": 1},
+    {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+    {"kernel_shape": [2, 3], "pads": [0, 1, 1, 0]},
+    {"kernel_shape": [2, 2], "dilations": [2, 2], "count_include_pad": 1, "pads": [1, 1, 1, 1]},
+    {"kernel_shape": [3, 3], "auto_pad": "SAME_UPPER", "strides": [2, 2]},
 ])
 def test_average_pool(attrs):
     check("AveragePool", {"x": f32(1, 2, 7, 8)}, **attrs)
@@ -268,7 +274,7 @@ def test_matmul_int():
     check("MatMul", {"a": a, "b": b})
 
 
-@pytest.mark.parametrize("attrs", [dict(), dict(transA=1, alpha=0.5), dict(transB=1, beta=2.0)])
+@pytest.mark.parametrize("attrs", [{}, {"transA": 1, "alpha": 0.5}, {"transB": 1, "beta": 2.0}])
 def test_gemm(attrs):
     a = f32(4, 3) if attrs.get("transA") else f32(3, 4)
     b = f32(5, 4) if attrs.get("transB") else f32(4, 5)

@@ -12,3 +12,5 @@ from kiln.kernels.torch import rnn  # noqa: F401
 from kiln.kernels.torch import attention  # noqa: F401
 from kiln.kernels.torch import random  # noqa: F401
 from kiln.kernels.torch import vision  # noqa: F401
+from kiln.kernels.torch import fused_conv  # noqa: F401
+from kiln.kernels.torch import fused_transformer  # noqa: F401

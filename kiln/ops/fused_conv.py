@@ -1,0 +1,3 @@
+"""Fused ops kiln's optimizer creates (fused_conv)."""
+
+from kiln.ops.schema import kiln_op  # noqa: F401

@@ -1,0 +1,1 @@
+"""Pass module: eliminate (being written)."""

@@ -1,0 +1,1 @@
+"""Pass module: fold (being written)."""

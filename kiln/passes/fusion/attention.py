@@ -1,0 +1,1 @@
+"""Fusion: attention (being written)."""

@@ -1,0 +1,1 @@
+"""Fusion: conv_bias_act (being written)."""

@@ -1,0 +1,1 @@
+"""Fusion: conv_bn (being written)."""

@@ -1,0 +1,1 @@
+"""Fusion: gelu (being written)."""

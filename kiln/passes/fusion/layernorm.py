@@ -1,0 +1,1 @@
+"""Fusion: layernorm (being written)."""

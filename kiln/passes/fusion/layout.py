@@ -1,0 +1,1 @@
+"""Fusion: layout (being written)."""

@@ -1,0 +1,1 @@
+"""Fusion: matmul_add (being written)."""

@@ -1,0 +1,1 @@
+"""Fusion: pointwise (being written)."""

@@ -1,0 +1,1 @@
+"""Fusion: qkv (being written)."""

@@ -1,0 +1,1 @@
+"""Fusion: rmsnorm (being written)."""
