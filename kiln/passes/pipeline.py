@@ -1,5 +1,5 @@
 """The optimizer: one ordered list of named passes. Each pass takes a graph and returns the
-number of rewrites it made; the verifier checks the graph after every pass (always in tests)."""
+number of rewrites it made (and logs each one, naming the nodes it merged); the verifier checks the graph after every pass (always in tests)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Callable
 from kiln.ir import Graph
 from kiln.passes.verifier import verify
 
-Pass = Callable[[Graph], int]
+Pass = Callable[[Graph, Callable[[str], None]], int]  # (graph, log) -> rewrites made
 
 
 def _passes() -> list[tuple[str, Pass]]:
@@ -30,7 +30,7 @@ def optimize(graph: Graph, log: Callable[[str], None] = lambda m: None,
     for name, fn in _passes():
         if only is not None and name not in only:
             continue
-        n = fn(graph, log) if getattr(fn, "wants_log", False) else fn(graph)
+        n = fn(graph, log)
         if n:
             log(f"pass {name}: {n} rewrite(s)")
         if check:

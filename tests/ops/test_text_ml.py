@@ -8,7 +8,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.errors import KilnError
-from tests.ops.harness import assert_close, check_against_reference, node_model, run_kiln
+from tests.ops.harness import (
+    assert_close, check_against_reference, node_model, run_kiln, run_reference)
 
 ML = "ai.onnx.ml"
 TRAIN = "ai.onnx.preview.training"
@@ -26,7 +27,8 @@ def _str(*xs):
 def test_string_normalizer(attrs):
     x = _str("Monday", "tuesday", "a", "MONDAY")
     m = node_model("StringNormalizer", {"x": x}, **attrs)
-    check_against_reference(m, {"x": x})
+    # the reference answers with a numpy str_ array; ONNX strings are object arrays here
+    assert_close(run_kiln(m, {"x": x})[0], run_reference(m, {"x": x})[0].astype(object))
 
 
 def test_string_normalizer_all_dropped_gives_one_empty_string():
@@ -148,7 +150,9 @@ def _optimizer_inputs(n_groups, rng):
 def test_training_optimizers(op, groups, n_out, attrs):
     feeds = _optimizer_inputs(groups, np.random.default_rng(0))
     m = node_model(op, feeds, n_out=n_out, domain=TRAIN, **attrs)
-    check_against_reference(m, feeds)
+    # the reference keeps Adam's moments in float64 for one tensor; ONNX keeps V and H's type
+    for got, want in zip(run_kiln(m, feeds), run_reference(m, feeds)):
+        assert_close(got, np.asarray(want).astype(np.float32))
 
 
 def test_random_ops_shapes_dtypes_and_seed():

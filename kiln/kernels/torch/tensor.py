@@ -302,4 +302,4 @@ def tile(n, x, repeats):
 
 
 # the less common ops live in a second module; importing it registers them
-from kiln.kernels.torch import tensor_more  # noqa: E402,F401
+from kiln.kernels.torch import tensor_more  # noqa: F401
