@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, numpy_helper
 
 from kiln.errors import KilnError
 from tests.ops.harness import (
-    assert_close, check_against_reference, node_model, run_kiln, run_reference)
+    assert_close,
+    check_against_reference,
+    node_model,
+    run_kiln,
+    run_reference,
+)
 
 ML = "ai.onnx.ml"
 TRAIN = "ai.onnx.preview.training"
@@ -20,9 +25,9 @@ def _str(*xs):
 
 
 @pytest.mark.parametrize("attrs", [
-    dict(case_change_action="LOWER", is_case_sensitive=0, stopwords=["monday"]),
-    dict(case_change_action="UPPER", is_case_sensitive=1, stopwords=["Monday"]),
-    dict(case_change_action="NONE", stopwords=["a", "b"]),
+    {"case_change_action": "LOWER", "is_case_sensitive": 0, "stopwords": ["monday"]},
+    {"case_change_action": "UPPER", "is_case_sensitive": 1, "stopwords": ["Monday"]},
+    {"case_change_action": "NONE", "stopwords": ["a", "b"]},
 ])
 def test_string_normalizer(attrs):
     x = _str("Monday", "tuesday", "a", "MONDAY")
@@ -57,9 +62,9 @@ def test_regex_full_match():
 @pytest.mark.parametrize("mode,pool", [("TF", "ints"), ("IDF", "ints"), ("TFIDF", "strings")])
 def test_tfidf_vectorizer(mode, pool):
     ints = [2, 3, 5, 4, 5, 6, 7, 8, 6, 7]
-    attrs = dict(mode=mode, min_gram_length=1, max_gram_length=2, max_skip_count=2,
-                 ngram_counts=[0, 4], ngram_indexes=[0, 1, 2, 3, 4, 5, 6],
-                 weights=[1.0, 2.0, 0.5, 1.0, 3.0, 1.5, 2.0])
+    attrs = {"mode": mode, "min_gram_length": 1, "max_gram_length": 2, "max_skip_count": 2,
+                 "ngram_counts": [0, 4], "ngram_indexes": [0, 1, 2, 3, 4, 5, 6],
+                 "weights": [1.0, 2.0, 0.5, 1.0, 3.0, 1.5, 2.0]}
     x = np.array([[1, 1, 3, 3, 3, 7], [8, 6, 7, 5, 6, 8]], dtype=np.int32)
     if pool == "ints":
         attrs["pool_int64s"] = ints
@@ -111,14 +116,14 @@ def _tree_model(x, aggregate, membership=False):
     # two trees: a 3-node tree on feature 0 and a stump on feature 1 (or a set test)
     t = numpy_helper.from_array
     modes = [0, 0, 6 if membership else 3]
-    attrs = dict(
-        nodes_featureids=[0, 0, 1], nodes_modes=t(np.array(modes, np.uint8)),
-        nodes_splits=t(np.array([1.0, 0.0, 2.0], np.float32)),
-        nodes_truenodeids=[1, 0, 2], nodes_trueleafs=[0, 1, 1],
-        nodes_falsenodeids=[2 - 1 + 1, 1, 3], nodes_falseleafs=[1, 1, 1],
-        leaf_targetids=[0, 1, 0, 1], n_targets=2,
-        leaf_weights=t(np.array([1.0, 2.0, 3.0, 4.0], np.float32)),
-        tree_roots=[0, 2], aggregate_function=aggregate, post_transform=0)
+    attrs = {
+        "nodes_featureids": [0, 0, 1], "nodes_modes": t(np.array(modes, np.uint8)),
+        "nodes_splits": t(np.array([1.0, 0.0, 2.0], np.float32)),
+        "nodes_truenodeids": [1, 0, 2], "nodes_trueleafs": [0, 1, 1],
+        "nodes_falsenodeids": [2, 1, 3], "nodes_falseleafs": [1, 1, 1],
+        "leaf_targetids": [0, 1, 0, 1], "n_targets": 2,
+        "leaf_weights": t(np.array([1.0, 2.0, 3.0, 4.0], np.float32)),
+        "tree_roots": [0, 2], "aggregate_function": aggregate, "post_transform": 0}
     if membership:
         attrs["membership_values"] = t(np.array([2.0, 5.0, np.nan], np.float32))
     m = node_model("TreeEnsemble", {"x": x}, domain=ML, **attrs)
@@ -141,11 +146,11 @@ def _optimizer_inputs(n_groups, rng):
 
 
 @pytest.mark.parametrize("op,groups,n_out,attrs", [
-    ("Adagrad", 3, 2, dict(decay_factor=0.1, epsilon=1e-6, norm_coefficient=0.01)),
-    ("Adam", 4, 3, dict(alpha=0.9, beta=0.99, epsilon=1e-6, norm_coefficient=0.01,
-                        norm_coefficient_post=0.02)),
-    ("Momentum", 3, 2, dict(alpha=0.9, beta=0.5, norm_coefficient=0.01, mode="nesterov")),
-    ("Momentum", 3, 2, dict(alpha=0.9, beta=0.5, norm_coefficient=0.01, mode="standard")),
+    ("Adagrad", 3, 2, {"decay_factor": 0.1, "epsilon": 1e-6, "norm_coefficient": 0.01}),
+    ("Adam", 4, 3, {"alpha": 0.9, "beta": 0.99, "epsilon": 1e-6, "norm_coefficient": 0.01,
+                        "norm_coefficient_post": 0.02}),
+    ("Momentum", 3, 2, {"alpha": 0.9, "beta": 0.5, "norm_coefficient": 0.01, "mode": "nesterov"}),
+    ("Momentum", 3, 2, {"alpha": 0.9, "beta": 0.5, "norm_coefficient": 0.01, "mode": "standard"}),
 ])
 def test_training_optimizers(op, groups, n_out, attrs):
     feeds = _optimizer_inputs(groups, np.random.default_rng(0))

@@ -187,7 +187,7 @@ def max_pool(n, x):
     k, s, d, out, pb, pe = _pool_setup(n, x)
     n_sp = len(k)
     want_idx = n.n_out > 1
-    if _torch_friendly(k, pb, pe, n_sp) and x.dtype.is_floating_point and x.dtype != torch.half:
+    if _torch_friendly(k, pb, pe, n_sp) and x.dtype.is_floating_point:
         # torch's ceil rule equals ONNX's, so it yields the same output size
         r = _MAXPOOL[n_sp](x, k, s, pb, d, ceil_mode=bool(n.a.ceil_mode),
                            return_indices=want_idx)

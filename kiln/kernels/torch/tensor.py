@@ -25,6 +25,17 @@ def _axis(a: int, rank: int) -> int:
     return a + rank if a < 0 else a
 
 
+_SAME_WIDTH = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64,
+               torch.float8_e4m3fn: torch.uint8, torch.float8_e4m3fnuz: torch.uint8,
+               torch.float8_e5m2: torch.uint8, torch.float8_e5m2fnuz: torch.uint8,
+               torch.float8_e8m0fnu: torch.uint8}
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """A same-width view torch has gather/scatter kernels for (pure data movement only)."""
+    return x.view(_SAME_WIDTH[x.dtype]) if x.dtype in _SAME_WIDTH else x
+
+
 def _torch_dtype(onnx_code: int) -> torch.dtype | None:
     return TORCH_DTYPE.get(DType.from_onnx(onnx_code))
 
@@ -216,7 +227,7 @@ def gather(n, x, idx):
 @register(T.GatherElements)
 def gather_elements(n, x, idx):
     ax = _axis(n.a.axis, x.ndim)
-    return torch.gather(x, ax, _norm_index(idx.to(torch.int64), x.shape[ax]))
+    return torch.gather(bits(x), ax, _norm_index(idx.to(torch.int64), x.shape[ax])).view(x.dtype)
 
 
 @register(T.GatherND)
@@ -242,7 +253,7 @@ def _scatter_elements(x, idx, upd, axis: int, reduction: str):
     ax = _axis(axis, x.ndim)
     idx = _norm_index(idx.to(torch.int64), x.shape[ax])
     if reduction in (None, "none"):
-        return torch.scatter(x, ax, idx, upd)
+        return torch.scatter(bits(x), ax, idx, bits(upd)).view(x.dtype)
     return torch.scatter_reduce(x, ax, idx, upd, _REDUCE[reduction], include_self=True)
 
 

@@ -7,6 +7,7 @@ import torch
 
 from kiln.kernels.registry import register
 from kiln.kernels.torch.convert import to_numpy, to_torch
+from kiln.kernels.torch.tensor import bits
 from kiln.kernels.torch.util import ints, unsigned_safe
 from kiln.ops import tensor as T
 
@@ -256,7 +257,7 @@ def reverse_sequence(n, x, lens):
     ln = lens.to(torch.int64).unsqueeze(1)
     src = torch.where(t < ln, ln - 1 - t, t)  # (batch, time)
     idx = src.reshape(nb, nt, *([1] * (y.ndim - 2))).expand(y.shape)
-    return torch.gather(y, 1, idx).movedim((0, 1), (bax, tax))
+    return torch.gather(bits(y), 1, idx).view(y.dtype).movedim((0, 1), (bax, tax))
 
 
 @register(T.Dropout)

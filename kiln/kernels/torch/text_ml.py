@@ -332,4 +332,4 @@ def imputer(n, x):
     return torch.where(mask, fill_t, x)
 
 
-from kiln.kernels.torch import text_ml_tree  # noqa: E402,F401  (registers TreeEnsemble)
+from kiln.kernels.torch import text_ml_tree  # noqa: F401  (registers TreeEnsemble)
