@@ -140,11 +140,8 @@ class _SubgraphRunner:
 
     def __init__(self, node: Node, subgraphs: list[Graph], n_caps: int, backend, choose,
                  opset: dict):
-        names: list[str] = []
-        for g in subgraphs:
-            for c in g.captures:
-                if c.name not in names:
-                    names.append(c.name)
+        # the frontend appended the captured outer values to the node's inputs, in order
+        names = [v.name for v in node.inputs[len(node.inputs) - n_caps:]] if n_caps else []
         self.index = {id(g): [names.index(c.name) for c in g.captures] for g in subgraphs}
         self.execs = {id(g): Executor(g, backend, choose, opset) for g in subgraphs}
 

@@ -1,3 +1,49 @@
-"""Fused ops kiln's optimizer creates (fused_conv)."""
+"""Fused ops kiln's optimizer creates (conv and gemm): convolutions and matrix products with
+their bias, activation and residual add folded in.
 
-from kiln.ops.schema import kiln_op  # noqa: F401
+Every fused op computes ``act(op(x, W) + bias + residual)``: the residual (when
+``has_residual``) is added *before* the activation, as in ResNet's ``relu(conv(x) + identity)``.
+``activation`` names the epilogue ("" for none); ``alpha`` / ``beta`` are its parameters
+(Clip: min / max, LeakyRelu: alpha). The activations are listed in :data:`ACTIVATIONS`.
+"""
+
+from __future__ import annotations
+
+from kiln.ir.opdef import Attr
+from kiln.ops.nn import _conv_rule, _gemm_rule, _matmul_rule
+from kiln.ops.schema import kiln_op
+
+# the epilogues the fused ops (and their kernels) know; "" is none
+ACTIVATIONS = ("", "Relu", "Clip", "Sigmoid", "Tanh", "Silu", "Gelu", "GeluTanh", "HardSwish",
+               "LeakyRelu")
+
+_EPILOGUE = {
+    "activation": Attr("string", ""),
+    "alpha": Attr("float", 0.0),
+    "beta": Attr("float", 0.0),
+    "has_residual": Attr("int", 0),
+}
+
+_CONV_ATTRS = {
+    "auto_pad": Attr("string", "NOTSET"),
+    "dilations": Attr("ints", None),
+    "group": Attr("int", 1),
+    "kernel_shape": Attr("ints", None),
+    "pads": Attr("ints", None),
+    "strides": Attr("ints", None),
+    # "nhwc": activations channels-last and weights pre-packed on first run (set by layout)
+    "layout": Attr("string", ""),
+}
+
+FusedConv = kiln_op(
+    "FusedConv", {**_CONV_ATTRS, **_EPILOGUE}, _conv_rule,
+    doc="act(Conv(X, W, B) + R); inputs X, W, B (optional), R (optional residual)")
+
+FusedGemm = kiln_op(
+    "FusedGemm", {"transA": Attr("int", 0), "transB": Attr("int", 0), **_EPILOGUE}, _gemm_rule,
+    doc="act(op(A) @ op(B) + C + R) with ONNX Gemm's transA/transB (alpha = beta = 1)")
+
+
+FusedMatMul = kiln_op(
+    "FusedMatMul", dict(_EPILOGUE), _matmul_rule,
+    doc="act(X @ W + bias + R) for N-D X and 2-D constant W; bias (optional) on the last dim")

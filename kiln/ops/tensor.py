@@ -265,7 +265,7 @@ def _split(ctx: InferCtx):
             sizes = None
         elif _is_int(d):
             k = -(-d // n)  # ceil: the last chunk takes what is left
-            sizes = [min(k, d - k * i) for i in range(n)]
+            sizes = [max(min(k, d - k * i), 0) for i in range(n)]
         else:
             q = _exact_div(d, n) if a.num_outputs is None else None
             sizes = [q] * n

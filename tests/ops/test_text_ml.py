@@ -183,3 +183,16 @@ def test_tfidf_rejects_unknown_mode():
                    ngram_indexes=[0, 1], pool_int64s=[1, 2])
     with pytest.raises(KilnError, match="unknown mode"):
         run_kiln(m, {"x": x})
+
+
+@pytest.mark.parametrize("op,attrs", [
+    ("Scaler", {"offset": [1.0, 2.0, 0.0], "scale": [2.0, 0.5, 1.0]}),
+    ("Normalizer", {"norm": "L2"}),
+    ("Normalizer", {"norm": "L1"}),
+    ("Imputer", {"imputed_value_floats": [9.0], "replaced_value_float": float("nan")}),
+])
+def test_simple_ml_transforms(op, attrs):
+    x = np.array([[1.0, -2.0, 3.0], [np.nan, 5.0, 0.5]], np.float32)
+    if op != "Imputer":
+        x = np.nan_to_num(x)
+    check_against_reference(node_model(op, {"x": x}, domain=ML, **attrs), {"x": x})

@@ -95,7 +95,8 @@ def _run_scan(n, states: list, xs: list, in_axes, in_dirs, captured, steps: int)
 def scan(n, *inputs):
     body = n.a.body
     n_body = len(body.inputs)
-    if n.n_in == n_body + 1:  # Scan-8: sequence_lens first, batch axis 0 on everything
+    scan8 = n.opset < 9 if n.opset else n.n_in == n_body + 1
+    if scan8:  # Scan-8: sequence_lens first, batch axis 0 on everything
         return _scan8(n, inputs[0], list(inputs[1:n.n_in]), inputs[n.n_in:])
     captured = inputs[n.n_in:]
     n_scan = n.a.num_scan_inputs

@@ -1,1 +1,134 @@
-"""Fusion: layernorm (being written)."""
+"""Layer normalization spelled out in elementwise ops -> one ONNX LayerNormalization.
+
+Exporters before opset 17 (and TensorFlow converters) write LayerNorm as::
+
+    x ──ReduceMean(last axes)──▶ μ
+    x ──────────────────────────Sub(x, μ)──▶ d ──Pow(d, 2) | Mul(d, d)──▶ ReduceMean ──▶ var
+                                             │   var ──Add(eps)──▶ Sqrt ──▶ σ
+                                             └──Div(d, σ) | Mul(d, Reciprocal(σ))──▶ n
+    n ──Mul(γ)──▶ Add(β)──▶ y          (γ and β constant, each optional)
+
+which becomes ``LayerNormalization(x, γ, β, axis, epsilon)``: one pass over x instead of
+nine kernels and four temporaries.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from kiln.ir import Graph, Node
+from kiln.ops import math as M
+from kiln.ops import nn as N
+from kiln.ops import reduce as R
+from kiln.passes.fusion.match import (Users, add_const, const_of, made_by, reduce_axes, replace,
+                                      scalar_of, shape_of, split_const, trailing)
+
+
+def normalized(node: Node):
+    """Div(d, σ) or Mul(d, Reciprocal(σ)) -> (d, σ)."""
+    if node.op is M.Div:
+        return node.inputs[0], node.inputs[1], []
+    if node.op is M.Mul:
+        for d, r in (node.inputs, node.inputs[::-1]):
+            rec = made_by(r, M.Reciprocal)
+            if rec is not None:
+                return d, rec.inputs[0], [rec]
+    return None
+
+
+def is_square_of(node: Node | None, d) -> bool:
+    if node is None:
+        return False
+    if node.op is M.Pow:  # Pow(d, 2) -> d²
+        return node.inputs[0] is d and scalar_of(node.inputs[1]) == 2.0
+    return node.op is M.Mul and node.inputs[0] is d and node.inputs[1] is d  # Mul(d, d) -> d²
+
+
+def match_moments(top: Node):
+    """Walk up from the normalizing node; returns (x, axis, eps, nodes) or None."""
+    got = normalized(top)
+    if got is None:
+        return None
+    d, sigma, extra = got
+    sqrt = made_by(sigma, M.Sqrt)
+    add = made_by(sqrt.inputs[0], M.Add) if sqrt else None
+    var_eps = split_const(add) if add else None
+    r2 = made_by(var_eps[0], R.ReduceMean) if var_eps else None
+    sq = made_by(r2.inputs[0], M.Pow, M.Mul) if r2 else None
+    sub = made_by(d, M.Sub)
+    if not (is_square_of(sq, d) and sub is not None):
+        return None
+    x = sub.inputs[0]
+    r1 = made_by(sub.inputs[1], R.ReduceMean)
+    rank = len(shape_of(x)) if shape_of(x) is not None else None
+    if r1 is None or r1.inputs[0] is not x:
+        return None
+    axes = reduce_axes(r1, rank)
+    if axes is None or axes != reduce_axes(r2, rank) or trailing(axes, rank) is None:
+        return None
+    return x, trailing(axes, rank), var_eps[1], [r1, sub, sq, r2, add, sqrt, top, *extra]
+
+
+def affine_tail(users: Users, out, want_op) -> tuple[Node, np.ndarray] | None:
+    """The single reader of ``out`` when it is ``want_op(out, constant)``."""
+    u = users.only(out)
+    if u is None or u.op is not want_op or len(u.inputs) != 2:
+        return None
+    c = const_of(u.inputs[1] if u.inputs[0] is out else u.inputs[0])
+    return (u, c) if c is not None else None
+
+
+def norm_param(c: np.ndarray | None, norm_shape, fill: float, dtype) -> np.ndarray | None:
+    """γ or β broadcast to the normalized shape (None when it does not broadcast there)."""
+    if c is None:
+        return np.full(norm_shape, fill, dtype)
+    lead = c.ndim - len(norm_shape)
+    if lead > 0:  # leading 1s only: more would change the output's shape
+        if any(s != 1 for s in c.shape[:lead]):
+            return None
+        c = c.reshape(c.shape[lead:])
+    try:
+        return np.broadcast_to(c, norm_shape).astype(dtype)
+    except ValueError:
+        return None
+
+
+def fuse_layernorm(graph: Graph, log: Callable[[str], None]) -> int:
+    """Decomposed LayerNorm -> LayerNormalization(x, γ, β)."""
+    users, n = Users(graph), 0
+    for top in list(graph.nodes):
+        if top.op not in (M.Div, M.Mul) or top not in graph.nodes:
+            continue
+        m = match_moments(top)
+        if m is None:
+            continue
+        x, axis, eps, nodes = m
+        shape, dt = shape_of(x), getattr(x.type, "dtype", None)
+        norm_shape = tuple(shape[axis:])
+        if dt is None or not dt.is_float or not all(isinstance(s, int) for s in norm_shape):
+            continue
+        out, gamma, beta = top.outputs[0], None, None
+        mul = affine_tail(users, out, M.Mul)
+        if mul:  # n * γ
+            nodes, out, gamma = nodes + [mul[0]], mul[0].outputs[0], mul[1]
+        add = affine_tail(users, out, M.Add)
+        if add:  # (n * γ) + β
+            nodes, out, beta = nodes + [add[0]], add[0].outputs[0], add[1]
+        g = norm_param(gamma, norm_shape, 1.0, dt.np)
+        b = norm_param(beta, norm_shape, 0.0, dt.np) if beta is not None else None
+        if g is None or (beta is not None and b is None) or not users.private(nodes, out) \
+                or len(shape_of(out) or ()) != len(shape):
+            continue
+        ins = [x, add_const(graph, "ln_scale", g)]
+        if b is not None:
+            ins.append(add_const(graph, "ln_bias", b))
+        attrs = N.LayerNormalization.make_attrs(axis=axis, epsilon=float(eps), stash_type=1)
+        replace(graph, nodes, N.LayerNormalization, ins, attrs, out, log)
+        users.refresh()
+        n += 1
+    return n
+
+
+PASSES = [("fuse_layernorm", fuse_layernorm)]

@@ -1,1 +1,73 @@
-"""Fusion: rmsnorm (being written)."""
+"""RMS normalization spelled out in elementwise ops -> one ONNX RMSNormalization.
+
+LLaMA-style exports write RMSNorm as::
+
+    x ──Pow(x, 2) | Mul(x, x)──▶ ReduceMean(last axes) ──Add(eps)──▶ Sqrt ──▶ σ
+    x ──Div(x, σ) | Mul(x, Reciprocal(σ))──▶ n ──Mul(γ)──▶ y        (γ constant, optional)
+
+which becomes ``RMSNormalization(x, γ, axis, epsilon)``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kiln.ir import Graph, Node
+from kiln.ops import math as M
+from kiln.ops import nn as N
+from kiln.ops import reduce as R
+from kiln.passes.fusion.layernorm import affine_tail, is_square_of, norm_param, normalized
+from kiln.passes.fusion.match import (Users, add_const, made_by, reduce_axes, replace, shape_of,
+                                      split_const, trailing)
+
+
+def match_rms(top: Node):
+    """Walk up from the normalizing node; returns (x, axis, eps, nodes) or None."""
+    got = normalized(top)
+    if got is None:
+        return None
+    x, sigma, extra = got
+    sqrt = made_by(sigma, M.Sqrt)
+    add = made_by(sqrt.inputs[0], M.Add) if sqrt else None
+    ms_eps = split_const(add) if add else None
+    mean = made_by(ms_eps[0], R.ReduceMean) if ms_eps else None
+    sq = made_by(mean.inputs[0], M.Pow, M.Mul) if mean else None
+    if not is_square_of(sq, x):
+        return None
+    rank = len(shape_of(x)) if shape_of(x) is not None else None
+    axis = trailing(reduce_axes(mean, rank), rank)
+    if axis is None:
+        return None
+    return x, axis, ms_eps[1], [sq, mean, add, sqrt, top, *extra]
+
+
+def fuse_rmsnorm(graph: Graph, log: Callable[[str], None]) -> int:
+    """Decomposed RMSNorm -> RMSNormalization(x, γ)."""
+    users, n = Users(graph), 0
+    for top in list(graph.nodes):
+        if top.op not in (M.Div, M.Mul) or top not in graph.nodes:
+            continue
+        m = match_rms(top)
+        if m is None:
+            continue
+        x, axis, eps, nodes = m
+        shape, dt = shape_of(x), getattr(x.type, "dtype", None)
+        norm_shape = tuple(shape[axis:])
+        if dt is None or not dt.is_float or not all(isinstance(s, int) for s in norm_shape):
+            continue
+        out, gamma = top.outputs[0], None
+        mul = affine_tail(users, out, M.Mul)
+        if mul:  # n * γ
+            nodes, out, gamma = nodes + [mul[0]], mul[0].outputs[0], mul[1]
+        g = norm_param(gamma, norm_shape, 1.0, dt.np)
+        if g is None or not users.private(nodes, out) or len(shape_of(out) or ()) != len(shape):
+            continue
+        attrs = N.RMSNormalization.make_attrs(axis=axis, epsilon=float(eps), stash_type=1)
+        replace(graph, nodes, N.RMSNormalization, [x, add_const(graph, "rms_scale", g)], attrs,
+                out, log)
+        users.refresh()
+        n += 1
+    return n
+
+
+PASSES = [("fuse_rmsnorm", fuse_rmsnorm)]
