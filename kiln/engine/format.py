@@ -55,7 +55,7 @@ def write_engine(path: str | os.PathLike, header: dict, tensors: dict[str, np.nd
     path = Path(path)
     table, chunks, offset = {}, [], 0
     for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
+        arr = np.ascontiguousarray(arr).reshape(np.shape(arr))  # keeps 0-d arrays 0-d
         if arr.dtype == object:
             raise EngineFileError(f"tensor '{name}' holds Python objects; store it in the plan")
         raw = arr.tobytes()

@@ -142,3 +142,11 @@ def test_format_load_runs_no_code(engine_path, tmp_path, monkeypatch):
     engine = kiln.load(tmp_path / "evil.kiln")
     engine.create_context().run({"x": np.ones((1, 8), np.float32)})
     assert calls == [] and not marker.exists()
+
+
+def test_format_keeps_scalar_tensors(tmp_path):
+    tensors = {"s": np.array(3, np.int64), "v": np.arange(3, dtype=np.float32)}
+    fmt.write_engine(tmp_path / "s.kiln", {"plan": {}}, tensors)
+    back = fmt.read_engine(tmp_path / "s.kiln").tensors
+    assert back["s"].shape == () and int(back["s"]) == 3
+    np.testing.assert_array_equal(back["v"], tensors["v"])
