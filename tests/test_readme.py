@@ -30,5 +30,8 @@ def test_readme_cli_commands_exist():
     from kiln.cli.main import TOOLS
 
     readme = (ROOT / "README.md").read_text()
-    for name in re.findall(r"^kiln (\w+)", readme, flags=re.M):
+    blocks = "\n".join(re.findall(r"```[a-z]*\n(.*?)```", readme, flags=re.S))
+    names = re.findall(r"^kiln (\w+)", blocks, flags=re.M) + re.findall(r"&& kiln (\w+)", blocks)
+    assert {"build", "run", "inspect", "bench", "demo"} <= set(names)
+    for name in names:
         assert name in {t.NAME for t in TOOLS}, f"README mentions `kiln {name}`"
