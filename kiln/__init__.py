@@ -9,11 +9,17 @@
 
 __version__ = "0.1.0"
 
-from kiln.build import Builder, BuilderConfig  # noqa: E402
-from kiln.engine.engine import Engine, ExecutionContext, TensorInfo, load  # noqa: E402
-from kiln.engine.profile import Profile  # noqa: E402
-from kiln.errors import (  # noqa: E402
-    EngineFileError, KernelError, KilnError, ModelLoadError, ShapeError, UnsupportedOpsError)
+from kiln.build import Builder, BuilderConfig
+from kiln.engine.engine import Engine, ExecutionContext, TensorInfo, load
+from kiln.engine.profile import Profile
+from kiln.errors import (
+    EngineFileError,
+    KernelError,
+    KilnError,
+    ModelLoadError,
+    ShapeError,
+    UnsupportedOpsError,
+)
 
 __all__ = [
     "Builder", "BuilderConfig", "Engine", "ExecutionContext", "TensorInfo", "Profile", "load",

@@ -14,7 +14,7 @@ def add_arguments(p):
 
 
 def op_rows() -> list[dict]:
-    import kiln.kernels.torch  # noqa: F401
+    import kiln.kernels.torch
     import kiln.ops
     from kiln.kernels.registry import kernels_for
 

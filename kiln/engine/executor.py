@@ -10,9 +10,9 @@ from typing import Callable
 
 import torch
 
+import kiln.kernels.torch  # noqa: F401  (registers the CPU kernels)
 from kiln.errors import KernelError, KilnError
 from kiln.ir import Graph, Node
-import kiln.kernels.torch  # noqa: F401  (registers the CPU kernels)
 from kiln.kernels.registry import Call, kernels_for
 from kiln.kernels.torch.convert import to_torch
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, numpy_helper
+from onnx import AttributeProto, GraphProto, NodeProto, numpy_helper
 
 import kiln.ops  # noqa: F401  (fills the registry)
-from kiln.errors import ModelLoadError, UnsupportedOpsError
+from kiln.errors import UnsupportedOpsError
 from kiln.frontend.functions import expand_function, find_function
 from kiln.frontend.infer import infer_node
 from kiln.frontend.loader import load_model

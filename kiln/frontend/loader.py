@@ -1,4 +1,4 @@
-"""Reading ONNX files: paths, bytes or ModelProto, with external data confined to the model folder."""
+"""Reading ONNX files (paths, bytes or ModelProto), with external data kept in the model folder."""
 
 from __future__ import annotations
 

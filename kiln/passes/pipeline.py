@@ -1,5 +1,7 @@
-"""The optimizer: one ordered list of named passes. Each pass takes a graph and returns the
-number of rewrites it made (and logs each one, naming the nodes it merged); the verifier checks the graph after every pass (always in tests)."""
+"""The optimizer: one ordered list of named passes.
+
+Each pass takes a graph and a log, rewrites the graph in place, logs each rewrite (naming the
+nodes it merged) and returns how many it made. The verifier checks the graph after every pass."""
 
 from __future__ import annotations
 
@@ -14,8 +16,18 @@ Pass = Callable[[Graph, Callable[[str], None]], int]  # (graph, log) -> rewrites
 def _passes() -> list[tuple[str, Pass]]:
     # The one ordered list. Each module exposes PASSES: list of (name, fn) in its order.
     from kiln.passes import eliminate, fold
-    from kiln.passes.fusion import (attention, conv_bias_act, conv_bn, gelu, layernorm, layout,
-                                    matmul_add, pointwise, qkv, rmsnorm)
+    from kiln.passes.fusion import (
+        attention,
+        conv_bias_act,
+        conv_bn,
+        gelu,
+        layernorm,
+        layout,
+        matmul_add,
+        pointwise,
+        qkv,
+        rmsnorm,
+    )
 
     order = [fold, eliminate, conv_bn, layernorm, rmsnorm, gelu, attention, qkv, matmul_add,
              conv_bias_act, pointwise, layout, eliminate]

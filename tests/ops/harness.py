@@ -17,8 +17,8 @@ TOLERANCE = {
 }
 
 
-def node_model(op_type: str, inputs: dict[str, np.ndarray], n_out: int = 1, opset: int | None = None,
-               domain: str = "", **attrs) -> onnx.ModelProto:
+def node_model(op_type: str, inputs: dict[str, np.ndarray], n_out: int = 1,
+               opset: int | None = None, domain: str = "", **attrs) -> onnx.ModelProto:
     """A model with one node reading ``inputs`` (name -> sample array) and writing y0..yN."""
     outs = [f"y{i}" for i in range(n_out)]
     node = helper.make_node(op_type, list(inputs), outs, domain=domain, **attrs)
