@@ -67,8 +67,17 @@ def _as_numpy(values) -> list[np.ndarray]:
 # ---- kiln -----------------------------------------------------------------------------------
 
 def has_cuda_backend() -> bool:
+    """Whether any kernel is registered for the "cuda" backend (the GPU kernels register when
+    their package is imported, so import it first where it exists)."""
+    import importlib
+
+    import kiln  # noqa: F401  (registers the CPU kernels)
     from kiln.kernels import registry
 
+    try:
+        importlib.import_module("kiln.kernels.triton")
+    except ImportError:
+        pass
     return any(backend == "cuda" for _, backend in registry._KERNELS)
 
 
@@ -117,7 +126,7 @@ def _ort_cuda(sess, feeds: dict) -> Prepared:
     dev = {k: torch.from_numpy(v).cuda() for k, v in feeds.items()}
     binding = sess.io_binding()
     for k, t in dev.items():
-        binding.bind_input(k, "cuda", 0, feeds[k].dtype, tuple(t.shape), t.data_ptr())
+        binding.bind_input(k, "cuda", 0, feeds[k].dtype.type, tuple(t.shape), t.data_ptr())
     for o in sess.get_outputs():
         binding.bind_output(o.name, "cuda")
 

@@ -90,6 +90,8 @@ def add_speedups(rows: list[dict]) -> None:
 
 def write(result: dict, path: Path) -> tuple[Path, Path]:
     """Write ``path`` (JSON) and the Markdown table next to it (same stem, .md)."""
+    result = dict(result, rows=[dict(r) for r in result["rows"]])
+    add_speedups(result["rows"])
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")

@@ -149,7 +149,7 @@ def run_one(peer: Peer, wl: Workload, device: str, tmp: Path, cfg: TimingConfig,
             s = summarize(records, wall, wl.batch, cfg.percentiles)
             row.update(median_ms=s.latency_ms["median"], p90_ms=s.percentiles_ms["p90"],
                        items_per_s=s.items_per_s, timing=s.to_json())
-        except Exception as exc:  # noqa: BLE001 -- a failing peer is a table row, not a crash
+        except Exception as exc:  # a failing peer is a table row, not a crash
             row.update(status=_status(exc), reason=_reason(exc))
             outs = None
         finally:
@@ -159,7 +159,10 @@ def run_one(peer: Peer, wl: Workload, device: str, tmp: Path, cfg: TimingConfig,
     return row, outs
 
 
-def run_suite(args) -> dict:
+def run_suite(args, path: Path | None = None) -> dict:
+    """Run every workload on every system; with ``path``, the results so far are written there
+    after each workload (``"complete": false`` until the end), so a long run that is stopped
+    still leaves its numbers."""
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
@@ -189,9 +192,13 @@ def run_suite(args) -> dict:
                 if ref is None and outs is not None and peer.precision == "fp32":
                     ref = outs
                 result["rows"].append(row)
-                _log(f"  {row['status']} {row.get('reason', '')} "
-                     f"median {row.get('median_ms', float('nan')):.2f} ms")
+                if path is not None:
+                    report.write(dict(result, complete=False), path)
+                done = (f"median {row['median_ms']:.2f} ms" if "median_ms" in row
+                        else row["reason"])
+                _log(f"  {row['status']}: {done}")
     result["machine"]["loadavg_end"] = _loadavg()
+    result["complete"] = True
     report.add_speedups(result["rows"])
     return result
 
@@ -203,10 +210,10 @@ def _log(msg: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    result = run_suite(args)
-    print(report.table(result, markdown=args.markdown), end="")
     today = dt.date.today().isoformat()
     path = Path(args.json) if args.json else RESULTS / f"{args.device}-{today}.json"
+    result = run_suite(args, path)
+    print(report.table(result, markdown=args.markdown), end="")
     js, mdp = report.write(result, path)
     _log(f"wrote {js} and {mdp}")
     return 0

@@ -25,7 +25,7 @@ from kiln.ir.rewrite import is_graph_output, replace_uses
 from kiln.ops import quant as Q
 from kiln.ops import random as R
 from kiln.ops import tensor as T
-from kiln.passes.fold import _same_dim, graph_and_subgraphs, sym_array
+from kiln.passes.fold import graph_and_subgraphs, same_dim, sym_array
 
 RANDOM = {R.RandomUniform, R.RandomNormal, R.RandomUniformLike, R.RandomNormalLike,
           R.Bernoulli, R.Multinomial, T.Dropout}
@@ -39,7 +39,7 @@ def _same_shape(n: Node) -> bool:
     a, b = getattr(n.inputs[0].type, "shape", None), getattr(n.outputs[0].type, "shape", None)
     if a is None or b is None or len(a) != len(b) or None in a or None in b:
         return False
-    return all(_same_dim(x, y) for x, y in zip(a, b))
+    return all(same_dim(x, y) for x, y in zip(a, b))
 
 
 def _const_ints(n: Node, i: int, attr=None) -> list[int] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+
 import numpy as np
 import pytest
 
@@ -33,6 +34,7 @@ def test_bench_quick_json_has_every_system(quick_run):
     rc, _, out = quick_run
     assert rc == 0
     result = json.loads(out.read_text())
+    assert result["complete"] is True
     for key in ("date", "device", "machine", "versions", "rows", "memory_method", "tolerance"):
         assert key in result
     assert result["machine"]["loadavg_start"] is not None

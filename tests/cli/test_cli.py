@@ -28,8 +28,9 @@ def kiln_cmd(*args, check=True):
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
     model = mlp(d / "mlp.onnx")
+    # --no-optimize keeps the four layers by name, so the tests below can name them
     kiln_cmd("build", d / "mlp.onnx", "-o", d / "mlp.kiln", "--min-shapes", "x:1x8",
-             "--opt-shapes", "x:4x8", "--max-shapes", "x:16x8")
+             "--opt-shapes", "x:4x8", "--max-shapes", "x:16x8", "--no-optimize")
     return d, model
 
 
@@ -39,6 +40,8 @@ def test_cli_build_prints_summary(tmp_path):
     assert (tmp_path / "m.kiln").exists()
     assert "4 nodes" in p.stdout and "wrote" in p.stdout and "MatMul" in p.stdout
     assert "[1/2] building" in p.stderr
+    # the optimizer names what it merged: fc1's MatMul, its bias Add and the Relu
+    assert "fc1" in p.stdout and "bias1" in p.stdout and "relu1" in p.stdout
 
 
 def test_cli_run_saves_outputs(files, tmp_path):

@@ -215,3 +215,27 @@ def test_no_fuse_fold_shape_inputs_allowzero():
     g = import_onnx(make_model(nodes, [("x", F32, ["batch", 4, 2])], ["y"]))
     run_passes(g, ALL)
     assert g.op_counts()["Reshape"] == 1 and g.op_counts()["Shape"] == 1
+
+
+def test_no_fuse_fold_kernel_error():
+    # a node that cannot run on its constants stays, so the error appears at run time
+    nodes = [const("v", np.arange(6, dtype=np.float32)), const("s", np.array([4])),
+             helper.make_node("Reshape", ["v", "s"], ["bad"], name="bad_reshape"),
+             helper.make_node("Add", ["x", "bad"], ["y"], name="add")]
+    g = import_onnx(make_model(nodes, [("x", F32, [4])], ["y"]))
+    run_passes(g, ALL)
+    assert g.op_counts() == {"Add": 1, "Reshape": 1}
+
+
+def test_no_fuse_fold_subgraph_op():
+    branch = [helper.make_graph([const("o", np.float32(v))], f"b{v}", [],
+                                [helper.make_tensor_value_info("o", F32, [])]) for v in (1, 2)]
+    nodes = [const("cond", np.bool_(True)),
+             helper.make_node("If", ["cond"], ["c"], name="if", then_branch=branch[0],
+                              else_branch=branch[1]),
+             helper.make_node("Add", ["x", "c"], ["y"], name="add")]
+    model = make_model(nodes, [("x", F32, [2])], ["y"])
+    g = import_onnx(model)
+    run_passes(g, ALL)
+    assert g.op_counts() == {"Add": 1, "If": 1}
+    assert_same_outputs(model, ALL, {"x": np.zeros(2, np.float32)})

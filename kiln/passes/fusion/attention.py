@@ -33,7 +33,7 @@ from kiln.ops import tensor as T
 from kiln.passes.fusion.match import (Users, const_of, made_by, replace, same_dim, scalar_of,
                                       shape_of)
 
-BIG_NEGATIVE = -1e4  # a fill at or below this is exp()-underflow: the same as -inf
+BIG_NEGATIVE = -1e3  # a masked logit at or below this underflows exp(): the same as -inf
 
 
 def _rank(v: Value) -> int | None:
@@ -73,13 +73,14 @@ def is_causal_keep(c: np.ndarray) -> bool:
     return c.dtype == np.bool_ and np.array_equal(c, np.tri(*c.shape, dtype=bool))
 
 
-def is_causal_bias(c: np.ndarray) -> bool:
-    # 0 where j <= i, -big above the diagonal
+def is_causal_bias(c: np.ndarray, factor: float) -> bool:
+    # 0 where j <= i, -big above the diagonal (``factor``: a scale applied after the add)
     keep = np.tri(*c.shape, dtype=bool)
-    return c.dtype.kind == "f" and np.all(c[keep] == 0) and np.all(c[~keep] <= BIG_NEGATIVE)
+    return c.dtype.kind == "f" and np.all(c[keep] == 0) and np.all(
+        c[~keep] * factor <= BIG_NEGATIVE)
 
 
-def _causal_operand(v: Value, scores: Value, keep: bool) -> list[Node] | None:
+def _causal_operand(v: Value, scores: Value, keep: bool, factor: float) -> list[Node] | None:
     """The nodes producing ``v`` when it is a causal mask covering ``scores``' last two dims."""
     got = sliced_const(v, 4)
     vs, ss = shape_of(v), shape_of(scores)
@@ -87,7 +88,7 @@ def _causal_operand(v: Value, scores: Value, keep: bool) -> list[Node] | None:
         return None
     if not (same_dim(vs[-1], ss[-1]) and same_dim(vs[-2], ss[-2])):
         return None  # a broadcast mask (one row or column) is not causal
-    ok = is_causal_keep(got[0]) if keep else is_causal_bias(got[0])
+    ok = is_causal_keep(got[0]) if keep else is_causal_bias(got[0], factor)
     return got[1] if ok else None
 
 
@@ -98,3 +99,160 @@ class Core:
         self.scale, self.causal, self.mask = 1.0, False, None
         self.nodes: list[Node] = []
         self.qk: Node | None = None
+
+
+def _walk(v: Value, core: Core, users: Users, after_scale: bool) -> Core | None:
+    """Walk from the Softmax input back to MatMul(Q, Kᵀ), collecting scale and masks.
+    Every value passed on the way must be read by the next node only."""
+    p = v.producer
+    if p is None or users.only(v) is None:
+        return None
+    if p.op is N.MatMul:
+        core.qk = p
+        return core
+    if p.op in (M.Div, M.Mul) and not after_scale:
+        s = scalar_of(p.inputs[1])
+        if s is not None and s != 0:  # x / c -> scale 1/c;  x * c -> scale c
+            core.scale *= (1.0 / s) if p.op is M.Div else s
+            return _step(p, p.inputs[0], core, users, True)
+        if p.op is M.Mul and scalar_of(p.inputs[0]) not in (None, 0.0):
+            core.scale *= scalar_of(p.inputs[0])
+            return _step(p, p.inputs[1], core, users, True)
+        return None
+    factor = core.scale if after_scale else 1.0  # a mask before the scale gets scaled
+    if p.op is M.Where and not core.causal and scalar_of(p.inputs[2]) is not None:
+        if scalar_of(p.inputs[2]) * factor <= BIG_NEGATIVE and _causal_operand(
+                p.inputs[0], p.outputs[0], True, factor) is not None:
+            core.causal = True  # Where(keep, s, -big) -> causal
+            return _step(p, p.inputs[1], core, users, after_scale)
+        return None
+    if p.op is M.Add:
+        return _walk_add(p, core, users, after_scale)
+    return None
+
+
+def _step(p: Node, nxt: Value, core: Core, users: Users, after_scale: bool) -> Core | None:
+    core.nodes.append(p)
+    return _walk(nxt, core, users, after_scale)
+
+
+def _walk_add(p: Node, core: Core, users: Users, after_scale: bool) -> Core | None:
+    out = shape_of(p.outputs[0])
+    for s, m in (p.inputs, p.inputs[::-1]):
+        ss = shape_of(s)
+        if ss is None or out is None or len(ss) != len(out) or not all(
+                same_dim(a, b) for a, b in zip(ss, out)):
+            continue  # s must be the scores: the mask may broadcast, never the other way
+        factor = core.scale if after_scale else 1.0
+        if not core.causal and _causal_operand(m, p.outputs[0], False, factor) is not None:
+            trial = _copy(core)
+            trial.causal = True  # s + causal bias -> causal
+            got = _step(p, s, trial, users, after_scale)
+            if got is not None:
+                return got
+        if core.mask is None and not after_scale:
+            trial = _copy(core)
+            trial.mask = m  # s + mask -> additive mask
+            got = _step(p, s, trial, users, after_scale)
+            if got is not None:
+                return got
+    return None
+
+
+def _copy(core: Core) -> Core:
+    c = Core()
+    c.scale, c.causal, c.mask, c.nodes = core.scale, core.causal, core.mask, list(core.nodes)
+    return c
+
+
+def _perm(n: Node | None) -> tuple | None:
+    return tuple(n.attrs.perm) if n is not None and n.attrs.perm is not None else None
+
+
+def split_heads(users: Users, v: Value, perm: tuple) -> tuple[Value, list[Node], int] | None:
+    """Transpose(perm)(Reshape(x3 [B,S,E] -> [B,S,H,D])) -> (x3, nodes, H)."""
+    t = made_by(v, T.Transpose)
+    r = made_by(t.inputs[0], T.Reshape) if t is not None and _perm(t) == perm else None
+    if r is None or users.only(t.inputs[0]) is None or users.only(v) is None:
+        return None
+    x3, s4 = r.inputs[0], shape_of(r.outputs[0])
+    s3 = shape_of(x3)
+    if s3 is None or s4 is None or len(s3) != 3 or len(s4) != 4:
+        return None
+    if not (same_dim(s3[0], s4[0]) and same_dim(s3[1], s4[1])):
+        return None
+    h, d, e = s4[2], s4[3], s3[2]
+    if not all(isinstance(x, int) for x in (h, d, e)) or h * d != e:
+        return None
+    return x3, [r, t], h
+
+
+def merge_heads(users: Users, v: Value) -> tuple[Value, list[Node]] | None:
+    """Reshape(Transpose(0,2,1,3)(y [B,H,S,D]) -> [B,S,H*D]) -> (the Reshape's output, nodes)."""
+    t = users.only(v)
+    if t is None or t.op is not T.Transpose or _perm(t) != (0, 2, 1, 3):
+        return None
+    r = users.only(t.outputs[0])
+    if r is None or r.op is not T.Reshape:
+        return None
+    s4, s3 = shape_of(t.outputs[0]), shape_of(r.outputs[0])
+    if s4 is None or s3 is None or len(s3) != 3 or len(s4) != 4:
+        return None
+    ok = same_dim(s3[0], s4[0]) and same_dim(s3[1], s4[1]) and isinstance(s3[2], int) and \
+        isinstance(s4[2], int) and isinstance(s4[3], int) and s3[2] == s4[2] * s4[3]
+    return (r.outputs[0], [t, r]) if ok else None
+
+
+def match_attention(users: Users, sm: Node):
+    """Softmax node -> (inputs, attrs, nodes, out) of the fused Attention, or None."""
+    rank = _rank(sm.inputs[0])
+    axis = sm.attrs.axis if sm.attrs.axis is not None else -1
+    if rank is None or rank < 3 or axis % rank != rank - 1:
+        return None
+    pv = users.only(sm.outputs[0])
+    if pv is None or pv.op is not N.MatMul or pv.inputs[0] is not sm.outputs[0]:
+        return None
+    core = _walk(sm.inputs[0], Core(), users, False)
+    if core is None:
+        return None
+    q, kt, v = core.qk.inputs[0], core.qk.inputs[1], pv.inputs[1]
+    shapes = [shape_of(x) for x in (q, kt, v)]
+    if any(s is None or len(s) != rank for s in shapes) or not all(
+            same_dim(a, b) and same_dim(a, c) for a, b, c in zip(*[s[:-2] for s in shapes])):
+        return None  # batch and head dims must agree: no broadcasting K/V across heads
+    nodes = [core.qk, *core.nodes, sm, pv]
+    heads = [split_heads(users, q, (0, 2, 1, 3)), split_heads(users, kt, (0, 2, 3, 1)),
+             split_heads(users, v, (0, 2, 1, 3))]
+    merged = merge_heads(users, pv.outputs[0])
+    ins, num_heads, out = [q, kt, v], 0, pv.outputs[0]
+    if merged and all(heads) and len({h[2] for h in heads}) == 1:
+        ins, num_heads, out = [h[0] for h in heads], heads[0][2], merged[0]
+        nodes += [n for h in heads for n in h[1]] + merged[1]
+    if core.mask is not None:
+        ins.append(core.mask)
+    attrs = FT.Attention.make_attrs(num_heads=num_heads, scale=float(core.scale),
+                                    causal=int(core.causal))
+    return ins, attrs, nodes, out
+
+
+def fuse_attention(graph: Graph, log: Callable[[str], None]) -> int:
+    """MatMul -> scale -> masks -> Softmax -> MatMul (+ head split/merge) -> kiln::Attention."""
+    users, n = Users(graph), 0
+    for sm in list(graph.nodes):
+        if sm.op is not N.Softmax or sm not in graph.nodes:
+            continue
+        dt = getattr(sm.outputs[0].type, "dtype", None)
+        m = match_attention(users, sm) if dt is not None and dt.is_float else None
+        if m is None:
+            continue
+        ins, attrs, nodes, out = m
+        if not users.private(nodes, out):
+            continue
+        replace(graph, nodes, FT.Attention, ins, attrs, out, log,
+                label=f"Attention(heads={attrs.num_heads}, causal={attrs.causal})")
+        users.refresh()
+        n += 1
+    return n
+
+
+PASSES = [("fuse_attention", fuse_attention)]
