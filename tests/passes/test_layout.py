@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 import kiln
 from kiln.engine.engine import load
+from kiln.frontend import import_onnx
 from kiln.ops import fused_conv as FC
 from kiln.passes.fusion.conv_bias_act import fuse_conv_bias_act
 from kiln.passes.fusion.layout import set_conv_layout
-from tests.passes.transformer_util import RNG, apply, c, feeds, model, node
+from tests.passes.transformer_util import RNG, apply, c, feeds, model, node, run
 
 X = [2, 4, 9, 9]
 
@@ -40,16 +40,16 @@ def test_set_conv_layout_structure_and_counts():
     assert before == {"Add": 1, "Conv": 3, "MaxPool": 1, "Relu": 2}
     assert after == {"FusedConv": 3, "MaxPool": 1}
     assert all(x.attrs.layout == "nhwc" for x in g.nodes if x.op is FC.FusedConv)
-    assert "layout conv3: NHWC, packed weight" in logs  # the plain conv became a FusedConv
-    assert [x.name for x in g.nodes if x.op is FC.FusedConv][-1] == "conv2 + add + relu2"
+    assert "layout conv2: NHWC, packed weight" in logs  # the plain conv became a FusedConv
+    # the residual joins the product computed last
+    assert [x.name for x in g.nodes if x.op is FC.FusedConv][-1] == "conv3 + add + relu2"
 
 
 def test_set_conv_layout_numerics_other_batch():
-    g, _, _, _, _ = apply(_block(), _both, feeds(x=X), atol=1e-4)
-    from tests.passes.transformer_util import run
-    big = feeds(x=[5, 4, 9, 9])  # weights were packed for batch 2 on the first run
-    ref_g, _, _, _, _ = apply(_block(), lambda g, log: 0, big)
-    assert ref_g is not None and run(g, big)[0].shape == (5, 8, 2, 2)
+    m = _block()
+    g, _, _, _, _ = apply(m, _both, feeds(x=X), atol=1e-4)  # packs weights for batch 2
+    big = feeds(x=[5, 4, 9, 9])
+    np.testing.assert_allclose(run(g, big)[0], run(import_onnx(m), big)[0], atol=1e-4)
 
 
 def test_set_conv_layout_engine_roundtrip(tmp_path):
@@ -76,4 +76,4 @@ def test_no_fuse_layout_conv_1d():
     m = model([node("Conv", ["x", "W"], "y", name="conv")], {"x": [2, 4, 9]}, ["y"],
               {"W": c(RNG.standard_normal((8, 4, 3)))})
     _, before, after, n, _ = apply(m, set_conv_layout, feeds(x=[2, 4, 9]))
-    assert n == 0 and before == after and torch.backends.mkldnn.is_available() in (True, False)
+    assert n == 0 and before == after

@@ -18,6 +18,9 @@ from kiln.kernels.torch.nn import conv as conv_reference
 from kiln.ops import fused_conv as FC
 from kiln.ops import nn as N
 
+_MAX_PACKED = 4  # packed weights kept per node, one per input shape
+
+
 def _clip(y, a):
     return y.clamp_(a.alpha, a.beta)
 
@@ -76,12 +79,20 @@ def _geometry(n, x, w):
     return n.cache[key]
 
 
-def _packed(n, w):
-    """The weight in channels-last (oneDNN's preferred fp32 layout), made once per node."""
+def _packed(n, x, w, geo):
+    """The weight reordered into oneDNN's blocked layout for this input shape, made once per
+    node and shape (the blocking oneDNN picks can differ with the batch size; a weight packed
+    for another shape would be reordered again on every call). A few shapes are kept."""
     if n.cache.get("w_src") is not w:
-        n.cache["w"] = w.contiguous(memory_format=torch.channels_last)
-        n.cache["w_src"] = w
-    return n.cache["w"]
+        n.cache["w_src"], n.cache["packed"] = w, {}
+    packed, key = n.cache["packed"], tuple(x.shape)
+    if key not in packed:
+        if len(packed) >= _MAX_PACKED:
+            del packed[next(iter(packed))]
+        pad, stride, dil = geo
+        packed[key] = torch.ops.mkldnn._reorder_convolution_weight(
+            w.contiguous(), pad, stride, dil, n.a.group or 1, list(key))
+    return packed[key]
 
 
 def _conv_onednn(n, x, w, b, r, geo):
@@ -89,7 +100,7 @@ def _conv_onednn(n, x, w, b, r, geo):
     pad, stride, dil = geo
     attr, scalars, algo = _ONEDNN_ACT[a.activation]
     x = x.contiguous(memory_format=torch.channels_last)
-    wp = _packed(n, w)
+    wp = _packed(n, x, w, geo)
     groups = a.group or 1
     if r is None:
         return torch.ops.mkldnn._convolution_pointwise(
