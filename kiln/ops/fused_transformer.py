@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kiln.ir import REQUIRED, Attr, InferCtx
-from kiln.ops.rules import tensor
+from kiln.ops.rules import broadcast, tensor
 from kiln.ops.schema import kiln_op
 
 
@@ -25,12 +25,10 @@ Attention = kiln_op(
         "[B, H, Sq, Sk]. causal: top-left aligned causal mask.")
 
 
-def _program_rule(ctx: InferCtx):
-    return [tensor(t.dtype, t.shape) for t in ctx.attrs.out_types]
-
-
 FusedPointwise = kiln_op(
     "FusedPointwise",
-    {"program": Attr("string", REQUIRED), "out_types": Attr("tensors", REQUIRED)},
-    _program_rule,
-    doc="A chain of elementwise ops run as one node; program is its JSON sub-program.")
+    {"program": Attr("string", REQUIRED)},
+    broadcast(),
+    doc="A chain of elementwise ops run as one node. program: JSON list of steps "
+        "[op name, [refs]], a ref 'iN' the node's input N, 'sN' step N's result; the last "
+        "step's result is the output.")

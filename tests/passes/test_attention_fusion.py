@@ -13,9 +13,12 @@ INITS = {"split": np.array([0, 0, H, D]), "merge": np.array([0, 0, E]), "scale":
 
 
 def attention_nodes(mask="add", scale="Div"):
-    ns = [node("Reshape", ["q3", "split"], "q4"), node("Transpose", ["q4"], "q", perm=[0, 2, 1, 3]),
-          node("Reshape", ["k3", "split"], "k4"), node("Transpose", ["k4"], "kt", perm=[0, 2, 3, 1]),
-          node("Reshape", ["v3", "split"], "v4"), node("Transpose", ["v4"], "v", perm=[0, 2, 1, 3]),
+    ns = [node("Reshape", ["q3", "split"], "q4"),
+          node("Transpose", ["q4"], "q", perm=[0, 2, 1, 3]),
+          node("Reshape", ["k3", "split"], "k4"),
+          node("Transpose", ["k4"], "kt", perm=[0, 2, 3, 1]),
+          node("Reshape", ["v3", "split"], "v4"),
+          node("Transpose", ["v4"], "v", perm=[0, 2, 1, 3]),
           node("MatMul", ["q", "kt"], "s0"), node(scale, ["s0", "scale"], "s1")]
     last = "s1"
     if mask == "add":

@@ -2,8 +2,8 @@ import numpy as np
 
 from kiln.ops import nn as N
 from kiln.ops import tensor as T
-from tests.passes.transformer_util import RNG, apply, c, feeds, model, node
 from kiln.passes.fusion.qkv import fuse_qkv
+from tests.passes.transformer_util import RNG, apply, c, feeds, model, node
 
 K, N_ = 8, 6
 W = {f"w{p}": c(RNG.standard_normal((K, N_))) for p in "qkv"}

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.nn.functional as F
 
+from kiln.ir import REGISTRY
 from kiln.kernels.registry import register
 from kiln.ops import fused_transformer as FT
+from kiln.ops import math as M
 
 
 def _heads(x: torch.Tensor, h: int) -> torch.Tensor:
@@ -34,3 +38,30 @@ def attention(n, q, k, v, mask=None):
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                        scale=float(a.scale))
     return y.transpose(-3, -2).flatten(-2) if a.num_heads else y
+
+
+# elementwise ops a FusedPointwise program may hold -> the torch function computing each
+POINTWISE = {
+    M.Add: torch.add, M.Sub: torch.sub, M.Mul: torch.mul, M.Div: torch.div,
+    M.Relu: torch.relu, M.Sigmoid: torch.sigmoid, M.Tanh: torch.tanh, M.Erf: torch.erf,
+    M.Exp: torch.exp, M.Neg: torch.neg, M.Abs: torch.abs, M.Sqrt: torch.sqrt,
+    M.Reciprocal: torch.reciprocal,
+}
+
+
+def _compile(program: str) -> list:
+    steps = []
+    for name, refs in json.loads(program):
+        op = REGISTRY.get("", name)
+        steps.append((POINTWISE[op], [(r[0] == "s", int(r[1:])) for r in refs]))
+    return steps
+
+
+@register(FT.FusedPointwise)
+def fused_pointwise(n, *inputs):
+    if "steps" not in n.cache:
+        n.cache["steps"] = _compile(n.a.program)
+    vals: list = []
+    for fn, refs in n.cache["steps"]:
+        vals.append(fn(*[vals[i] if is_step else inputs[i] for is_step, i in refs]))
+    return vals[-1]

@@ -30,8 +30,15 @@ from kiln.ops import fused_transformer as FT
 from kiln.ops import math as M
 from kiln.ops import nn as N
 from kiln.ops import tensor as T
-from kiln.passes.fusion.match import (Users, const_of, made_by, replace, same_dim, scalar_of,
-                                      shape_of)
+from kiln.passes.fusion.match import (
+    Users,
+    const_of,
+    made_by,
+    replace,
+    same_dim,
+    scalar_of,
+    shape_of,
+)
 
 BIG_NEGATIVE = -1e3  # a masked logit at or below this underflows exp(): the same as -inf
 

@@ -20,8 +20,15 @@ from typing import Callable
 
 from kiln.ir import Graph, Node, Value
 from kiln.ops import math as M
-from kiln.passes.fusion.match import (Users, is_scalar, made_by, other, replace, scalar_of,
-                                      split_const)
+from kiln.passes.fusion.match import (
+    Users,
+    is_scalar,
+    made_by,
+    other,
+    replace,
+    scalar_of,
+    split_const,
+)
 
 SQRT2 = math.sqrt(2.0)
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)

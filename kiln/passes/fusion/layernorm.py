@@ -22,8 +22,18 @@ from kiln.ir import Graph, Node
 from kiln.ops import math as M
 from kiln.ops import nn as N
 from kiln.ops import reduce as R
-from kiln.passes.fusion.match import (Users, add_const, const_of, made_by, reduce_axes, replace,
-                                      scalar_of, shape_of, split_const, trailing)
+from kiln.passes.fusion.match import (
+    Users,
+    add_const,
+    const_of,
+    made_by,
+    reduce_axes,
+    replace,
+    scalar_of,
+    shape_of,
+    split_const,
+    trailing,
+)
 
 
 def normalized(node: Node):

@@ -17,8 +17,16 @@ from kiln.ops import math as M
 from kiln.ops import nn as N
 from kiln.ops import reduce as R
 from kiln.passes.fusion.layernorm import affine_tail, is_square_of, norm_param, normalized
-from kiln.passes.fusion.match import (Users, add_const, made_by, reduce_axes, replace, shape_of,
-                                      split_const, trailing)
+from kiln.passes.fusion.match import (
+    Users,
+    add_const,
+    made_by,
+    reduce_axes,
+    replace,
+    shape_of,
+    split_const,
+    trailing,
+)
 
 
 def match_rms(top: Node):
