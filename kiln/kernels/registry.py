@@ -8,8 +8,9 @@ optional inputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from kiln.ir import OpDef
 
@@ -22,7 +23,18 @@ class Kernel:
     backend: str
     fn: Callable
     name: str
-    tactics: tuple = ()
+    # tactic space: a tuple of dicts, or ``(call, inputs) -> list[dict]`` when it depends on
+    # the shapes; () means the kernel has no tactics
+    tactics: Any = ()
+    # ``(call, inputs) -> bool``: can this kernel run this node with these inputs? None: always
+    supports: Callable | None = None
+
+    def tactic_space(self, call, inputs) -> list:
+        space = self.tactics(call, inputs) if callable(self.tactics) else self.tactics
+        return list(space) or [None]
+
+    def can_run(self, call, inputs) -> bool:
+        return self.supports is None or bool(self.supports(call, inputs))
 
 
 @dataclass
@@ -37,6 +49,7 @@ class Call:
     run_graph: Callable | None = None  # (graph, args, captured) -> list of outputs
     opset: int = 0  # the model's opset version for the node's domain
     cache: dict = field(default_factory=dict)
+    tactic: dict | None = None  # the builder's pick from the kernel's tactic space
 
     @property
     def a(self):
@@ -46,14 +59,17 @@ class Call:
 _KERNELS: dict[tuple[OpDef, str], list[Kernel]] = {}
 
 
-def register(*ops: OpDef, backend: str = "cpu", name: str | None = None):
-    """Decorator: ``@register(ops.Relu)`` makes ``fn`` the CPU kernel of Relu."""
+def register(*ops: OpDef, backend: str = "cpu", name: str | None = None, tactics=(),
+             supports: Callable | None = None):
+    """Decorator: ``@register(ops.Relu)`` makes ``fn`` the CPU kernel of Relu.
+
+    ``tactics`` and ``supports`` are what the builder's autotuner reads (see :class:`Kernel`)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}")
 
     def deco(fn):
         for op in ops:
-            k = Kernel(op, backend, fn, name or f"Torch{op.name}")
+            k = Kernel(op, backend, fn, name or f"Torch{op.name}", tactics, supports)
             _KERNELS.setdefault((op, backend), []).append(k)
         return fn
     return deco

@@ -1,0 +1,333 @@
+"""Build-time kernel and tactic selection, with a timing cache on disk.
+
+For a node, the candidates are its CUDA kernels (each with every tactic of its space that it
+supports for these inputs) plus the PyTorch kernel, which on CUDA tensors *is* the vendor
+library (cuBLAS/cuBLASLt, cuDNN, SDPA). Each candidate is timed on the device at the profile's
+opt shapes (median of several runs); the fastest is kept and the runner-up reported, as
+TensorRT's verbose log does. The timing cache maps a candidate's signature (op, kernel, tactic,
+attributes, input shapes and dtypes) under a device key (GPU name, torch, triton and CUDA
+versions) to its time, so a rebuild on the same machine times nothing. The clock is an argument
+(``timer(fn) -> ms``): tests drive the selection with a fake one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kiln.errors import KilnError
+from kiln.kernels.registry import Call, Kernel, kernels_for
+
+CACHE_FORMAT = "kiln-timing-cache"
+CACHE_VERSION = 1
+FAILED = float("inf")  # the time of a candidate that raised or gave wrong results
+
+# |candidate - reference| <= atol + rtol * |reference|, per output dtype
+TOLERANCE = {torch.float16: (2e-2, 2e-2), torch.bfloat16: (8e-2, 5e-2),
+             torch.float32: (1e-3, 1e-3)}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    kernel: Kernel
+    tactic: dict | None = None
+
+    @property
+    def label(self) -> str:
+        return label(self.kernel.name, self.tactic)
+
+
+def label(kernel_name: str, tactic: dict | None) -> str:
+    """``TritonGemm[BLOCK_M=128,...]``: how logs and reports name a candidate."""
+    if not tactic:
+        return kernel_name
+    return kernel_name + "[" + ",".join(f"{k}={v}" for k, v in sorted(tactic.items())) + "]"
+
+
+@dataclass
+class Selection:
+    """What the autotuner decided for one node."""
+
+    node: str
+    kernel: str
+    tactic: dict | None
+    ms: float
+    runner_up: tuple[str, float] | None = None  # (candidate label, ms)
+    timed: int = 0  # candidates timed now
+    cached: int = 0  # candidates whose time came from the cache
+    failed: list[str] = field(default_factory=list)  # "label: why"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def line(self) -> str:
+        s = f"{self.node}: {label(self.kernel, self.tactic)} {self.ms:.4f} ms"
+        if self.runner_up:
+            s += f" (runner-up {self.runner_up[0]} {self.runner_up[1]:.4f} ms)"
+        return s
+
+
+# ---------------------------------------------------------------- signatures and the cache
+
+
+def device_key() -> dict:
+    """The machine a timing belongs to: a cached time is reused only on an identical one."""
+    import triton
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": name, "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda}
+
+
+def _jsonable(x):
+    if isinstance(x, np.ndarray):
+        return {"array": list(x.shape), "dtype": str(x.dtype), "sum": float(x.sum())}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def _describe(x):
+    if isinstance(x, torch.Tensor):
+        return [list(x.shape), str(x.dtype).removeprefix("torch."), list(x.stride())]
+    return None if x is None else type(x).__name__
+
+
+def signature(op, kernel_name: str, tactic: dict | None, attrs, inputs) -> str:
+    """One candidate at one node's inputs, as a stable string."""
+    a = {f.name: _jsonable(getattr(attrs, f.name)) for f in dataclasses.fields(attrs)} \
+        if dataclasses.is_dataclass(attrs) else {}
+    return json.dumps({"op": op.qualname, "kernel": kernel_name, "tactic": tactic or {},
+                       "attrs": a, "inputs": [_describe(x) for x in inputs]},
+                      sort_keys=True, separators=(",", ":"))
+
+
+class TimingCache:
+    """Times per (device, candidate signature), kept in a JSON file.
+
+    A missing file starts empty; an unreadable one too (with a warning through ``log``), so a
+    damaged cache costs a re-timing, never a failed build. ``save`` writes atomically."""
+
+    def __init__(self, path: str | os.PathLike | None, device: dict,
+                 log: Callable[[str], None] = lambda msg: None):
+        self.path = Path(path) if path else None
+        self.device = json.dumps(device, sort_keys=True)
+        self.entries: dict[str, dict[str, float | str]] = {}
+        self.hits = self.misses = 0
+        self._dirty = False
+        if self.path and self.path.exists():
+            try:
+                d = json.loads(self.path.read_text())
+                if d.get("format") != CACHE_FORMAT or d.get("version") != CACHE_VERSION:
+                    raise ValueError(f"not a {CACHE_FORMAT} v{CACHE_VERSION} file")
+                self.entries = {k: dict(v) for k, v in d["entries"].items()}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                log(f"timing cache {self.path} ignored ({e}); kernels will be re-timed")
+
+    def get(self, sig: str) -> float | None:
+        e = self.entries.get(self.device, {}).get(sig)
+        if e is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return FAILED if e == "failed" else float(e)
+
+    def put(self, sig: str, ms: float) -> None:
+        self.entries.setdefault(self.device, {})[sig] = "failed" if ms == FAILED else ms
+        self._dirty = True
+
+    def save(self) -> None:
+        if not self.path or not self._dirty:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"format": CACHE_FORMAT, "version": CACHE_VERSION,
+                                   "entries": self.entries}, indent=1, sort_keys=True))
+        tmp.replace(self.path)
+        self._dirty = False
+
+
+# ---------------------------------------------------------------- selection
+
+
+def vendor_kernel(op) -> Kernel | None:
+    """The PyTorch kernel: on CUDA tensors it calls cuBLAS / cuDNN / SDPA."""
+    ks = kernels_for(op, "cpu")
+    return ks[0] if ks else None
+
+
+def candidates(op, call: Call, inputs, backend: str = "cuda") -> list[Candidate]:
+    """Every (kernel, tactic) that can run this node; the PyTorch kernel last."""
+    out = []
+    for k in kernels_for(op, backend):
+        if k.can_run(call, inputs):
+            out += [Candidate(k, t) for t in k.tactic_space(call, inputs)]
+    v = vendor_kernel(op)
+    if v is not None:
+        out.append(Candidate(v))
+    return out
+
+
+def _outputs(y) -> list:
+    return list(y) if isinstance(y, (tuple, list)) else [y]
+
+
+def _close(got, want) -> bool:
+    for g, w in zip(_outputs(got), _outputs(want)):
+        if not isinstance(w, torch.Tensor) or not w.dtype.is_floating_point:
+            continue
+        if not isinstance(g, torch.Tensor) or g.shape != w.shape:
+            return False
+        atol, rtol = TOLERANCE.get(w.dtype, (1e-3, 1e-3))
+        if not torch.allclose(g.float(), w.float(), atol=atol, rtol=rtol, equal_nan=True):
+            return False
+    return True
+
+
+def select(node_name: str, op, call: Call, inputs, cands: list[Candidate],
+           timer: Callable[[Callable], float], cache: TimingCache | None = None,
+           verify: bool = True) -> Selection:
+    """Time ``cands`` (or read their times from ``cache``) and keep the fastest.
+
+    ``verify``: each candidate's outputs are first compared with the PyTorch kernel's; one that
+    differs (or raises) is recorded as failed and never chosen."""
+    if not cands:
+        raise ValueError(f"node '{node_name}': no candidate kernels")
+    ref = None
+    timed: list[tuple[float, int, Candidate]] = []
+    sel = Selection(node_name, "", None, FAILED)
+    for i, c in enumerate(cands):
+        sig = signature(op, c.kernel.name, c.tactic, call.attrs, inputs)
+        ms = cache.get(sig) if cache is not None else None
+        if ms is not None:
+            sel.cached += 1
+        else:
+            cc = dataclasses.replace(call, tactic=c.tactic, cache={})
+            fn = _bind(c.kernel.fn, cc, inputs)
+            try:
+                with torch.inference_mode():
+                    if verify and c.kernel.backend != "cpu":
+                        if ref is None:
+                            ref = _reference(op, call, inputs)
+                        if ref is not None and not _close(fn(), ref):
+                            raise ValueError("outputs differ from the PyTorch kernel's")
+                    ms = float(timer(fn))
+            except Exception as e:
+                sel.failed.append(f"{c.label}: {type(e).__name__}: {str(e)[:200]}")
+                ms = FAILED
+            sel.timed += 1
+            if cache is not None:
+                cache.put(sig, ms)
+        if ms == FAILED:
+            if not any(f.startswith(c.label + ":") for f in sel.failed):
+                sel.failed.append(f"{c.label}: failed when timed earlier (cached)")
+            continue
+        timed.append((ms, i, c))
+    if not timed:
+        raise RuntimeError(f"node '{node_name}': every candidate failed: {sel.failed}")
+    timed.sort(key=lambda r: (r[0], r[1]))  # ties: registration order
+    best = timed[0]
+    sel.kernel, sel.tactic, sel.ms = best[2].kernel.name, best[2].tactic, best[0]
+    if len(timed) > 1:
+        sel.runner_up = (timed[1][2].label, timed[1][0])
+    return sel
+
+
+def _bind(fn, call, inputs):
+    return lambda: fn(call, *inputs)
+
+
+def _reference(op, call: Call, inputs):
+    v = vendor_kernel(op)
+    return None if v is None else v.fn(dataclasses.replace(call, cache={}), *inputs)
+
+
+# ---------------------------------------------------------------- the clock
+
+
+def cuda_timer(reps: int = 1, rep_ms: int = 25, cuda_graph: bool = True) -> Callable:
+    """``timer(fn) -> ms``: the median of ``reps`` timings by Triton's benchmark helpers.
+
+    ``cuda_graph``: time ``fn`` captured in a CUDA graph and replayed
+    (``do_bench_cudagraph``), which measures GPU time alone, as the engine runs under CUDA
+    graphs; a small kernel's Python launch overhead (15-100 us) would otherwise decide the
+    pick. A candidate that cannot be captured is timed with plain ``do_bench``."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    def once(fn) -> float:
+        if cuda_graph:
+            try:
+                return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+            except RuntimeError:
+                torch.cuda.synchronize()
+        return float(do_bench(fn, warmup=10, rep=rep_ms, return_mode="median"))
+
+    def timer(fn) -> float:
+        with torch.inference_mode():
+            return statistics.median(once(fn) for _ in range(reps))
+    return timer
+
+
+# ---------------------------------------------------------------- a whole graph
+
+
+def tune_graph(graph, profile=None, cache: TimingCache | None = None,
+               timer: Callable | None = None, log: Callable[[str], None] = lambda m: None,
+               device: str = "cuda") -> dict[str, Selection]:
+    """Run ``graph`` once at the profile's opt shapes with the PyTorch kernels on ``device``;
+    at every node that has CUDA kernels, time its candidates on the live inputs first.
+
+    Returns a :class:`Selection` per tuned node (nodes with only the PyTorch kernel are not
+    listed). Saves ``cache`` at the end."""
+    import kiln.kernels.triton  # noqa: F401  (registers the CUDA kernels)
+    from kiln.engine.engine import TensorInfo
+    from kiln.engine.executor import Executor
+    from kiln.engine.inputs import random_inputs
+    from kiln.kernels.torch.convert import to_torch
+
+    timer = timer or cuda_timer()
+    picks: dict[str, Selection] = {}
+
+    def choose(node, backend):
+        torch_k = vendor_kernel(node.op)
+        if torch_k is None:
+            raise KilnError(f"node '{node.name}': op {node.op.qualname} has no kernel")
+        if not kernels_for(node.op, "cuda"):
+            return _on_device(torch_k, device)
+
+        def tuned(call, *ins):
+            ins = tuple(_to(x, device) for x in ins)
+            if node.name not in picks:
+                cands = candidates(node.op, call, ins)
+                if len(cands) > 1:
+                    picks[node.name] = sel = select(node.name, node.op, call, ins, cands,
+                                                    timer, cache)
+                    log("autotune " + sel.line())
+            return torch_k.fn(call, *ins)
+        return dataclasses.replace(torch_k, fn=tuned)
+
+    args = random_inputs([TensorInfo.of(v) for v in graph.inputs], profile=profile)
+    ex = Executor(graph, "cuda", choose)
+    ex.run([_to(to_torch(args[v.name]), device) for v in graph.inputs])
+    if cache is not None:
+        cache.save()
+    return picks
+
+
+def _to(x, device):
+    return x.to(device) if isinstance(x, torch.Tensor) and x.device.type != device else x
+
+
+def _on_device(k: Kernel, device: str) -> Kernel:
+    return dataclasses.replace(k, fn=lambda call, *ins, _f=k.fn: _f(
+        call, *(_to(x, device) for x in ins)))

@@ -1,0 +1,100 @@
+"""What the Triton kernels share: device checks, tactic lookup, math helpers as ``@triton.jit``.
+
+Triton's interpreter (``TRITON_INTERPRET=1``) runs kernels on CPU tensors, so CPU-only CI covers
+them; it has no libdevice, so tanh, pow and friends are written here from exp/log.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# read once: the interpreter is chosen when triton is imported, not per call
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+HALF = (torch.float16, torch.bfloat16)
+
+# epilogue activation name (kiln.ops.fused_conv.ACTIVATIONS) -> constexpr code of act()
+ACT_CODE = {"": 0, "Relu": 1, "Clip": 2, "Sigmoid": 3, "Tanh": 4, "Silu": 5, "Gelu": 6,
+            "GeluTanh": 7, "HardSwish": 8, "LeakyRelu": 9}
+
+
+def on_device(*ts) -> bool:
+    """True when every tensor is where Triton can run on it (CUDA, or anywhere in the
+    interpreter)."""
+    return all(t is None or (isinstance(t, torch.Tensor) and (INTERPRET or t.is_cuda))
+               for t in ts)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def tactic_of(n, default: dict) -> dict:
+    """The tactic the builder chose for this node (``Call.tactic``), else ``default``."""
+    t = getattr(n, "tactic", None)
+    return dict(default, **t) if t else default
+
+
+def warps_for(block: int) -> int:
+    return max(1, min(16, block // 256))
+
+
+@triton.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def tanh(x):
+    t = tl.exp(-2.0 * tl.abs(x))
+    r = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def gelu(x):
+    return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+@triton.jit
+def pow_(x, y):
+    r = tl.exp2(y * tl.log2(tl.abs(x)))
+    y_int = tl.floor(y) == y
+    odd = y_int & ((tl.floor(y * 0.5) * 2.0) != y)
+    r = tl.where((x < 0) & odd, -r, r)
+    r = tl.where((x < 0) & (~y_int), float("nan"), r)
+    return tl.where(y == 0, 1.0, r)
+
+
+@triton.jit
+def act(x, ACT: tl.constexpr, alpha, beta):
+    """The fused-op epilogues, by ACT_CODE (alpha/beta: Clip's min/max, LeakyRelu's slope)."""
+    if ACT == 1:
+        x = tl.maximum(x, 0.0)
+    elif ACT == 2:
+        x = tl.minimum(tl.maximum(x, alpha), beta)
+    elif ACT == 3:
+        x = sigmoid(x)
+    elif ACT == 4:
+        x = tanh(x)
+    elif ACT == 5:
+        x = x * sigmoid(x)
+    elif ACT == 6:
+        x = gelu(x)
+    elif ACT == 7:
+        x = gelu_tanh(x)
+    elif ACT == 8:
+        x = x * tl.minimum(tl.maximum(x + 3.0, 0.0), 6.0) / 6.0
+    elif ACT == 9:
+        x = tl.where(x >= 0, x, x * alpha)
+    return x

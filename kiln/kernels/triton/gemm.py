@@ -1,0 +1,256 @@
+"""Triton GEMM with a fused epilogue: ``act(alpha * A @ B + bias + residual)``.
+
+fp16/bf16 inputs, fp32 accumulation, the output in the input dtype. A and B are read through
+their strides, so transposed operands (Gemm's transA/transB, a weight stored [N, K]) cost no
+copy. Tactic: ``{"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps",
+"num_stages"}``; with SPLIT_K > 1 each K slice writes an fp32 partial and a second kernel sums
+the slices and applies the epilogue. Registered for MatMul, Gemm, FusedMatMul and FusedGemm;
+anything else (fp32, integer, batched B, odd residual shapes) runs the PyTorch kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.registry import register
+from kiln.kernels.torch import fused_conv as torch_fused
+from kiln.kernels.torch import nn_norm as torch_nn
+from kiln.kernels.triton.common import ACT_CODE, HALF, act, on_device, tactic_of
+from kiln.ops import fused_conv as FC
+from kiln.ops import nn as N
+
+
+@triton.jit
+def _gemm_kernel(A, B, C, Bias, R, P, M, N, K,
+                 s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_rm, s_rn, alpha, act_a, act_b,
+                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    # grouped order: GROUP_M row-blocks share the B tiles they read while in L2
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_m = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_m
+    pid_n = (pid % width) // group_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    # out-of-range rows/cols read a valid row instead (masked on store): unmasked wide loads
+    am = tl.max_contiguous(tl.multiple_of(rm % M, BLOCK_M), BLOCK_M)
+    bn = tl.max_contiguous(tl.multiple_of(rn % N, BLOCK_N), BLOCK_N)
+    a_ptrs = A + am[:, None].to(tl.int64) * s_am + rk[None, :] * s_ak
+    b_ptrs = B + rk[:, None] * s_bk + bn[None, :].to(tl.int64) * s_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    step = BLOCK_K * SPLIT_K
+    for k in range(0, tl.cdiv(K, step)):
+        k_left = K - k * step
+        a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += step * s_ak
+        b_ptrs += step * s_bk
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        acc = acc * alpha
+        if HAS_BIAS:
+            acc += tl.load(Bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if HAS_RES:
+            r_ptrs = R + rm[:, None].to(tl.int64) * s_rm + rn[None, :] * s_rn
+            acc += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        acc = act(acc, ACT, act_a, act_b)
+        c_ptrs = C + rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
+    else:
+        p_ptrs = P + pid_k * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+        tl.store(p_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _splitk_epilogue(P, C, Bias, R, M, N, s_cm, s_cn, s_rm, s_rn, alpha, act_a, act_b,
+                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
+                     SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < M * N
+    m, n = idx // N, idx % N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(P + s * M * N + idx, mask=mask, other=0.0)
+    acc = acc * alpha
+    if HAS_BIAS:
+        acc += tl.load(Bias + n, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        acc += tl.load(R + m * s_rm + n * s_rn, mask=mask, other=0.0).to(tl.float32)
+    acc = act(acc, ACT, act_a, act_b)
+    tl.store(C + m * s_cm + n * s_cn, acc.to(C.dtype.element_ty), mask=mask)
+
+
+_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages")
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, num_warps, num_stages): the configs Triton's
+# tutorial and inductor's mm templates start from, plus small-M and split-K shapes
+_CONFIGS = (
+    (128, 256, 64, 8, 1, 8, 3), (256, 128, 64, 8, 1, 8, 3), (128, 128, 64, 8, 1, 4, 4),
+    (128, 128, 32, 8, 1, 4, 4), (128, 64, 64, 8, 1, 4, 4), (64, 128, 64, 8, 1, 4, 4),
+    (64, 64, 64, 8, 1, 4, 4), (64, 64, 32, 8, 1, 2, 5), (32, 64, 64, 8, 1, 2, 5),
+    (16, 64, 128, 8, 1, 2, 4), (16, 128, 64, 8, 1, 4, 4), (32, 128, 64, 8, 1, 4, 4),
+    (64, 64, 64, 8, 2, 4, 4), (64, 64, 64, 8, 4, 4, 4), (32, 64, 128, 8, 4, 4, 3),
+    (128, 128, 64, 8, 2, 8, 3),
+)
+DEFAULT = dict(zip(_KEYS, (64, 64, 32, 8, 1, 4, 3)))
+
+
+def gemm_tactics(m: int, n: int, k: int) -> list[dict]:
+    """The configs worth timing for an M x N x K product: no tile more than twice the
+    problem, split-K only when K is long and the output tiles too few to fill the GPU."""
+    out = []
+    for c in _CONFIGS:
+        t = dict(zip(_KEYS, c))
+        if t["BLOCK_M"] > max(16, 2 * m) or t["BLOCK_N"] > max(16, 2 * n):
+            continue
+        tiles = -(-m // t["BLOCK_M"]) * -(-n // t["BLOCK_N"])
+        if t["SPLIT_K"] > 1 and (k < 1024 or tiles >= 128):
+            continue
+        out.append(t)
+    return out or [dict(DEFAULT)]
+
+
+def gemm2d(n, a, b, bias=None, res=None, activation: str = "", alpha: float = 1.0,
+           act_a: float = 0.0, act_b: float = 0.0):
+    """``act(alpha * a @ b + bias + res)`` for 2-D strided a [M, K], b [K, N]; res [M, N]."""
+    (m, k), nn = a.shape, b.shape[1]
+    t = tactic_of(n, DEFAULT)
+    c = torch.empty((m, nn), dtype=a.dtype, device=a.device)
+    split = t["SPLIT_K"]
+    p = torch.empty((split, m, nn), dtype=torch.float32, device=a.device) if split > 1 else c
+    dummy = c
+    grid = (triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(nn, t["BLOCK_N"]), split)
+    codes = dict(HAS_BIAS=bias is not None, HAS_RES=res is not None,
+                 ACT=ACT_CODE[activation])
+    rs = res.stride() if res is not None else (0, 0)
+    _gemm_kernel[grid](
+        a, b, c, dummy if bias is None else bias, dummy if res is None else res, p, m, nn, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), *rs,
+        float(alpha), float(act_a), float(act_b), **codes,
+        BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"],
+        GROUP_M=t["GROUP_M"], SPLIT_K=split, num_warps=t["num_warps"],
+        num_stages=t["num_stages"])
+    if split > 1:
+        block = 1024
+        _splitk_epilogue[(triton.cdiv(m * nn, block),)](
+            p, c, dummy if bias is None else bias, dummy if res is None else res, m, nn,
+            c.stride(0), c.stride(1), *rs, float(alpha), float(act_a), float(act_b), **codes,
+            SPLIT_K=split, BLOCK=block, num_warps=4)
+    return c
+
+
+# ---------------------------------------------------------------- the ops
+
+
+def _halves(*ts) -> bool:
+    ts = [t for t in ts if t is not None]
+    return on_device(*ts) and ts[0].dtype in HALF and all(t.dtype == ts[0].dtype for t in ts)
+
+
+def _bias_ok(bias, nn: int) -> bool:
+    return bias is None or (bias.numel() == nn and bias.dim() >= 1 and bias.shape[-1] == nn)
+
+
+def _mm_shapes(n, inputs):
+    x, w = inputs[0], inputs[1]
+    return x.reshape(-1, x.shape[-1]).shape[0], w.shape[-1], x.shape[-1]
+
+
+def _matmul_supports(n, inputs) -> bool:
+    x, w = inputs[0], inputs[1]
+    bias = inputs[2] if len(inputs) > 2 else None
+    res = inputs[3] if len(inputs) > 3 else None
+    if not (_halves(x, w, bias, res) and x.dim() >= 2 and w.dim() == 2
+            and x.shape[-1] == w.shape[0] and x.numel() > 0 and w.shape[1] > 0):
+        return False
+    out = (*x.shape[:-1], w.shape[1])
+    return _bias_ok(bias, w.shape[1]) and (res is None or tuple(res.shape) == out)
+
+
+def _matmul_tactics(n, inputs) -> list[dict]:
+    return gemm_tactics(*_mm_shapes(n, inputs))
+
+
+def _matmul(n, x, w, bias=None, res=None, activation="", act_a=0.0, act_b=0.0):
+    x2 = x.reshape(-1, x.shape[-1])
+    r2 = None if res is None else res.reshape(-1, w.shape[1])
+    b1 = None if bias is None else bias.reshape(-1)
+    y = gemm2d(n, x2, w, b1, r2, activation, 1.0, act_a, act_b)
+    return y.reshape(*x.shape[:-1], w.shape[1])
+
+
+@register(N.MatMul, backend="cuda", name="TritonMatMul", tactics=_matmul_tactics,
+          supports=_matmul_supports)
+def matmul(n, a, b):
+    if not _matmul_supports(n, (a, b)):
+        return torch_nn.matmul(n, a, b)
+    return _matmul(n, a, b)
+
+
+@register(FC.FusedMatMul, backend="cuda", name="TritonFusedMatMul", tactics=_matmul_tactics,
+          supports=_matmul_supports)
+def fused_matmul(n, x, w, b=None, r=None):
+    if not _matmul_supports(n, (x, w, b, r)):
+        return torch_fused.fused_matmul(n, x, w, b, r)
+    return _matmul(n, x, w, b, r, n.a.activation, n.a.alpha, n.a.beta)
+
+
+def _gemm_operands(n, inputs):
+    a, b = inputs[0], inputs[1]
+    return (a.t() if n.a.transA else a), (b.t() if n.a.transB else b)
+
+
+def _gemm_supports(n, inputs) -> bool:
+    a, b = inputs[0], inputs[1]
+    c = inputs[2] if len(inputs) > 2 else None
+    r = inputs[3] if len(inputs) > 3 else None
+    if not (_halves(a, b, c, r) and a.dim() == 2 and b.dim() == 2):
+        return False
+    a, b = _gemm_operands(n, inputs)
+    m, nn = a.shape[0], b.shape[1]
+    if a.shape[1] != b.shape[0] or a.numel() == 0 or nn == 0:
+        return False
+    # C: a bias row, or a full [M, N] addend (taken as the residual)
+    c_ok = (c is None or (_bias_ok(c, nn) and c.dim() <= 2)
+            or (tuple(c.shape) == (m, nn) and r is None))
+    return c_ok and (r is None or tuple(r.shape) == (m, nn))
+
+
+def _gemm_tactics(n, inputs) -> list[dict]:
+    a, b = _gemm_operands(n, inputs)
+    return gemm_tactics(a.shape[0], b.shape[1], a.shape[1])
+
+
+def _gemm(n, a_in, b_in, c, r, activation="", alpha=1.0, beta=1.0, act_a=0.0, act_b=0.0):
+    a, b = _gemm_operands(n, (a_in, b_in))
+    nn = b.shape[1]
+    if c is not None and beta != 1.0:
+        c = c * beta
+    if c is not None and c.numel() == nn:
+        return gemm2d(n, a, b, c.reshape(-1), r, activation, alpha, act_a, act_b)
+    return gemm2d(n, a, b, None, c if c is not None else r, activation, alpha, act_a, act_b)
+
+
+@register(N.Gemm, backend="cuda", name="TritonGemm", tactics=_gemm_tactics,
+          supports=_gemm_supports)
+def gemm(n, a, b, c=None):
+    if not _gemm_supports(n, (a, b, c)):
+        return torch_nn.gemm(n, a, b, c)
+    alpha = n.a.alpha if n.a.alpha is not None else 1.0
+    beta = n.a.beta if n.a.beta is not None else 1.0
+    return _gemm(n, a, b, c, None, alpha=alpha, beta=beta)
+
+
+@register(FC.FusedGemm, backend="cuda", name="TritonFusedGemm", tactics=_gemm_tactics,
+          supports=_gemm_supports)
+def fused_gemm(n, a, b, c=None, r=None):
+    if not _gemm_supports(n, (a, b, c, r)):
+        return torch_fused.fused_gemm(n, a, b, c, r)
+    return _gemm(n, a, b, c, r, n.a.activation, act_a=n.a.alpha, act_b=n.a.beta)

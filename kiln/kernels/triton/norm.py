@@ -1,0 +1,120 @@
+"""Triton LayerNormalization and RMSNormalization: one row per program, fp32 statistics.
+
+The normalized dims (``axis`` to the end) are flattened into one row of N elements. When one
+BLOCK covers the row it stays in registers (one read, one write); otherwise the kernel loops over
+the row in BLOCK chunks (three reads). Tactic: ``{"BLOCK", "num_warps"}``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.registry import register
+from kiln.kernels.torch import nn_norm as torch_norm
+from kiln.kernels.triton.common import FLOATS, next_pow2, on_device, tactic_of, warps_for
+from kiln.ops import nn as N
+from kiln.ops.rules import norm_axis
+
+
+@triton.jit
+def _norm_kernel(X, W, B, Y, stride_x, stride_y, n_cols, eps,
+                 HAS_B: tl.constexpr, RMS: tl.constexpr, BLOCK: tl.constexpr,
+                 ONE_BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row, y_row = X + row * stride_x, Y + row * stride_y
+    cols = tl.arange(0, BLOCK)
+    if ONE_BLOCK:
+        m = cols < n_cols
+        x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+        if RMS:
+            xc = x
+        else:
+            xc = tl.where(m, x - tl.sum(x, axis=0) / n_cols, 0.0)
+        inv = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
+        y = xc * inv * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_B:
+            y += tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=m)
+    else:
+        mean = 0.0
+        if not RMS:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for off in range(0, n_cols, BLOCK):
+                c = off + cols
+                acc += tl.load(x_row + c, mask=c < n_cols, other=0.0).to(tl.float32)
+            mean = tl.sum(acc, axis=0) / n_cols
+        acc2 = tl.zeros([BLOCK], dtype=tl.float32)
+        for off in range(0, n_cols, BLOCK):
+            c = off + cols
+            x = tl.load(x_row + c, mask=c < n_cols, other=0.0).to(tl.float32)
+            xc = tl.where(c < n_cols, x - mean, 0.0)
+            acc2 += xc * xc
+        inv = 1.0 / tl.sqrt(tl.sum(acc2, axis=0) / n_cols + eps)
+        for off in range(0, n_cols, BLOCK):
+            c = off + cols
+            m = c < n_cols
+            x = tl.load(x_row + c, mask=m, other=0.0).to(tl.float32)
+            y = (x - mean) * inv * tl.load(W + c, mask=m, other=0.0).to(tl.float32)
+            if HAS_B:
+                y += tl.load(B + c, mask=m, other=0.0).to(tl.float32)
+            tl.store(y_row + c, y.to(Y.dtype.element_ty), mask=m)
+
+
+def _row_len(n, x) -> int:
+    ax = norm_axis(n.a.axis if n.a.axis is not None else -1, x.dim())
+    return x.shape[ax:].numel()
+
+
+def supports(n, inputs) -> bool:
+    x, scale = inputs[0], inputs[1]
+    bias = inputs[2] if len(inputs) > 2 else None
+    if n.n_out != 1 or not on_device(x, scale, bias) or x.dtype not in FLOATS:
+        return False
+    if getattr(n.a, "stash_type", 1) not in (None, 1):  # statistics in fp32 only
+        return False
+    rows = _row_len(n, x)
+    full = tuple(x.shape[x.dim() - scale.dim():]) if scale.dim() <= x.dim() else None
+    return (rows > 0 and scale.numel() == rows and full == tuple(scale.shape)
+            and (bias is None or tuple(bias.shape) == tuple(scale.shape)))
+
+
+def tactics(n, inputs) -> list[dict]:
+    cols = next_pow2(_row_len(n, inputs[0]))
+    blocks = sorted({min(cols, b) for b in (cols, 1024, 4096)})
+    return [{"BLOCK": b, "num_warps": w} for b in blocks
+            for w in sorted({1, 2, 4, 8, 16} & set(range(1, max(2, b // 32) + 1)))]
+
+
+def _launch(n, x, scale, bias, rms: bool):
+    cols = _row_len(n, x)
+    eps = n.a.epsilon if n.a.epsilon is not None else 1e-5
+    block = min(next_pow2(cols), 8192)
+    t = tactic_of(n, {"BLOCK": block, "num_warps": warps_for(block)})
+    x2 = x.reshape(-1, cols)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    w = scale.contiguous()
+    b = bias.contiguous() if bias is not None else w
+    _norm_kernel[(x2.shape[0],)](
+        x2, w, b, y, x2.stride(0), cols, cols, float(eps), HAS_B=bias is not None, RMS=rms,
+        BLOCK=t["BLOCK"], ONE_BLOCK=t["BLOCK"] >= cols, num_warps=t["num_warps"])
+    return y
+
+
+@register(N.LayerNormalization, backend="cuda", name="TritonLayerNorm", tactics=tactics,
+          supports=supports)
+def layer_norm(n, x, scale, bias=None):
+    if not supports(n, (x, scale, bias)):
+        return torch_norm.layer_norm(n, x, scale, bias)
+    return _launch(n, x, scale, bias, rms=False)
+
+
+@register(N.RMSNormalization, backend="cuda", name="TritonRMSNorm", tactics=tactics,
+          supports=supports)
+def rms_norm(n, x, scale):
+    if not supports(n, (x, scale)):
+        return torch_norm.rms_norm(n, x, scale)
+    return _launch(n, x, scale, None, rms=True)

@@ -1,0 +1,181 @@
+"""Autotuner selection and timing cache, on the CPU with a fake clock (no real timing)."""
+
+import json
+
+import pytest
+import torch
+
+from kiln.build.autotune import Candidate, TimingCache, candidates, select, signature
+from kiln.ir import Attr, OpDef
+from kiln.kernels.registry import Call, Kernel, register
+
+DEVICE = {"device": "FakeGPU", "torch": "2.13", "triton": "3.9", "cuda": "13.0"}
+OP = OpDef("AutotuneTestOp", {"axis": Attr("int", -1)})
+X = torch.ones(4, 8)
+
+
+class FakeClock:
+    """``timer(fn)``: runs fn once (the kernel records who it is) and answers that
+    candidate's time from a table; counts how many candidates it timed."""
+
+    def __init__(self, table):
+        self.table, self.calls, self.last = table, 0, None
+
+    def __call__(self, fn):
+        fn()
+        self.calls += 1
+        return self.table[self.last]
+
+
+def _kernel(clock, name, backend="cuda", out=None, raises=False):
+    def fn(call, x):
+        clock.last = (name, json.dumps(call.tactic, sort_keys=True))
+        if raises:
+            raise RuntimeError("out of shared memory")
+        return x * 2 if out is None else out
+    return Kernel(OP, backend, fn, name)
+
+
+def _cands(clock, tactics=({"B": 1}, {"B": 2}), **kw):
+    k = _kernel(clock, "TritonFake", **kw)
+    torch_k = _kernel(clock, "TorchFake", backend="cpu")
+    return [Candidate(k, t) for t in tactics] + [Candidate(torch_k)]
+
+
+def _call():
+    return Call(OP.make_attrs(), 1, 1)
+
+
+def _key(name, tactic=None):
+    return name, json.dumps(tactic, sort_keys=True)
+
+
+def _select(clock, cands, cache=None, verify=False):
+    return select("n1", OP, _call(), (X,), cands, clock, cache, verify=verify)
+
+
+def test_autotune_selects_fastest_and_reports_runner_up():
+    clock = FakeClock({_key("TritonFake", {"B": 1}): 0.30, _key("TritonFake", {"B": 2}): 0.10,
+                       _key("TorchFake"): 0.20})
+    sel = _select(clock, _cands(clock))
+    assert (sel.kernel, sel.tactic, sel.ms) == ("TritonFake", {"B": 2}, 0.10)
+    assert sel.runner_up == ("TorchFake", 0.20)
+    assert sel.timed == 3 and sel.cached == 0 and not sel.failed
+    assert "TritonFake[B=2]" in sel.line()
+
+
+def test_autotune_vendor_kernel_wins_when_fastest():
+    clock = FakeClock({_key("TritonFake", {"B": 1}): 0.3, _key("TritonFake", {"B": 2}): 0.3,
+                       _key("TorchFake"): 0.1})
+    sel = _select(clock, _cands(clock))
+    assert sel.kernel == "TorchFake" and sel.tactic is None
+    assert sel.runner_up == ("TritonFake[B=1]", 0.3)  # a tie keeps registration order
+
+
+def test_autotune_failing_candidate_is_skipped_and_remembered(tmp_path):
+    clock = FakeClock({_key("TorchFake"): 0.5})
+    cache = TimingCache(tmp_path / "t.json", DEVICE)
+    sel = _select(clock, _cands(clock, raises=True), cache)
+    assert sel.kernel == "TorchFake" and len(sel.failed) == 2
+    assert "out of shared memory" in sel.failed[0]
+    cache.save()
+    again = FakeClock({_key("TorchFake"): 0.5})
+    sel2 = _select(again, _cands(again, raises=True), TimingCache(tmp_path / "t.json", DEVICE))
+    assert again.calls == 0 and sel2.cached == 3 and len(sel2.failed) == 2
+
+
+def test_autotune_every_candidate_failing_is_an_error():
+    clock = FakeClock({})
+    with pytest.raises(RuntimeError, match="every candidate failed"):
+        _select(clock, _cands(clock, raises=True)[:2])
+
+
+def test_autotune_verify_rejects_wrong_outputs(monkeypatch):
+    import kiln.build.autotune as AT
+
+    clock = FakeClock({_key("TritonFake", {"B": 1}): 0.01, _key("TorchFake"): 0.5})
+    cands = _cands(clock, tactics=({"B": 1},), out=torch.zeros(4, 8))
+    monkeypatch.setattr(AT, "vendor_kernel", lambda op: cands[-1].kernel)
+    sel = _select(clock, cands, verify=True)
+    assert sel.kernel == "TorchFake"
+    assert "differ" in sel.failed[0]
+
+
+def test_autotune_cache_round_trip_skips_timing(tmp_path):
+    path = tmp_path / "sub" / "timing.json"
+    table = {_key("TritonFake", {"B": 1}): 0.3, _key("TritonFake", {"B": 2}): 0.1,
+             _key("TorchFake"): 0.2}
+    clock = FakeClock(table)
+    cache = TimingCache(path, DEVICE)
+    first = _select(clock, _cands(clock), cache)
+    cache.save()
+    d = json.loads(path.read_text())
+    assert d["format"] == "kiln-timing-cache" and len(next(iter(d["entries"].values()))) == 3
+    clock2 = FakeClock(table)
+    cache2 = TimingCache(path, DEVICE)
+    second = _select(clock2, _cands(clock2), cache2)
+    assert clock2.calls == 0 and cache2.hits == 3 and second.cached == 3
+    assert (second.kernel, second.tactic, second.ms) == (first.kernel, first.tactic, first.ms)
+
+
+def test_autotune_cache_is_per_device_and_version(tmp_path):
+    path = tmp_path / "timing.json"
+    table = {_key("TritonFake", {"B": 1}): 0.3, _key("TritonFake", {"B": 2}): 0.1,
+             _key("TorchFake"): 0.2}
+    clock = FakeClock(table)
+    cache = TimingCache(path, DEVICE)
+    _select(clock, _cands(clock), cache)
+    cache.save()
+    other = FakeClock(table)
+    _select(other, _cands(other), TimingCache(path, dict(DEVICE, triton="3.10")))
+    assert other.calls == 3
+
+
+def test_autotune_damaged_cache_is_ignored_with_a_warning(tmp_path):
+    path = tmp_path / "timing.json"
+    path.write_text("{not json")
+    logged = []
+    cache = TimingCache(path, DEVICE, log=logged.append)
+    assert cache.entries == {} and "ignored" in logged[0]
+    path.write_text(json.dumps({"format": "something-else", "version": 1, "entries": {}}))
+    TimingCache(path, DEVICE, log=logged.append)
+    assert "kiln-timing-cache" in logged[1]
+
+
+def test_autotune_cache_without_path_never_writes(tmp_path):
+    cache = TimingCache(None, DEVICE)
+    cache.put("sig", 1.0)
+    cache.save()
+    assert cache.get("sig") == 1.0 and list(tmp_path.iterdir()) == []
+
+
+def test_autotune_signature_separates_tactic_shape_dtype_and_attrs():
+    a = OP.make_attrs()
+    base = signature(OP, "K", {"B": 1}, a, (X,))
+    assert base == signature(OP, "K", {"B": 1}, OP.make_attrs(), (torch.ones(4, 8),))
+    assert base != signature(OP, "K", {"B": 2}, a, (X,))
+    assert base != signature(OP, "K", {"B": 1}, a, (torch.ones(4, 9),))
+    assert base != signature(OP, "K", {"B": 1}, a, (X.half(),))
+    assert base != signature(OP, "K", {"B": 1}, OP.make_attrs(axis=0), (X,))
+    assert base != signature(OP, "K2", {"B": 1}, a, (X,))
+
+
+def test_autotune_candidates_respect_supports_and_tactic_space():
+    op = OpDef("AutotuneCandOp")
+
+    @register(op, backend="cuda", name="TritonA", tactics=lambda n, ins: [{"T": ins[0].dim()}])
+    def a(n, x):
+        return x
+
+    @register(op, backend="cuda", name="TritonNever", tactics=({"T": 1},),
+              supports=lambda n, ins: False)
+    def never(n, x):
+        return x
+
+    @register(op, name="TorchCand")
+    def vendor(n, x):
+        return x
+
+    cands = candidates(op, _call(), (X,))
+    assert [(c.kernel.name, c.tactic) for c in cands] == [("TritonA", {"T": 2}),
+                                                         ("TorchCand", None)]

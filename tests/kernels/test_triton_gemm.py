@@ -1,0 +1,91 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from kiln.kernels.triton import gemm as G
+from kiln.ops import fused_conv as FC
+from kiln.ops import nn as N
+from tests.kernels.triton_util import assert_close, call, dot_dtypes, gpu, randn
+
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "SPLIT_K": 1,
+         "num_warps": 1, "num_stages": 1}
+SPLIT = dict(SMALL, SPLIT_K=2, GROUP_M=1)
+
+# the torch activations the fused epilogue must reproduce (alpha, beta as the op's attributes)
+ACT = {"": lambda y: y, "Relu": torch.relu, "Gelu": F.gelu, "Silu": F.silu,
+       "GeluTanh": lambda y: F.gelu(y, approximate="tanh"), "Sigmoid": torch.sigmoid,
+       "Tanh": torch.tanh, "HardSwish": F.hardswish,
+       "Clip": lambda y: y.clamp(-0.5, 0.5), "LeakyRelu": lambda y: F.leaky_relu(y, 0.5)}
+
+
+@pytest.mark.parametrize("tactic", [None, SMALL, SPLIT], ids=["default", "small", "splitk"])
+@pytest.mark.parametrize("act", sorted(ACT))
+def test_triton_fused_matmul_epilogue(act, tactic):
+    x, w = randn(2, 5, 40, dtype=torch.float16), randn(40, 24, dtype=torch.float16)
+    b, r = randn(24, dtype=torch.float16), randn(2, 5, 24, dtype=torch.float16)
+    n = call(FC.FusedMatMul, tactic, activation=act, alpha=-0.5 if act == "Clip" else 0.5,
+             beta=0.5, has_residual=1)
+    assert G._matmul_supports(n, (x, w, b, r))
+    y = G.fused_matmul(n, x, w, b, r)
+    want = ACT[act](x.float() @ w.float() + b.float() + r.float())
+    assert y.dtype == torch.float16 and y.shape == (2, 5, 24)
+    assert_close(y, want, scale=3)
+
+
+@pytest.mark.parametrize("dtype", dot_dtypes(torch.float16, torch.bfloat16))
+def test_triton_matmul_plain(dtype):
+    a, b = randn(33, 20, dtype=dtype), randn(20, 17, dtype=dtype)
+    y = G.matmul(call(N.MatMul, SMALL), a, b)
+    assert y.dtype == dtype
+    assert_close(y, a.float() @ b.float(), scale=3)
+
+
+@pytest.mark.parametrize("trans", [(0, 0), (1, 1), (0, 1)])
+def test_triton_gemm_transposes_alpha_beta(trans):
+    ta, tb = trans
+    a = randn(*((20, 7) if ta else (7, 20)), dtype=torch.float16)
+    b = randn(*((24, 20) if tb else (20, 24)), dtype=torch.float16)
+    c = randn(24, dtype=torch.float16)
+    n = call(N.Gemm, SMALL, transA=ta, transB=tb, alpha=0.5, beta=2.0)
+    y = G.gemm(n, a, b, c)
+    af, bf = (a.float().t() if ta else a.float()), (b.float().t() if tb else b.float())
+    assert_close(y, 0.5 * af @ bf + 2 * c.float(), scale=3)
+
+
+def test_triton_fused_gemm_full_c_is_a_residual():
+    a, b = randn(9, 20, dtype=torch.float16), randn(20, 12, dtype=torch.float16)
+    c = randn(9, 12, dtype=torch.float16)
+    y = G.fused_gemm(call(FC.FusedGemm, SPLIT, activation="Relu"), a, b, c)
+    assert_close(y, torch.relu(a.float() @ b.float() + c.float()), scale=3)
+
+
+def test_triton_matmul_falls_back_for_fp32_and_batched():
+    a, b = randn(3, 4), randn(4, 5)
+    n = call(N.MatMul)
+    assert not G._matmul_supports(n, (a, b))
+    torch.testing.assert_close(G.matmul(n, a, b), a @ b)
+    a3, b3 = randn(2, 3, 4, dtype=torch.float16), randn(2, 4, 5, dtype=torch.float16)
+    assert not G._matmul_supports(n, (a3, b3))
+
+
+def test_triton_gemm_tactic_space():
+    big = G.gemm_tactics(8192, 768, 3072)
+    assert all(t["SPLIT_K"] == 1 for t in big)  # 8192x768 fills the GPU: no split-K
+    small = G.gemm_tactics(16, 768, 3072)
+    assert any(t["SPLIT_K"] > 1 for t in small) and all(t["BLOCK_M"] <= 32 for t in small)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,nn", [(8192, 768, 3072), (8192, 3072, 768), (16, 768, 2304)])
+def test_triton_gemm_gpu_bert_shapes(m, k, nn):
+    x, w = randn(m, k, dtype=torch.float16, device="cuda"), randn(k, nn, dtype=torch.float16,
+                                                                   device="cuda") / k ** 0.5
+    b = randn(nn, dtype=torch.float16, device="cuda")
+    n = call(FC.FusedMatMul, activation="Gelu")
+    want = F.gelu(x.float() @ w.float() + b.float())
+    for t in [None, *G.gemm_tactics(m, nn, k)]:
+        n.tactic = t
+        assert_close(G.fused_matmul(n, x, w, b), want, scale=3)
