@@ -157,8 +157,9 @@ def _walk_add(p: Node, core: Core, users: Users, after_scale: bool) -> Core | No
             got = _step(p, s, trial, users, after_scale)
             if got is not None:
                 return got
-        if core.mask is None and not after_scale:
-            trial = _copy(core)
+        ms = shape_of(m)
+        if core.mask is None and not after_scale and ms is not None and 2 <= len(ms) <= len(out):
+            trial = _copy(core)  # only a mask of known rank >= 2 (SDPA's attn_mask broadcast)
             trial.mask = m  # s + mask -> additive mask
             got = _step(p, s, trial, users, after_scale)
             if got is not None:
