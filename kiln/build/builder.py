@@ -6,6 +6,7 @@ import time
 from typing import Callable
 
 from kiln.build.config import BuilderConfig
+from kiln.build.precision import lower_precision
 from kiln.engine.engine import Engine, TensorInfo
 from kiln.engine.profile import validate_profile
 from kiln.errors import KilnError
@@ -41,6 +42,8 @@ class Builder:
         before = graph.op_counts()
         if cfg.optimize:
             graph = optimize(graph, log=self.log)
+        if cfg.fp16 or cfg.bf16:  # FP16 when both are allowed: more mantissa, same speed
+            lower_precision(graph, "fp16" if cfg.fp16 else "bf16", log=self.log)
         choices = self._choose_kernels(graph)
         t_end = time.perf_counter()
         self.report = {"nodes_before": before, "nodes_after": graph.op_counts(),

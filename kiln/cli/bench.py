@@ -46,12 +46,23 @@ def main(args) -> int:
     profile = engine.profiles[0] if engine.profiles else None
     feeds = random_inputs(engine.inputs, parse_shapes(args.shapes), profile, args.seed)
     ctxs = [engine.create_context() for _ in range(args.streams)]
-    fns = [lambda c=c: c.run(feeds) for c in ctxs]
+    gpu_times: list[list[dict]] = [[] for _ in ctxs]
+    for c in ctxs:
+        if c.cuda is not None:
+            c.cuda.record_timing = True
+
+    def call(k, c):
+        c.run(feeds)
+        if c.cuda is not None:
+            gpu_times[k].append(c.cuda.last_timing)
+
+    fns = [lambda k=k, c=c: call(k, c) for k, c in enumerate(ctxs)]
     cfg = TimingConfig(args.warmup / 1e3, args.iterations, args.duration, args.streams, pcts)
     bar = None if args.json else _Bar()
     records, wall = measure(fns, cfg, progress=bar)
     if bar:
         bar.done()
+    gpu = gpu_breakdown(records, gpu_times) if ctxs[0].cuda is not None else None
     first = next(iter(feeds.values()), None)
     batch = int(first.shape[0]) if first is not None and first.ndim else 1
     summary = summarize(records, wall, batch, pcts)
@@ -60,24 +71,58 @@ def main(args) -> int:
         from kiln.kernels.torch.convert import to_torch
         from kiln.perf.layers import profile_layers
 
-        layers = profile_layers(engine, [to_torch(feeds[i.name]) for i in engine.inputs])
+        args_t = [to_torch(feeds[i.name]) for i in engine.inputs]
+        if engine.torch_device is not None:  # the layers' own time, inputs already on the GPU
+            args_t = [a.to(engine.torch_device) for a in args_t]
+        layers = profile_layers(engine, args_t)
     _export(args, records, layers)
     if args.plot:
         _plot(args.plot, records, layers)
     if args.json:
         out = {"engine": args.engine, "device": engine.device, "streams": args.streams,
                "inputs": {k: list(v.shape) for k, v in feeds.items()}, **summary.to_json()}
+        if gpu is not None:
+            out["gpu"] = gpu
+            out["cuda_graph"] = _decisions(ctxs)
         if layers is not None:
             out["layers"] = layers
         print(json.dumps(out, indent=1))
     else:
-        print_summary(summary, engine.device, args.streams, feeds)
+        print_summary(summary, engine.device, args.streams, feeds, gpu=gpu,
+                      graphs=_decisions(ctxs) if gpu is not None else None)
         if args.dump_profile:
             print_layers(layers)
     return 0
 
 
-def print_summary(s, device: str, streams: int, feeds: dict, out=sys.stdout) -> None:
+def gpu_breakdown(records, gpu_times: list[list[dict]]) -> dict:
+    """Match each timed query with its context's CUDA timings (the last ones each stream
+    recorded: the warm-up's come first), set ``Record.enqueue`` and return H2D / GPU compute /
+    D2H statistics in ms, as trtexec reports them."""
+    cols: dict[str, list[float]] = {"h2d_ms": [], "compute_ms": [], "d2h_ms": []}
+    for k, times in enumerate(gpu_times):
+        mine = [r for r in records if r.stream == k]
+        for r, t in zip(mine, times[len(times) - len(mine):]):
+            if t is None:
+                continue
+            r.enqueue = t["enqueue_s"]
+            for key in cols:
+                cols[key].append(t[key])
+    return {key: _stats(v) for key, v in cols.items() if v}
+
+
+def _stats(v: list[float]) -> dict:
+    v = sorted(v)
+    return {"min": v[0], "max": v[-1], "mean": sum(v) / len(v), "median": v[len(v) // 2]}
+
+
+def _decisions(ctxs) -> dict:
+    return {" x ".join("x".join(map(str, shape)) for shape, _ in sig): why
+            for c in ctxs[:1] for sig, why in c.cuda.decisions.items()}
+
+
+def print_summary(s, device: str, streams: int, feeds: dict, out=sys.stdout,
+                  gpu: dict | None = None, graphs: dict | None = None) -> None:
     w = out.write
     shapes = ", ".join(f"{k}: {'x'.join(map(str, v.shape))}" for k, v in feeds.items())
     w(f"=== Performance summary ({device}, {streams} stream(s); {shapes}) ===\n")
@@ -92,7 +137,16 @@ def print_summary(s, device: str, streams: int, feeds: dict, out=sys.stdout) -> 
           "(CPU engine: the latency above is all compute)\n")
     else:
         e = s.enqueue_ms
-        w(f"Enqueue Time: min = {e['min']:.3f} ms, median = {e['median']:.3f} ms\n")
+        w(f"Enqueue Time: min = {e['min']:.3f} ms, max = {e['max']:.3f} ms, mean = "
+          f"{e['mean']:.3f} ms, median = {e['median']:.3f} ms\n")
+    for key, label in (("h2d_ms", "H2D Latency"), ("compute_ms", "GPU Compute Time"),
+                       ("d2h_ms", "D2H Latency")):
+        if gpu and key in gpu:
+            g = gpu[key]
+            w(f"{label}: min = {g['min']:.3f} ms, max = {g['max']:.3f} ms, mean = "
+              f"{g['mean']:.3f} ms, median = {g['median']:.3f} ms\n")
+    for shapes, why in (graphs or {}).items():
+        w(f"Execution ({shapes}): {why}\n")
     w(f"Total Host Walltime: {s.wall_s:.3f} s for {s.queries} queries\n")
     w(f"Coefficient of variation: {100 * s.cv:.2f}%\n")
     for msg in s.warnings:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import threading
 from dataclasses import dataclass
 
@@ -15,10 +14,12 @@ from kiln.engine import format as fmt
 from kiln.engine.executor import Executor
 from kiln.engine.profile import Profile, check_feeds
 from kiln.engine.serialize import PlanReader, PlanWriter, decode_type, encode_type
-from kiln.errors import EngineFileError
+from kiln.errors import EngineFileError, KilnError
 from kiln.ir import DType, Graph, TensorType
 from kiln.kernels.registry import kernels_for
 from kiln.kernels.torch.convert import dtype_of, to_numpy, to_torch
+from kiln.runtime import cuda as rt_cuda
+from kiln.runtime.memory import measure_device_memory
 
 
 @dataclass(frozen=True)
@@ -49,16 +50,19 @@ class TensorInfo:
 
 
 def device_info(kind: str) -> dict:
-    if kind == "cuda" and torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        return {"kind": "cuda", "name": p.name, "capability": [p.major, p.minor]}
-    return {"kind": "cpu", "name": platform.processor() or platform.machine(),
-            "capability": None}
+    """The device an engine is built for: kind, name, compute capability and, for CUDA, the
+    CUDA/torch/triton versions (checked when the engine is loaded)."""
+    return rt_cuda.fingerprint(kind)
 
 
 class Engine:
     """A built model for one device. Immutable: share it between threads and create one
-    :class:`ExecutionContext` per concurrent caller."""
+    :class:`ExecutionContext` per concurrent caller.
+
+    On ``device="cuda"`` the weights are copied to the GPU once, here; every context then runs
+    on its own CUDA stream, with CUDA graphs unless the build turned them off
+    (``BuilderConfig.cuda_graph``). Raises :class:`kiln.errors.KilnError` for a CUDA engine on
+    a machine without a CUDA device."""
 
     def __init__(self, graph: Graph, choices: dict[str, str], *, device: str = "cpu",
                  profiles: list[Profile] | None = None, build: dict | None = None,
@@ -71,10 +75,20 @@ class Engine:
         self.header = header or {}
         self.inputs = [TensorInfo.of(v) for v in graph.inputs]
         self.outputs = [TensorInfo.of(v) for v in graph.outputs]
-        self._executor = Executor(graph, device, self._choose)
+        self.torch_device = None
+        if device == "cuda":
+            if not torch.cuda.is_available():
+                raise KilnError("this engine is for CUDA and this machine has no CUDA device; "
+                                "build it with device='cpu'")
+            self.torch_device = torch.device("cuda", torch.cuda.current_device())
+        self._executor = Executor(graph, device, self._choose, device=self.torch_device)
+        self._memory: dict | None = None
+        self.portability_notes: list[str] = []  # what differed from the build machine
 
     def _choose(self, node, backend):
         ks = kernels_for(node.op, backend)
+        if backend != "cpu":  # the PyTorch kernels run on every device torch has
+            ks += kernels_for(node.op, "cpu")
         want = self.choices.get(node.name)
         for k in ks:
             if want is None or k.name == want:
@@ -83,8 +97,9 @@ class Engine:
             f"node '{node.name}' needs kernel {want!r} for {node.op.name}, which this kiln "
             "does not have; rebuild the engine with this kiln version")
 
-    def create_context(self) -> ExecutionContext:
-        return ExecutionContext(self)
+    def create_context(self, cuda_graph: bool | None = None) -> ExecutionContext:
+        """A new context. ``cuda_graph`` overrides the build's choice (CUDA engines only)."""
+        return ExecutionContext(self, cuda_graph)
 
     def layers(self) -> list[dict]:
         """One row per layer: name, op, precision, kernel, output shapes."""
@@ -94,6 +109,16 @@ class Engine:
                          "kernel": self.choices.get(n.name, "?"),
                          "outputs": [str(v.type) for v in n.outputs]})
         return rows
+
+    def device_memory(self, remeasure: bool = False) -> dict:
+        """Device memory of this engine, in bytes: ``weights`` (resident on the device),
+        ``activations`` (peak during one run at the first profile's opt shapes),
+        ``workspace`` (what the kernels keep between runs: packed weights, library
+        workspaces) and ``total``, plus ``method``. Measured once (a run on random inputs)
+        and cached. CPU engines report the weights' host bytes and no measurement."""
+        if self._memory is None or remeasure:
+            self._memory = measure_device_memory(self)
+        return dict(self._memory)
 
     @property
     def weight_bytes(self) -> int:
@@ -106,7 +131,7 @@ class Engine:
         plan = w.graph(self.graph, self.choices)
         header = {
             "kiln_version": kiln.__version__, "torch_version": torch.__version__,
-            "triton_version": _triton_version(), "device": device_info(self.device),
+            "triton_version": rt_cuda.triton_version(), "device": device_info(self.device),
             "build": self.build_info, "profiles": [p.to_json() for p in self.profiles],
             "inputs": [i.to_json() for i in self.inputs],
             "outputs": [o.to_json() for o in self.outputs],
@@ -115,24 +140,29 @@ class Engine:
         return fmt.write_engine(path, header, w.tensors)
 
 
-def load(path: str | os.PathLike) -> Engine:
-    """Load an engine file: checks magic, version, checksum and device, maps the weights."""
+def load(path: str | os.PathLike, portable: bool = False) -> Engine:
+    """Load an engine file: checks magic, version, checksum and device, maps the weights (and,
+    for a CUDA engine, copies them to the GPU).
+
+    A CUDA engine must be loaded on the GPU model and with the CUDA, torch and triton versions
+    it was built with; otherwise :class:`kiln.errors.EngineFileError` names both sides and says
+    to rebuild. ``portable=True`` accepts the difference (kernels are tuned again on first
+    use; :attr:`Engine.portability_notes` lists what differed). CPU engines load anywhere."""
     ef = fmt.read_engine(path)
     h = ef.header
     dev = h.get("device", {}).get("kind", "cpu")
-    if dev == "cuda" and not torch.cuda.is_available():
-        raise EngineFileError(
-            f"'{path}' was built for CUDA ({h['device'].get('name')}), and this machine has no "
-            "CUDA device; rebuild it here with `kiln build --device cpu`")
+    notes = rt_cuda.check_device(h.get("device", {}), path, portable)
     choices: dict[str, str] = {}
     try:
         graph = PlanReader(ef.tensors).graph(h["plan"], choices)
     except (KeyError, TypeError, ValueError) as e:
         raise EngineFileError(f"'{path}' has a damaged plan ({type(e).__name__}: {e}); "
                               "rebuild the engine") from None
-    return Engine(graph, choices, device=dev,
-                  profiles=[Profile.from_json(p) for p in h.get("profiles", [])],
-                  build=h.get("build"), header={k: v for k, v in h.items() if k != "plan"})
+    engine = Engine(graph, choices, device=dev,
+                    profiles=[Profile.from_json(p) for p in h.get("profiles", [])],
+                    build=h.get("build"), header={k: v for k, v in h.items() if k != "plan"})
+    engine.portability_notes = notes
+    return engine
 
 
 class ExecutionContext:
@@ -142,13 +172,25 @@ class ExecutionContext:
     names, dtype, rank, fixed dims, optimization-profile ranges) and raises
     :class:`kiln.errors.ShapeError` naming the input. Outputs come back as the inputs came:
     numpy in, numpy out; torch in, torch out.
+
+    On CUDA, host inputs go up through pinned staging buffers and outputs come back the same
+    way; torch inputs on the GPU give torch outputs on that GPU. Each concrete input-shape
+    signature is captured once as a CUDA graph and replayed (see :mod:`kiln.runtime.cuda`);
+    ``ctx.cuda.decisions`` says, per signature, whether it replays a graph or why not.
     """
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, cuda_graph: bool | None = None):
         self.engine = engine
         self.profile: int | None = None  # set to pin a profile; None picks the first that fits
         self.last_profile = -1
         self._lock = threading.Lock()  # one run at a time per context
+        self.cuda: rt_cuda.CudaRunner | None = None  # the CUDA half: stream, graphs, staging
+        if engine.torch_device is not None:
+            b = engine.build_info
+            graphs = b.get("cuda_graph", True) if cuda_graph is None else cuda_graph
+            self.cuda = rt_cuda.CudaRunner(engine._executor, engine.torch_device,
+                                           cuda_graph=graphs,
+                                           tf32=b.get("tf32", True))
 
     def run(self, feeds: dict) -> dict:
         eng = self.engine
@@ -157,7 +199,12 @@ class ExecutionContext:
             profiles = [eng.profiles[self.profile]]
         with self._lock:
             self.last_profile = check_feeds(eng.inputs, feeds, profiles, dtype_of)
-            as_torch = any(isinstance(x, torch.Tensor) for x in feeds.values())
+            torch_in = [x for x in feeds.values() if isinstance(x, torch.Tensor)]
+            if self.cuda is not None:
+                outs = self.cuda.run([feeds[i.name] for i in eng.inputs], bool(torch_in),
+                                     torch_in[0].device if torch_in else None)
+                return {o.name: v for o, v in zip(eng.outputs, outs)}
+            as_torch = bool(torch_in)
             args = [to_torch(np.asarray(feeds[i.name]) if not isinstance(
                 feeds[i.name], torch.Tensor) else feeds[i.name]) for i in eng.inputs]
             outs = eng._executor.run(args)
@@ -170,10 +217,3 @@ def _precision(node) -> str:
     dt = getattr(t, "dtype", None)
     return dt.name if dt is not None and dt.is_float else "-"
 
-
-def _triton_version():
-    try:
-        import importlib.metadata as md
-        return md.version("triton")
-    except Exception:
-        return None

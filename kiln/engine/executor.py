@@ -2,6 +2,13 @@
 
 The records are made once; running walks the list, reads each kernel's inputs from slots,
 writes its outputs back and clears slots after their last reader, so memory follows lifetimes.
+
+On a CUDA device the weights are copied to the device once, when the executor is made. Small
+integer constants (shape vectors, axes, indices) stay on the host, and so does what is computed
+from them and from ``Shape``: kernels read those with ``.tolist()``, which would otherwise wait
+for the device and make CUDA-graph capture impossible. A kernel that turns out to need one of
+them on the device (it fails on mixed devices) is run again with its host inputs copied up, and
+the step remembers that (constants are then kept on the device too).
 """
 
 from __future__ import annotations
@@ -18,26 +25,32 @@ from kiln.kernels.torch.convert import to_torch
 
 
 def default_choice(node: Node, backend: str):
-    ks = kernels_for(node.op, backend)
+    ks = kernels_for(node.op, backend) or kernels_for(node.op, "cpu")  # torch runs anywhere
     if not ks:
         raise KilnError(f"node '{node.name}': op {node.op.qualname} has no {backend} kernel")
     return ks[0]
 
 
+HOST_CONST_MAX = 64  # integer constants up to this many elements stay on the host
+
+
 class Step:
-    __slots__ = ("fn", "call", "ins", "outs", "free", "node")
+    __slots__ = ("fn", "call", "ins", "outs", "free", "node", "upload")
 
     def __init__(self, fn, call, ins, outs, free, node):
         self.fn, self.call, self.ins, self.outs, self.free, self.node = (
             fn, call, ins, outs, free, node)
+        self.upload: tuple[int, ...] = ()  # input positions copied host -> device (CUDA)
 
 
 class Executor:
     """Executes ``graph`` with the kernels ``choose(node, backend)`` picks."""
 
     def __init__(self, graph: Graph, backend: str = "cpu",
-                 choose: Callable = default_choice, opset: dict | None = None):
+                 choose: Callable = default_choice, opset: dict | None = None,
+                 device: torch.device | None = None):
         self.graph, self.backend, self.choose = graph, backend, choose
+        self.device = device if device is not None and device.type != "cpu" else None
         self.opset = dict(opset or {}, **graph.opset)
         slot: dict[int, int] = {}
 
@@ -56,6 +69,16 @@ class Executor:
         self.output_slots = [slot_of(v) for v in graph.outputs]
         self.n_slots = len(slot)
         self._plan_frees()
+        self.const_slots = {s for s, _ in self.consts}
+        self._device_consts: dict[int, torch.Tensor] = {}  # host constants a kernel needed up
+        if self.device is not None:
+            self.consts = [(s, _place(c, self.device)) for s, c in self.consts]
+
+    @property
+    def device_weight_bytes(self) -> int:
+        """Bytes of constants resident on the device."""
+        return sum(c.numel() * c.element_size() for _, c in self.consts + list(
+            self._device_consts.items()) if isinstance(c, torch.Tensor) and c.device.type != "cpu")
 
     def _step(self, node: Node, slot_of) -> Step:
         kernel = self.choose(node, self.backend)
@@ -65,7 +88,7 @@ class Executor:
                     tuple(v.type for v in node.outputs), opset=self.opset.get(node.op.domain, 0))
         if subgraphs:
             call.run_graph = _SubgraphRunner(node, subgraphs, n_caps, self.backend, self.choose,
-                                             self.opset)
+                                             self.opset, self.device)
         ins = tuple(-1 if v is None else slot_of(v) for v in node.inputs)
         outs = tuple(slot_of(v) for v in node.outputs)
         return Step(kernel.fn, call, ins, outs, (), node)
@@ -84,26 +107,16 @@ class Executor:
         for i, st in enumerate(self.steps):
             st.free = tuple(frees.get(i, ()))
 
-    def run(self, args: list, timer=None) -> list:
+    def run(self, args: list, timer=None, keep: list | None = None) -> list:
         """Run once. ``timer(step_index, seconds)``, when given, receives every step's time
-        (a profiling run: slower, as each step is synchronised)."""
+        (a profiling run: slower, as each step is synchronised). ``keep`` (CUDA-graph capture)
+        collects host buffers the captured copies read, which must outlive the graph."""
         if timer is not None:
             return self._run_timed(args, timer)
-        env: list = [None] * self.n_slots
-        for s, v in zip(self.input_slots, args):
-            env[s] = v
-        for s, c in self.consts:
-            env[s] = c
+        env = self._env(args)
         with torch.inference_mode():
             for st in self.steps:
-                try:
-                    out = st.fn(st.call, *[env[i] if i >= 0 else None for i in st.ins])
-                except KilnError:
-                    raise
-                except Exception as e:
-                    raise KernelError(
-                        f"node '{st.node.name}' ({st.node.op.qualname}) failed: "
-                        f"{type(e).__name__}: {e}") from e
+                out = self._call(st, env, keep)
                 if len(st.outs) == 1:
                     env[st.outs[0]] = out[0] if isinstance(out, tuple) else out
                 else:
@@ -113,19 +126,65 @@ class Executor:
                     env[s] = None
         return [env[s] for s in self.output_slots]
 
-
-    def _run_timed(self, args: list, timer) -> list:
-        import time
-
+    def _env(self, args: list) -> list:
         env: list = [None] * self.n_slots
         for s, v in zip(self.input_slots, args):
             env[s] = v
         for s, c in self.consts:
             env[s] = c
+        return env
+
+    def _call(self, st: Step, env: list, keep: list | None):
+        xs = [env[i] if i >= 0 else None for i in st.ins]
+        if st.upload:
+            xs = self._upload(st, xs, keep)
+        try:
+            return st.fn(st.call, *xs)
+        except KilnError:
+            raise
+        except Exception as e:
+            if self.device is None or not _mixed_devices(xs, e):
+                raise _kernel_error(st, e) from e
+        st.upload = tuple(k for k, x in enumerate(xs) if _on_host(x))
+        try:
+            return st.fn(st.call, *self._upload(st, xs, keep))
+        except KilnError:
+            raise
+        except Exception as e:
+            raise _kernel_error(st, e) from e
+
+    def _upload(self, st: Step, xs: list, keep: list | None) -> list:
+        xs = list(xs)
+        for k in st.upload:
+            x, slot = xs[k], st.ins[k]
+            if not _on_host(x):
+                continue
+            if slot in self.const_slots:
+                up = self._device_consts.get(slot)
+                if up is None and keep is None:  # made outside any capture, kept for good
+                    up = self._device_consts[slot] = x.to(self.device)
+                if up is not None:
+                    xs[k] = up
+                    continue
+            if keep is not None:  # capture: a pinned source the replayed copy can read
+                pinned = x.pin_memory()
+                keep.append(pinned)
+                xs[k] = pinned.to(self.device, non_blocking=True)
+            else:
+                xs[k] = x.to(self.device)
+        return xs
+
+    def _run_timed(self, args: list, timer) -> list:
+        import time
+
+        sync = torch.cuda.synchronize if self.device is not None else (lambda: None)
+        env = self._env(args)
         with torch.inference_mode():
             for k, st in enumerate(self.steps):
+                sync()
                 t0 = time.perf_counter()
-                out = st.fn(st.call, *[env[i] if i >= 0 else None for i in st.ins])
+                out = self._call(st, env, None)
+                sync()
                 timer(k, time.perf_counter() - t0)
                 outs = out if len(st.outs) > 1 else (
                     (out[0] if isinstance(out, tuple) else out),)
@@ -134,16 +193,40 @@ class Executor:
         return [env[s] for s in self.output_slots]
 
 
+def _kernel_error(st: Step, e: Exception) -> KernelError:
+    return KernelError(f"node '{st.node.name}' ({st.node.op.qualname}) failed: "
+                       f"{type(e).__name__}: {e}")
+
+
+def _on_host(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "cpu"
+
+
+def _mixed_devices(xs: list, e: Exception) -> bool:
+    """Did the kernel fail because host and device tensors met?"""
+    devs = {x.device.type for x in xs if isinstance(x, torch.Tensor)}
+    return len(devs) > 1 and "device" in str(e).lower()
+
+
+def _place(c, device: torch.device):
+    """A constant's home on a CUDA executor: small integer tensors stay on the host."""
+    if not isinstance(c, torch.Tensor):
+        return c  # dtypes torch lacks (strings) stay numpy
+    if not c.dtype.is_floating_point and not c.dtype.is_complex and c.numel() <= HOST_CONST_MAX:
+        return c
+    return c.to(device)
+
+
 class _SubgraphRunner:
     """``call.run_graph(graph, args, captured)``: runs one of the node's subgraphs, handing it
     the captured outer values it reads."""
 
     def __init__(self, node: Node, subgraphs: list[Graph], n_caps: int, backend, choose,
-                 opset: dict):
+                 opset: dict, device: torch.device | None = None):
         # the frontend appended the captured outer values to the node's inputs, in order
         names = [v.name for v in node.inputs[len(node.inputs) - n_caps:]] if n_caps else []
         self.index = {id(g): [names.index(c.name) for c in g.captures] for g in subgraphs}
-        self.execs = {id(g): Executor(g, backend, choose, opset) for g in subgraphs}
+        self.execs = {id(g): Executor(g, backend, choose, opset, device) for g in subgraphs}
 
     def __call__(self, graph: Graph, args: list, captured) -> list:
         caps = [captured[i] for i in self.index[id(graph)]]
