@@ -82,7 +82,7 @@ class Engine:
                                 "build it with device='cpu'")
             self.torch_device = torch.device("cuda", torch.cuda.current_device())
         self._executor = Executor(graph, device, self._choose, device=self.torch_device)
-        self._memory: dict | None = None
+        self._memory: dict[str, dict] = {}
         self.portability_notes: list[str] = []  # what differed from the build machine
 
     def _choose(self, node, backend):
@@ -110,15 +110,18 @@ class Engine:
                          "outputs": [str(v.type) for v in n.outputs]})
         return rows
 
-    def device_memory(self, remeasure: bool = False) -> dict:
+    def device_memory(self, shapes: dict | None = None) -> dict:
         """Device memory of this engine, in bytes: ``weights`` (resident on the device),
-        ``activations`` (peak during one run at the first profile's opt shapes),
-        ``workspace`` (what the kernels keep between runs: packed weights, library
-        workspaces) and ``total``, plus ``method``. Measured once (a run on random inputs)
-        and cached. CPU engines report the weights' host bytes and no measurement."""
-        if self._memory is None or remeasure:
-            self._memory = measure_device_memory(self)
-        return dict(self._memory)
+        ``activations`` (peak during one run at the first profile's opt shapes, or at
+        ``shapes``, ``{input name: shape}``; symbolic dims without either are 1),
+        ``workspace`` (what the kernels keep between runs: transposed weights, library
+        workspaces) and ``total``, plus the ``shapes`` measured at and the ``method``.
+        Measured with a run on random inputs, cached per shapes. CPU engines report the
+        weights' host bytes and measure nothing."""
+        key = repr(sorted((shapes or {}).items()))
+        if key not in self._memory:
+            self._memory[key] = measure_device_memory(self, shapes)
+        return dict(self._memory[key])
 
     @property
     def weight_bytes(self) -> int:
