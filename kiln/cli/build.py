@@ -18,6 +18,8 @@ def add_arguments(p):
     add_precision_args(p)
     p.add_argument("--no-optimize", action="store_true", help="skip the graph optimizer")
     p.add_argument("--timing-cache", help="timing cache file for kernel selection")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="CUDA: launch kernels one by one instead of replaying CUDA graphs")
     add_common_args(p)
 
 
@@ -28,7 +30,7 @@ def main(args) -> int:
     cfg = BuilderConfig(device=args.device, fp16=args.fp16, bf16=args.bf16, int8=args.int8,
                         tf32=not args.no_tf32, profiles=[profile] if profile else [],
                         optimize=not args.no_optimize, timing_cache=args.timing_cache,
-                        verbose=args.verbose)
+                        cuda_graph=not args.no_cuda_graph, verbose=args.verbose)
     out = args.output or (args.model.rsplit(".", 1)[0] + ".kiln")
     log = print if args.verbose else (lambda m: None)
     stages = Stages(2)

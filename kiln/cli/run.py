@@ -21,16 +21,18 @@ def add_arguments(p):
     p.add_argument("--shapes", help="shapes for random inputs with dynamic dims")
     p.add_argument("--output-dir", help="save every output as OUTPUT_DIR/<name>.npy")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--portable", action="store_true",
+                   help="load a CUDA engine built on another GPU model or software versions")
     add_common_args(p)
 
 
-def open_engine(path: str):
+def open_engine(path: str, portable: bool = False):
     """An engine from a .kiln file, or built in memory from an ONNX model."""
     import kiln
 
     if path.endswith(".onnx"):
         return kiln.Builder().build(path)
-    return kiln.load(path)
+    return kiln.load(path, portable=portable)
 
 
 def load_inputs(items: list[str]) -> dict[str, np.ndarray]:
@@ -48,7 +50,7 @@ def load_inputs(items: list[str]) -> dict[str, np.ndarray]:
 def main(args) -> int:
     from kiln.engine.inputs import random_inputs
 
-    engine = open_engine(args.engine)
+    engine = open_engine(args.engine, args.portable)
     given = load_inputs(args.input)
     missing = [i for i in engine.inputs if i.name not in given]
     profile = engine.profiles[0] if engine.profiles else None
