@@ -6,9 +6,24 @@ FusedConv the layout pass marked ``layout="nhwc"`` runs instead as one oneDNN pr
 bias, residual add and activation as post-ops (``torch.ops.mkldnn._convolution_pointwise``, what
 inductor emits on CPU), on channels-last activations; its weight is packed for oneDNN on the
 first run and kept in the node's ``cache``, so the engine file still holds plain arrays.
+
+Float32 matrix products with a constant 2-D weight (FusedMatMul, FusedGemm, and plain Gemm
+through :func:`linear`) pick a *tactic* per input shape on their first run: plain ``F.linear``
+(MKL sgemm), MKL's packed GEMM (``torch.ops.mkl._mkl_linear``), or oneDNN's inner product on a
+weight reordered for it (``torch.ops.mkldnn._linear_pointwise``), that last one also with the
+activation or the residual add fused as a post-op. The candidates are timed against each other
+(interleaved, the fastest of several runs) and checked against ``F.linear``; the choice is kept
+per signature (input shape, weight shape, epilogue) for the whole process, so the twelve
+identical layers of a transformer time once, and the packed weight per node and input shape in
+the node's ``cache``. ``KILN_CPU_LINEAR=linear|mkl|onednn|onednn_fused`` pins one tactic.
 """
 
+
 from __future__ import annotations
+
+import os
+import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +81,7 @@ def epilogue(y, a, residual=None):
 
 def _onednn_ok(a, x, w) -> bool:
     return (a.layout == "nhwc" and x.dim() == 4 and x.dtype == torch.float32
+            and x.device.type == "cpu"  # oneDNN is the CPU path; CUDA runs the generic one
             and w.dtype == torch.float32 and torch.backends.mkldnn.is_available())
 
 
@@ -125,21 +141,190 @@ def fused_conv(n, x, w, b=None, r=None):
 
 
 def _transposed(n, w):
-    """W^T, contiguous, made once per node: F.linear reads the weight as [out, in]."""
-    if n.cache.get("wt_src") is not w:
-        n.cache["wt"] = w.t().contiguous()
-        n.cache["wt_src"] = w
-    return n.cache["wt"]
+    """W^T, contiguous, made once per node: F.linear reads the weight as [out, in]. Made under
+    the node's lock, so that contexts running the node at once all get the same tensor (the
+    packed weights are keyed by its identity)."""
+    pair = n.cache.get("wt")
+    if pair is None or pair[0] is not w:
+        with _lock(n):
+            pair = n.cache.get("wt")
+            if pair is None or pair[0] is not w:
+                pair = n.cache["wt"] = (w, w.t().contiguous())
+    return pair[1]
+
+
+# ---------------------------------------------------------------- CPU linear tactics
+
+PACKED_LINEAR = True  # False: plain F.linear everywhere (the switch A/B benchmarks flip)
+TACTICS = ("linear", "mkl", "onednn", "onednn_fused")
+_FORCED = os.environ.get("KILN_CPU_LINEAR", "")
+_HAVE_MKL = (torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_linear")
+             and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+_HAVE_ONEDNN = (torch.backends.mkldnn.is_available()
+                and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+_TIME_BUDGET_S = 0.2  # timing per signature and candidate, at most (beyond one warm-up run)
+_MAX_ROUNDS = 10
+_RTOL = 1e-5  # a candidate further than this from F.linear (relative to max |y|) is dropped
+
+_choices: dict = {}  # signature -> tactic name, for the whole process
+_choices_lock = threading.Lock()
+
+
+def _linear_ok(x, wt, b, r) -> bool:
+    return (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.dim() >= 2
+            and x.device.type == "cpu" and x.numel() > 0
+            and wt.dtype == torch.float32 and wt.dim() == 2 and wt.is_contiguous()
+            and x.shape[-1] == wt.shape[1]
+            and (b is None or (b.dtype == torch.float32 and b.shape == wt.shape[:1]))
+            and (r is None or r.dtype == torch.float32))
+
+
+def _build(name, x, wt, b, a, r):
+    """The tactic ``name`` as ``(x, r) -> act(x @ wt^T + b + r)``, its weight packed for the
+    shape of ``x``; None where it does not apply (or this torch lacks it)."""
+    n_out, k = wt.shape
+    m = x.numel() // k
+    out_shape = (*x.shape[:-1], n_out)
+    if name == "linear":
+        return lambda x, r: epilogue(F.linear(x, wt, b), a, r)
+    if name == "mkl":
+        if not _HAVE_MKL:
+            return None
+        pk = torch.ops.mkl._mkl_reorder_linear_weight(wt, m)
+
+        def mkl(x, r):
+            y = torch.ops.mkl._mkl_linear(x.contiguous().view(m, k), pk, wt, b, m)
+            return epilogue(y.view(out_shape), a, r)
+        return mkl
+    if not _HAVE_ONEDNN:
+        return None
+    if name == "onednn":
+        pd = torch.ops.mkldnn._reorder_linear_weight(wt, m)
+        return lambda x, r: epilogue(
+            torch.ops.mkldnn._linear_pointwise(x.contiguous(), pd, b, "none", [], ""), a, r)
+    # onednn_fused: the residual add (a binary post-op), else the activation (a unary one)
+    if r is not None:
+        if tuple(r.shape) != out_shape:
+            return None
+        pd = torch.ops.mkldnn._reorder_linear_weight(wt, m)
+
+        def binary(x, r):
+            y = torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), r.contiguous(), pd,
+                                                          b, "add")
+            return _TORCH_ACT[a.activation](y, a)
+        return binary
+    if not a.activation:
+        return None
+    attr, scalars, algo = _ONEDNN_ACT[a.activation]
+    pd = torch.ops.mkldnn._reorder_linear_weight(wt, m)
+    sc = scalars(a)
+    return lambda x, r: torch.ops.mkldnn._linear_pointwise(x.contiguous(), pd, b, attr, sc, algo)
+
+
+def _signature(x, wt, b, a, r):
+    return (tuple(x.shape), tuple(wt.shape), b is not None, a.activation, a.alpha, a.beta,
+            None if r is None else tuple(r.shape), torch.get_num_threads())
+
+
+def _select(fns: dict, x, r):
+    """The fastest of ``fns`` (name -> fn, "linear" first) on these inputs, and its output.
+    Each runs once to warm up and is checked against F.linear's result, then all run
+    interleaved for a few rounds; the fastest run of each counts (contention only adds time)."""
+    outs, best, ref, scale = {}, {}, None, 0.0
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        y = fn(x, r)
+        dt = time.perf_counter() - t0
+        if ref is None:
+            ref, scale = y, float(y.abs().max())
+        elif y.shape != ref.shape or not float((y - ref).abs().max()) <= _RTOL * scale:
+            continue  # (a NaN anywhere fails the check too)
+        outs[name], best[name] = y, dt
+    slowest = max(best.values())
+    rounds = 1 if slowest >= _TIME_BUDGET_S else \
+        max(2, min(_MAX_ROUNDS, int(_TIME_BUDGET_S / max(slowest, 1e-9))))
+    for _ in range(rounds):
+        for name in best:
+            t0 = time.perf_counter()
+            fns[name](x, r)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    name = min(best, key=lambda k: (best[k], TACTICS.index(k)))
+    return name, outs[name]
+
+
+def _lock(n):
+    lock = n.cache.get("lin_lock")
+    if lock is None:
+        lock = n.cache.setdefault("lin_lock", threading.Lock())  # atomic: one lock wins
+    return lock
+
+
+def linear(n, x, wt, b, a, r=None):
+    """``act(x @ wt^T + b + r)`` (``a``: the fused-op attributes with the epilogue; ``wt``:
+    [out, in], constant across runs), by this node's tactic for the shape of ``x``. The first
+    run per shape picks the tactic (or reads the process-wide pick for the signature) and packs
+    the weight for it; both stay in ``n.cache`` (a few shapes per node)."""
+    if not PACKED_LINEAR or n.cache.get("lin_dynamic") or not _linear_ok(x, wt, b, r):
+        return epilogue(F.linear(x, wt, b), a, r)
+    key = (tuple(x.shape), None if r is None else tuple(r.shape))
+    plans = n.cache.get("lin_plans")
+    if plans is not None and n.cache.get("lin_src") is wt:
+        fn = plans.get(key)
+        if fn is not None:
+            return fn(x, r)
+    with _lock(n):
+        src = n.cache.get("lin_src")
+        if src is not None and src is not wt:  # not a constant: packing would not pay
+            n.cache["lin_dynamic"] = True
+            n.cache.pop("lin_plans", None)
+            return epilogue(F.linear(x, wt, b), a, r)
+        if src is None:
+            n.cache["lin_plans"], n.cache["lin_src"] = {}, wt
+        plans = n.cache["lin_plans"]
+        fn = plans.get(key)
+        if fn is not None:
+            return fn(x, r)
+        y, fn = _plan(x, wt, b, a, r)
+        if len(plans) >= _MAX_PACKED:
+            del plans[next(iter(plans))]
+        plans[key] = fn
+        n.cache.setdefault("lin_tactics", {})[key] = fn.tactic
+    return y if y is not None else fn(x, r)
+
+
+def _plan(x, wt, b, a, r):
+    """(the output where picking the tactic made it, else None; the tactic's function, its
+    name in ``.tactic``)."""
+    y, name = None, _FORCED
+    if name:
+        if name not in TACTICS:
+            raise ValueError(f"KILN_CPU_LINEAR={name!r}: expected one of {', '.join(TACTICS)}")
+        fn = _build(name, x, wt, b, a, r)
+        if fn is None:
+            name, fn = "linear", _build("linear", x, wt, b, a, r)
+    else:
+        sig = _signature(x, wt, b, a, r)
+        with _choices_lock:
+            name = _choices.get(sig)
+            if name is None:
+                fns = {t: f for t in TACTICS if (f := _build(t, x, wt, b, a, r)) is not None}
+                name, y = _select(fns, x, r)
+                _choices[sig] = name
+                fn = fns[name]
+        if y is None:
+            fn = _build(name, x, wt, b, a, r)
+    fn.tactic = name
+    return y, fn
 
 
 @register(FC.FusedMatMul)
 def fused_matmul(n, x, w, b=None, r=None):
     if w.dim() == 2 and x.dim() >= 2 and x.dtype.is_floating_point:
-        y = F.linear(x, _transposed(n, w), b)
-    else:
-        y = torch.matmul(x, w)
-        if b is not None:
-            y = y.add_(b) if y.shape == torch.broadcast_shapes(y.shape, b.shape) else y + b
+        return linear(n, x, _transposed(n, w), b, n.a, r)
+    y = torch.matmul(x, w)
+    if b is not None:
+        y = y.add_(b) if y.shape == torch.broadcast_shapes(y.shape, b.shape) else y + b
     return epilogue(y, n.a, r)
 
 
@@ -149,9 +334,8 @@ def fused_gemm(n, a_in, b_in, c=None, r=None):
     x = a_in.t() if a.transA else a_in
     if c is not None and c.dim() == 1 and x.dtype.is_floating_point:
         wt = b_in if a.transB else _transposed(n, b_in)
-        y = F.linear(x, wt, c)
-    else:
-        y = torch.matmul(x, b_in.t() if a.transB else b_in)
-        if c is not None:
-            y = y + c
+        return linear(n, x, wt, c, a, r)
+    y = torch.matmul(x, b_in.t() if a.transB else b_in)
+    if c is not None:
+        y = y + c
     return epilogue(y, a, r)

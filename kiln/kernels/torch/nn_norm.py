@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 
 from kiln.kernels.registry import register
+from kiln.kernels.torch import fused_conv as FCK
 from kiln.kernels.torch.convert import TORCH_DTYPE
 from kiln.kernels.torch.util import unsigned_safe
 from kiln.ops import nn as N
@@ -178,12 +181,25 @@ def matmul(n, a, b):
     return torch.matmul(a, b)
 
 
+_NO_EPILOGUE = SimpleNamespace(activation="", alpha=0.0, beta=0.0)
+
+
 @register(N.Gemm)
 @unsigned_safe
 def gemm(n, a, b, c=None):
     at = n.a
     alpha = at.alpha if at.alpha is not None else 1.0
     beta = at.beta if at.beta is not None else 1.0
+    if (alpha == 1 and (c is None or beta == 1) and not n.cache.get("lin_dynamic")
+            and a.dtype == torch.float32
+            and b.dtype == torch.float32 and b.dim() == 2
+            and (c is None or (c.dtype == torch.float32
+                               and c.numel() in (1, b.shape[0 if at.transB else 1])
+                               and (c.dim() < 2 or c.shape[0] == 1)))):
+        # a float32 product with a weight: the CPU linear tactics (MKL / packed oneDNN)
+        wt = b if at.transB else FCK._transposed(n, b)
+        bias = None if c is None else c.reshape(-1).expand(wt.shape[0]).contiguous()
+        return FCK.linear(n, a.t() if at.transA else a, wt, bias, _NO_EPILOGUE)
     if at.transA:
         a = a.t()
     if at.transB:

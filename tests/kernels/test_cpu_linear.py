@@ -1,0 +1,176 @@
+"""The CPU linear tactics (F.linear, MKL packed, oneDNN packed with fused post-ops) of
+FusedMatMul / FusedGemm / Gemm: every tactic agrees with F.linear, the pick is cached per node
+and input shape, and the cache fill is thread-safe."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.kernels.registry import Call
+from kiln.kernels.torch import fused_conv as FCK
+from kiln.kernels.torch import nn_norm
+from kiln.ops import fused_conv as FC
+from kiln.ops import nn as N
+
+RTOL = 1e-5
+
+
+def _call(op, **attrs):
+    return Call(op.Attrs(**attrs), n_out=1, n_in=4)
+
+
+def _close(got, want):
+    assert got.shape == want.shape
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= RTOL * scale, float((got - want).abs().max())
+
+
+def _reference(x, w, b, act, r, alpha=0.0, beta=0.0):
+    y = x.double() @ w.double()
+    if b is not None:
+        y = y + b.double()
+    if r is not None:
+        y = y + r.double()
+    return {"": lambda y: y, "Relu": F.relu, "Gelu": F.gelu,
+            "GeluTanh": lambda y: F.gelu(y, approximate="tanh"),
+            "Clip": lambda y: y.clamp(alpha, beta), "Sigmoid": torch.sigmoid}[act](y)
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A clean process-wide choice table, the tactics on, nothing pinned."""
+    monkeypatch.setattr(FCK, "_choices", {})
+    monkeypatch.setattr(FCK, "PACKED_LINEAR", True)
+    monkeypatch.setattr(FCK, "_FORCED", "")
+    return monkeypatch
+
+
+CASES = [  # x shape (its last dim K), K, N, activation, residual, bias
+    ((1, 16, 32), 32, 48, "", False, True),
+    ((2, 16, 32), 32, 32, "", True, True),
+    ((1, 16, 32), 32, 96, "Gelu", False, True),
+    ((3, 7, 24), 24, 40, "GeluTanh", False, True),
+    ((2, 16, 64), 64, 32, "Relu", True, True),
+    ((16, 32), 32, 24, "Clip", False, False),
+    ((2, 5, 16), 16, 8, "Sigmoid", False, True),
+]
+
+
+@pytest.mark.parametrize("tactic", [*FCK.TACTICS, "select"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[3] or 'none'}-r{int(c[4])}")
+def test_fused_matmul_tactics(fresh, tactic, case):
+    shape, k, n_out, act, res, bias = case
+    fresh.setattr(FCK, "_FORCED", "" if tactic == "select" else tactic)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(k, n_out, generator=g) / k ** 0.5
+    b = torch.randn(n_out, generator=g) if bias else None
+    r = torch.randn(*x.shape[:-1], n_out, generator=g) if res else None
+    r_copy = None if r is None else r.clone()
+    alpha, beta = (-0.5, 0.5) if act == "Clip" else (0.0, 0.0)
+    n = _call(FC.FusedMatMul, activation=act, alpha=alpha, beta=beta, has_residual=int(res))
+    want = _reference(x, w, b, act, r, alpha, beta)
+    first = FCK.fused_matmul(n, x, w, b, r)
+    second = FCK.fused_matmul(n, x, w, b, r)
+    _close(first.double(), want)
+    _close(second.double(), want)
+    assert torch.equal(first, second) or tactic == "select"  # a pick runs the same way again
+    assert torch.equal(FCK.fused_matmul(n, x, w, b, r), second)
+    if r is not None:
+        assert torch.equal(r, r_copy)  # the residual input is never written
+    (key, picked), = n.cache["lin_tactics"].items()
+    assert picked in FCK.TACTICS
+    if tactic != "select":
+        fused_ok = act or res
+        assert picked == (tactic if tactic != "onednn_fused" or fused_ok else "linear") or \
+            not (FCK._HAVE_ONEDNN and FCK._HAVE_MKL)
+
+
+def test_plans_per_shape_and_weight_kept_plain(fresh):
+    n = _call(FC.FusedMatMul)
+    w = torch.randn(32, 16)
+    for m in (4, 8, 4, 12):
+        x = torch.randn(m, 32)
+        _close(FCK.fused_matmul(n, x, w).double(), x.double() @ w.double())
+    assert set(n.cache["lin_plans"]) == {((4, 32), None), ((8, 32), None), ((12, 32), None)}
+    assert n.cache["wt"][1].shape == (16, 32)  # the plain transposed weight, not a packed one
+    assert not n.cache.get("lin_dynamic")
+
+
+def test_choice_shared_across_nodes_of_one_signature(fresh):
+    calls = []
+    real = FCK._select
+    fresh.setattr(FCK, "_select", lambda fns, x, r: calls.append(1) or real(fns, x, r))
+    x = torch.randn(2, 8, 32)
+    nodes = [_call(FC.FusedMatMul) for _ in range(3)]
+    for nd in nodes:
+        FCK.fused_matmul(nd, x, torch.randn(32, 64))
+    assert len(calls) == 1
+    assert len({tuple(nd.cache["lin_tactics"].values()) for nd in nodes}) == 1
+
+
+def test_changing_weight_falls_back_to_plain(fresh):
+    n = _call(FC.FusedGemm, transB=1)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        w, c = torch.randn(24, 16), torch.randn(24)
+        _close(FCK.fused_gemm(n, x, w, c).double(), x.double() @ w.double().t() + c.double())
+    assert n.cache["lin_dynamic"]
+
+
+def test_cache_fill_is_thread_safe(fresh):
+    n = _call(FC.FusedMatMul, activation="Gelu")
+    w = torch.randn(64, 128) / 8
+    xs = [torch.randn(2, 32, 64) for _ in range(8)]
+    outs = [None] * len(xs)
+    start = threading.Barrier(len(xs))
+
+    def work(i):
+        start.wait()
+        outs[i] = FCK.fused_matmul(n, xs[i], w)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for x, y in zip(xs, outs, strict=True):
+        _close(y.double(), F.gelu(x.double() @ w.double()))
+    assert len(n.cache["lin_plans"]) == 1
+
+
+def test_switch_off_is_plain_linear(fresh):
+    fresh.setattr(FCK, "PACKED_LINEAR", False)
+    n = _call(FC.FusedMatMul)
+    x, w = torch.randn(4, 8), torch.randn(8, 3)
+    assert torch.equal(FCK.fused_matmul(n, x, w), F.linear(x, w.t().contiguous()))
+    assert "lin_plans" not in n.cache
+
+
+@pytest.mark.parametrize("trans_b", [0, 1])
+@pytest.mark.parametrize("c_kind", ["none", "scalar", "vector", "row", "matrix"])
+def test_gemm(fresh, trans_b, c_kind):
+    g = torch.Generator().manual_seed(1)
+    m, k, n_out = 10, 24, 40
+    a = torch.randn(m, k, generator=g)
+    w = torch.randn(k, n_out, generator=g)
+    c = {"none": None, "scalar": torch.tensor(0.25), "vector": torch.randn(n_out, generator=g),
+         "row": torch.randn(1, n_out, generator=g),
+         "matrix": torch.randn(m, n_out, generator=g)}[c_kind]
+    n = _call(N.Gemm, transB=trans_b)
+    b = w.t().contiguous() if trans_b else w
+    want = a.double() @ w.double() + (0 if c is None else c.double())
+    for _ in range(2):
+        _close(nn_norm.gemm(n, a, b, c).double(), want)
+    assert ("lin_plans" in n.cache) == (c_kind != "matrix")
+
+
+def test_gemm_alpha_beta_keeps_generic_path(fresh):
+    n = _call(N.Gemm, alpha=2.0, beta=0.5)
+    a, b, c = torch.randn(4, 6), torch.randn(6, 5), torch.randn(5)
+    _close(nn_norm.gemm(n, a, b, c).double(), 2 * a.double() @ b.double() + 0.5 * c.double())
+    assert "lin_plans" not in n.cache
