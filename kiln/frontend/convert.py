@@ -109,6 +109,9 @@ class _Converter:
             self.problems.append(
                 f"node '{name}': op '{np_.op_type}' (domain '{domain or 'ai.onnx'}', "
                 f"opset {version}) is not supported")
+            for o in np_.output:  # keep later readers from reporting it again
+                if o:
+                    scope.names[o] = Value(o)
             return
         attrs, subgraphs = {}, []
         for a in np_.attribute:

@@ -36,10 +36,11 @@ def test_frontend_loads_path_bytes_and_proto(tmp_path):
 
 def test_frontend_external_data_round_trip(tmp_path):
     m = _mlp_with_weight()
-    onnx.save(m, tmp_path / "m.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
-              location="m.bin", size_threshold=0)
     x = np.ones((2, 4), np.float32)
-    want = x @ numpy_helper.to_array(m.graph.initializer[0])
+    want = x @ numpy_helper.to_array(m.graph.initializer[0])  # before save moves the data out
+    onnx.save(m, str(tmp_path / "m.onnx"), save_as_external_data=True,
+              all_tensors_to_one_file=True, location="m.bin", size_threshold=0)
+    assert (tmp_path / "m.bin").exists()
     got = backend.prepare(str(tmp_path / "m.onnx")).run([x])[0]
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
@@ -66,7 +67,7 @@ def test_frontend_truncated_model(tmp_path):
 
 def test_frontend_missing_external_data(tmp_path):
     m = _mlp_with_weight()
-    onnx.save(m, tmp_path / "m.onnx", save_as_external_data=True, location="m.bin",
+    onnx.save(m, str(tmp_path / "m.onnx"), save_as_external_data=True, location="m.bin",
               size_threshold=0)
     (tmp_path / "m.bin").unlink()
     with pytest.raises(ModelLoadError, match="tensor 'w' needs external data file 'm.bin'"):
