@@ -18,7 +18,8 @@ def _model(nodes, inputs, outputs, inits=(), opset=17):
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
 
 
-def _mlp_with_weight(rng=np.random.default_rng(0)):
+def _mlp_with_weight():
+    rng = np.random.default_rng(0)
     w = numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w")
     return _model([helper.make_node("MatMul", ["x", "w"], ["y"])],
                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],

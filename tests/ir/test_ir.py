@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import kiln.kernels.torch  # noqa: F401
+import kiln.kernels.torch
 import kiln.ops
 from kiln.frontend import import_onnx
 from kiln.ir import DType, Node, TensorType, Value

@@ -18,7 +18,7 @@ import pytest
 
 ort = pytest.importorskip("onnxruntime")
 
-from kiln.zoo import build_onnx, minilm_tokenize, sample_inputs
+from kiln.zoo import build_onnx, minilm_tokenize, sample_inputs  # noqa: E402
 
 RTOL = 1e-4
 TINY = float(np.finfo(np.float32).tiny)

@@ -1,18 +1,28 @@
-"""PyTorch kernels for every op (the CPU backend). Importing this package registers them."""
+"""PyTorch kernels for every op (the CPU backend). Importing this package registers them.
 
-from kiln.kernels.torch import (
-    attention,  # noqa: F401
-    control,  # noqa: F401
-    fused_conv,  # noqa: F401
-    fused_transformer,  # noqa: F401
-    math,  # noqa: F401
-    nn,  # noqa: F401
-    quant,  # noqa: F401
-    random,  # noqa: F401
-    reduce,  # noqa: F401
-    rnn,  # noqa: F401
-    signal,  # noqa: F401
-    tensor,  # noqa: F401
-    text_ml,  # noqa: F401
-    vision,  # noqa: F401
+One module per op family; a family too large for one file continues in a second module,
+listed right after it."""
+
+from kiln.kernels.torch import (  # noqa: F401
+    attention,
+    attention_more,
+    control,
+    fused_conv,
+    fused_transformer,
+    math,
+    math_act,
+    nn,
+    nn_norm,
+    quant,
+    quant_linear,
+    random,
+    reduce,
+    rnn,
+    signal,
+    tensor,
+    tensor_more,
+    text_ml,
+    text_ml_tree,
+    vision,
+    vision_sample,
 )

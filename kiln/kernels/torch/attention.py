@@ -174,6 +174,3 @@ def attention(n, q, k, v, mask=None, past_k=None, past_v=None, nonpad=None):
     if three_d:
         y = merge_heads(y)
     return (y, k, v, qk)[:max(n.n_out, 1)]
-
-
-from kiln.kernels.torch import attention_more  # noqa: F401  (registers the rest)

@@ -308,6 +308,3 @@ def where(n, c, a, b):
         wide = _WIDE.get(a.dtype, torch.int64)
         return torch.where(c, a.to(wide), b.to(wide)).to(a.dtype)
     return torch.where(c, a, b)
-
-
-from kiln.kernels.torch import math_act  # noqa: F401  (registers the activations)

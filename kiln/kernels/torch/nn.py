@@ -327,6 +327,3 @@ def col2im(n, x, image_shape, block_shape):
     y.index_add_(2, pos.reshape(-1), x.reshape(nb, c, -1))
     y = y.reshape(nb, c, *padded)
     return _pad_spatial(y, [-v for v in p[:n_sp]], [-v for v in p[n_sp:]])
-
-
-from kiln.kernels.torch import nn_norm  # noqa: F401  (registers the remaining kernels)

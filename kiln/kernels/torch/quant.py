@@ -147,5 +147,3 @@ def bitcast(n, x):
     if isinstance(x, torch.Tensor) and tdt is not None:
         return x.view(tdt).clone()  # a new value: outputs never alias their inputs
     return back(np.array(to_numpy(x)).view(to.np))
-
-from kiln.kernels.torch import quant_linear  # noqa: F401  (registers the Q* kernels)

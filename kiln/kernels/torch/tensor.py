@@ -313,4 +313,3 @@ def tile(n, x, repeats):
 
 
 # the less common ops live in a second module; importing it registers them
-from kiln.kernels.torch import tensor_more  # noqa: F401

@@ -330,6 +330,3 @@ def imputer(n, x):
     bad = 0 if bad is None else bad
     mask = torch.isnan(x) if isinstance(bad, float) and np.isnan(bad) else x == bad
     return torch.where(mask, fill_t, x)
-
-
-from kiln.kernels.torch import text_ml_tree  # noqa: F401  (registers TreeEnsemble)

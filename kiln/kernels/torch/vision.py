@@ -215,6 +215,3 @@ def upsample_kernel(n, x, scales=None):
             "cubic_a": -0.75, "exclude_outside": False, "extrapolation": 0.0,
             "policy": "stretch"}
     return resize(x, sc, None, None, None, opts)
-
-
-from kiln.kernels.torch import vision_sample  # noqa: F401
