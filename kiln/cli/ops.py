@@ -14,8 +14,13 @@ def add_arguments(p):
 
 
 def op_rows() -> list[dict]:
-    import kiln.kernels.torch
+    import kiln.kernels.torch  # registers the CPU kernels
     import kiln.ops
+
+    try:  # the Triton (CUDA) kernels register on import, where Triton is installed
+        import kiln.kernels.triton
+    except ImportError:
+        pass
     from kiln.kernels.registry import kernels_for
 
     rows = []
