@@ -40,8 +40,6 @@ def test_if_reads_outer_values_in_both_branches():
         check_against_reference(m, {"c": np.array(c), "a": a, "b": b})
 
 
-@pytest.mark.xfail(reason="needs the executor to order captures as the node's inputs do",
-                   strict=False)
 def test_if_with_then_branch_attribute_first():
     # producers (e.g. function bodies parsed from text) may list then_branch first; the
     # captured values must still reach the right branch inputs
