@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import torch
+
+from kiln.build import autotune
 from kiln.build.config import BuilderConfig
 from kiln.build.precision import lower_precision
 from kiln.engine.engine import Engine, TensorInfo
@@ -20,11 +23,19 @@ class Builder:
     """Builds engines: ``Builder(BuilderConfig(...)).build("model.onnx")``.
 
     ``log`` receives one line per step (what the CLI prints with ``--verbose``).
+
+    On ``device="cuda"`` with a GPU present (and Triton importable), every layer that has CUDA
+    kernels is autotuned at the first profile's opt shapes: its candidates (kernel x tactic,
+    and the PyTorch kernel) are timed with ``timer`` (default: :func:`autotune.cuda_timer`)
+    through the timing cache ``config.timing_cache``; the plan records the fastest kernel and
+    its tactic, ``report["autotune"]`` every :class:`autotune.Selection` (with the runner-up).
     """
 
-    def __init__(self, config: BuilderConfig | None = None, log: Callable[[str], None] = None):
+    def __init__(self, config: BuilderConfig | None = None, log: Callable[[str], None] = None,
+                 timer: Callable | None = None):
         self.config = config or BuilderConfig()
         self.log = log or (lambda msg: None)
+        self.timer = timer
         self.report: dict = {}
 
     def build(self, model, base_dir=None) -> Engine:
@@ -44,23 +55,60 @@ class Builder:
             graph = optimize(graph, log=self.log)
         if cfg.fp16 or cfg.bf16:  # FP16 when both are allowed: more mantissa, same speed
             lower_precision(graph, "fp16" if cfg.fp16 else "bf16", log=self.log)
-        choices = self._choose_kernels(graph)
+        self.report = {}
+        choices, tactics = self._choose_kernels(graph)
         t_end = time.perf_counter()
-        self.report = {"nodes_before": before, "nodes_after": graph.op_counts(),
-                       "parse_s": t_parse - t0, "total_s": t_end - t0}
+        self.report.update({"nodes_before": before, "nodes_after": graph.op_counts(),
+                            "parse_s": t_parse - t0, "total_s": t_end - t0})
         self.log(f"built {len(graph.nodes)} layers in {t_end - t0:.2f} s")
         build = dict(cfg.to_json(), build_seconds=round(t_end - t0, 3))
-        return Engine(graph, choices, device=cfg.device, profiles=cfg.profiles, build=build)
+        return Engine(graph, choices, device=cfg.device, profiles=cfg.profiles, build=build,
+                      tactics=tactics)
 
-    def _choose_kernels(self, graph: Graph) -> dict[str, str]:
+    def _choose_kernels(self, graph: Graph) -> tuple[dict[str, str], dict[str, dict]]:
+        """``(choices, tactics)``: the kernel name per node, and the tactic per node whose
+        kernel has one. Without tuning (CPU builds, no GPU, no Triton): the first kernel."""
         backend = self.config.device
+        picks = self._autotune(graph)
         choices: dict[str, str] = {}
+        tactics: dict[str, dict] = {}
         for n in _all_nodes(graph):
+            sel = picks.get(n.name) if picks is not None else None
+            if sel is not None:
+                choices[n.name] = sel.kernel
+                if sel.tactic is not None:
+                    tactics[n.name] = dict(sel.tactic)
+                continue
             ks = kernels_for(n.op, backend) or kernels_for(n.op, "cpu")
+            if picks is not None and kernels_for(n.op, "cpu"):
+                # tuned, and no CUDA kernel could run this node at the opt shapes (or it never
+                # ran): the PyTorch kernel, which is what the tuner itself ran
+                ks = kernels_for(n.op, "cpu")
             if not ks:
                 raise KilnError(f"node '{n.name}': op {n.op.qualname} has no {backend} kernel")
             choices[n.name] = ks[0].name
-        return choices
+        return choices, tactics
+
+    def _autotune(self, graph: Graph) -> dict[str, autotune.Selection] | None:
+        """Selections per tuned node, or None when this build does not tune."""
+        cfg = self.config
+        if cfg.device != "cuda" or not torch.cuda.is_available():
+            return None
+        try:
+            import kiln.kernels.triton  # noqa: F401  (registers the CUDA kernels)
+        except ImportError as e:
+            self.log(f"autotune: Triton kernels unavailable ({e}); using the PyTorch kernels")
+            return None
+        t0 = time.perf_counter()
+        cache = autotune.TimingCache(cfg.timing_cache, autotune.device_key(), log=self.log)
+        profile = cfg.profiles[0] if cfg.profiles else None
+        picks = autotune.tune_graph(graph, profile, cache, timer=self.timer, log=self.log)
+        timed = sum(s.timed for s in picks.values())
+        cached = sum(s.cached for s in picks.values())
+        self.log(f"autotune: {len(picks)} layers tuned, {timed} candidates timed, "
+                 f"{cached} from the timing cache, in {time.perf_counter() - t0:.2f} s")
+        self.report["autotune"] = {name: s.to_json() for name, s in picks.items()}
+        return picks
 
 
 def _all_nodes(graph: Graph):

@@ -40,7 +40,7 @@ def _engine_info(path: str) -> dict:
                      "profiles": [p.range_str(t["name"]) for p in profiles]
                      if kind == "inputs" else []} for t in h[kind]]
     layers = [{"name": n["name"], "op": n["op"][1], "kernel": n.get("kernel", "?"),
-               "precision": _prec(n), "output": ", ".join(
+               "tactic": n.get("tactic"), "precision": _prec(n), "output": ", ".join(
                    str(decode_type(o["type"])) for o in n["outputs"])}
               for n in h["plan"]["nodes"]]
     return {"file": path, "kind": "engine", "kiln_version": h.get("kiln_version"),

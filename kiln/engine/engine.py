@@ -66,9 +66,10 @@ class Engine:
 
     def __init__(self, graph: Graph, choices: dict[str, str], *, device: str = "cpu",
                  profiles: list[Profile] | None = None, build: dict | None = None,
-                 header: dict | None = None):
+                 header: dict | None = None, tactics: dict[str, dict] | None = None):
         self.graph = graph
         self.choices = dict(choices)
+        self.tactics = {k: dict(v) for k, v in (tactics or {}).items() if v is not None}
         self.device = device
         self.profiles = list(profiles or [])
         self.build_info = dict(build or {})
@@ -81,7 +82,8 @@ class Engine:
                 raise KilnError("this engine is for CUDA and this machine has no CUDA device; "
                                 "build it with device='cpu'")
             self.torch_device = torch.device("cuda", torch.cuda.current_device())
-        self._executor = Executor(graph, device, self._choose, device=self.torch_device)
+        self._executor = Executor(graph, device, self._choose, device=self.torch_device,
+                                  tactics=self.tactics)
         self._memory: dict[str, dict] = {}
         self.portability_notes: list[str] = []  # what differed from the build machine
 
@@ -102,11 +104,13 @@ class Engine:
         return ExecutionContext(self, cuda_graph)
 
     def layers(self) -> list[dict]:
-        """One row per layer: name, op, precision, kernel, output shapes."""
+        """One row per layer: name, op, precision, kernel, tactic (None if the kernel has
+        none), output shapes."""
         rows = []
         for n in self.graph.nodes:
             rows.append({"name": n.name, "op": n.op.name, "precision": _precision(n),
                          "kernel": self.choices.get(n.name, "?"),
+                         "tactic": self.tactics.get(n.name),
                          "outputs": [str(v.type) for v in n.outputs]})
         return rows
 
@@ -131,7 +135,7 @@ class Engine:
     def save(self, path: str | os.PathLike) -> int:
         """Write the engine file atomically; returns its size in bytes."""
         w = PlanWriter()
-        plan = w.graph(self.graph, self.choices)
+        plan = w.graph(self.graph, self.choices, self.tactics)
         header = {
             "kiln_version": kiln.__version__, "torch_version": torch.__version__,
             "triton_version": rt_cuda.triton_version(), "device": device_info(self.device),
@@ -156,16 +160,33 @@ def load(path: str | os.PathLike, portable: bool = False) -> Engine:
     dev = h.get("device", {}).get("kind", "cpu")
     notes = rt_cuda.check_device(h.get("device", {}), path, portable)
     choices: dict[str, str] = {}
+    tactics: dict[str, dict] = {}
     try:
-        graph = PlanReader(ef.tensors).graph(h["plan"], choices)
+        graph = PlanReader(ef.tensors).graph(h["plan"], choices, tactics)
     except (KeyError, TypeError, ValueError) as e:
         raise EngineFileError(f"'{path}' has a damaged plan ({type(e).__name__}: {e}); "
                               "rebuild the engine") from None
-    engine = Engine(graph, choices, device=dev,
+    if dev == "cuda":
+        _register_cuda_kernels(path, choices)
+    engine = Engine(graph, choices, device=dev, tactics=tactics,
                     profiles=[Profile.from_json(p) for p in h.get("profiles", [])],
                     build=h.get("build"), header={k: v for k, v in h.items() if k != "plan"})
     engine.portability_notes = notes
     return engine
+
+
+def _register_cuda_kernels(path, choices: dict[str, str]) -> None:
+    """Import the Triton kernels a CUDA engine's plan may name; without Triton, an engine that
+    names one cannot run here (one that names only PyTorch kernels still can)."""
+    try:
+        import kiln.kernels.triton  # noqa: F401  (registers the CUDA kernels)
+    except ImportError as e:
+        triton_k = sorted({k for k in choices.values() if k.startswith("Triton")})
+        if triton_k:
+            raise EngineFileError(
+                f"'{path}' uses Triton kernels ({', '.join(triton_k[:4])}"
+                f"{', ...' if len(triton_k) > 4 else ''}) and Triton cannot be imported here "
+                f"({e}); install triton, or rebuild the engine on this machine") from None
 
 
 class ExecutionContext:

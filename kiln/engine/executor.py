@@ -44,12 +44,16 @@ class Step:
 
 
 class Executor:
-    """Executes ``graph`` with the kernels ``choose(node, backend)`` picks."""
+    """Executes ``graph`` with the kernels ``choose(node, backend)`` picks.
+
+    ``tactics`` (node name -> tactic dict, the builder's picks) becomes ``call.tactic`` of each
+    node's kernel, subgraph nodes included; nodes without one get None."""
 
     def __init__(self, graph: Graph, backend: str = "cpu",
                  choose: Callable = default_choice, opset: dict | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, tactics: dict | None = None):
         self.graph, self.backend, self.choose = graph, backend, choose
+        self.tactics = tactics or {}
         self.device = device if device is not None and device.type != "cpu" else None
         self.opset = dict(opset or {}, **graph.opset)
         slot: dict[int, int] = {}
@@ -85,10 +89,11 @@ class Executor:
         subgraphs = node.subgraphs()
         n_caps = len({c.name for g in subgraphs for c in g.captures})
         call = Call(node.attrs, len(node.outputs), len(node.inputs) - n_caps, node.name,
-                    tuple(v.type for v in node.outputs), opset=self.opset.get(node.op.domain, 0))
+                    tuple(v.type for v in node.outputs), opset=self.opset.get(node.op.domain, 0),
+                    tactic=self.tactics.get(node.name))
         if subgraphs:
             call.run_graph = _SubgraphRunner(node, subgraphs, n_caps, self.backend, self.choose,
-                                             self.opset, self.device)
+                                             self.opset, self.device, self.tactics)
         ins = tuple(-1 if v is None else slot_of(v) for v in node.inputs)
         outs = tuple(slot_of(v) for v in node.outputs)
         return Step(kernel.fn, call, ins, outs, (), node)
@@ -222,11 +227,12 @@ class _SubgraphRunner:
     the captured outer values it reads."""
 
     def __init__(self, node: Node, subgraphs: list[Graph], n_caps: int, backend, choose,
-                 opset: dict, device: torch.device | None = None):
+                 opset: dict, device: torch.device | None = None, tactics: dict | None = None):
         # the frontend appended the captured outer values to the node's inputs, in order
         names = [v.name for v in node.inputs[len(node.inputs) - n_caps:]] if n_caps else []
         self.index = {id(g): [names.index(c.name) for c in g.captures] for g in subgraphs}
-        self.execs = {id(g): Executor(g, backend, choose, opset, device) for g in subgraphs}
+        self.execs = {id(g): Executor(g, backend, choose, opset, device, tactics)
+                      for g in subgraphs}
 
     def __call__(self, graph: Graph, args: list, captured) -> list:
         caps = [captured[i] for i in self.index[id(graph)]]

@@ -41,6 +41,8 @@ class PlanWriter:
 
     def __init__(self):
         self.tensors: dict[str, np.ndarray] = {}
+        self._choices: dict | None = None  # for the nodes of subgraphs, met through attrs
+        self._tactics: dict | None = None
 
     def tensor(self, arr: np.ndarray):
         arr = np.asarray(arr)
@@ -58,7 +60,7 @@ class PlanWriter:
 
     def attr(self, x):
         if isinstance(x, Graph):
-            return {"graph": self.graph(x)}
+            return {"graph": self.graph(x, self._choices, self._tactics)}
         if isinstance(x, np.ndarray):
             return self.tensor(x)
         if isinstance(x, (TensorType, SequenceType, OptionalType)):
@@ -69,7 +71,11 @@ class PlanWriter:
             return x.item()
         return x
 
-    def graph(self, g: Graph, choices: dict | None = None) -> dict:
+    def graph(self, g: Graph, choices: dict | None = None,
+              tactics: dict | None = None) -> dict:
+        """The plan of ``g``; ``choices`` (node name -> kernel name) and ``tactics`` (node
+        name -> tactic dict) are written into the node records as ``kernel`` and ``tactic``."""
+        self._choices, self._tactics = choices, tactics
         nodes = []
         for n in g.nodes:
             rec = {"op": [n.op.domain, n.op.name], "name": n.name,
@@ -79,6 +85,8 @@ class PlanWriter:
                              for f in dataclasses.fields(n.attrs)}}
             if choices and n.name in choices:
                 rec["kernel"] = choices[n.name]
+            if tactics and tactics.get(n.name) is not None:
+                rec["tactic"] = dict(tactics[n.name])
             nodes.append(rec)
         weights = [dict(self.value(w), data=self.tensor(w.const)) for w in g.weights.values()]
         consts = [dict(self.value(v), data=self.tensor(v.const)) for v in _node_consts(g)]
@@ -103,6 +111,8 @@ def _node_consts(g: Graph) -> list[Value]:
 class PlanReader:
     def __init__(self, tensors: dict[str, np.ndarray]):
         self.tensors = tensors
+        self._choices: dict | None = None  # for the nodes of subgraphs, met through attrs
+        self._tactics: dict | None = None
 
     def tensor(self, d):
         if "strings" in d:
@@ -119,7 +129,7 @@ class PlanReader:
     def attr(self, x):
         if isinstance(x, dict):
             if "graph" in x:
-                return self.graph(x["graph"])
+                return self.graph(x["graph"], self._choices, self._tactics)
             if "tensor" in x or "strings" in x:
                 return self.tensor(x)
             if "type" in x:
@@ -128,7 +138,11 @@ class PlanReader:
                 return tuple(self.attr(i) for i in x["tuple"])
         return x
 
-    def graph(self, d: dict, choices: dict | None = None) -> Graph:
+    def graph(self, d: dict, choices: dict | None = None,
+              tactics: dict | None = None) -> Graph:
+        """The graph of plan ``d``; fills ``choices`` (node name -> kernel name) and
+        ``tactics`` (node name -> tactic dict) from the node records, when given."""
+        self._choices, self._tactics = choices, tactics
         g = Graph(d["name"])
         g.opset, g.metadata = d.get("opset", {}), d.get("metadata", {})
         scope: dict[str, Value] = {}
@@ -155,5 +169,9 @@ class PlanReader:
                 scope[o.name] = o
             if choices is not None and "kernel" in rec:
                 choices[rec["name"]] = rec["kernel"]
+            if tactics is not None and rec.get("tactic") is not None:
+                if not isinstance(rec["tactic"], dict):
+                    raise TypeError(f"node '{rec['name']}': tactic is not an object")
+                tactics[rec["name"]] = dict(rec["tactic"])
         g.outputs = [scope[n] for n in d["outputs"]]
         return g

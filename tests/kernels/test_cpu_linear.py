@@ -174,3 +174,34 @@ def test_gemm_alpha_beta_keeps_generic_path(fresh):
     a, b, c = torch.randn(4, 6), torch.randn(6, 5), torch.randn(5)
     _close(nn_norm.gemm(n, a, b, c).double(), 2 * a.double() @ b.double() + 0.5 * c.double())
     assert "lin_plans" not in n.cache
+
+
+# ---- CUDA: F.linear reads a transposed view of the weight, no copy (run here on CPU tensors by
+# pretending they are on the device)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_gemm_uses_weight_view(monkeypatch, dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 16, generator=g).to(dtype)
+    w = torch.randn(16, 24, generator=g).to(dtype)
+    b = torch.randn(24, generator=g).to(dtype)
+    r = torch.randn(2, 5, 24, generator=g).to(dtype)
+    x2 = x.reshape(10, 16)
+    want_mm = FCK.fused_matmul(_call(FC.FusedMatMul, activation="Relu", has_residual=1),
+                               x, w, b, r)
+    want_gemm = FCK.fused_gemm(_call(FC.FusedGemm), x2, w, b)
+    seen = []
+    real = F.linear
+    monkeypatch.setattr(FCK, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(FCK.F, "linear", lambda x, wt, b=None: seen.append(wt) or real(x, wt, b))
+    n_mm = _call(FC.FusedMatMul, activation="Relu", has_residual=1)
+    n_gemm = _call(FC.FusedGemm)
+    for _ in range(2):
+        got_mm = FCK.fused_matmul(n_mm, x, w, b, r)
+        got_gemm = FCK.fused_gemm(n_gemm, x2, w, b)
+    assert "wt" not in n_mm.cache and "wt" not in n_gemm.cache  # no transposed copy kept
+    assert seen and all(wt.data_ptr() == w.data_ptr() for wt in seen)  # views of w
+    torch.testing.assert_close(got_mm, want_mm, rtol=1e-2 if dtype != torch.float32 else 1e-5,
+                               atol=1e-2 if dtype != torch.float32 else 1e-5)
+    torch.testing.assert_close(got_gemm, want_gemm, rtol=1e-2 if dtype != torch.float32 else 1e-5,
+                               atol=1e-2 if dtype != torch.float32 else 1e-5)

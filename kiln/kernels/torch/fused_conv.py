@@ -7,6 +7,14 @@ bias, residual add and activation as post-ops (``torch.ops.mkldnn._convolution_p
 inductor emits on CPU), on channels-last activations; its weight is packed for oneDNN on the
 first run and kept in the node's ``cache``, so the engine file still holds plain arrays.
 
+On CUDA, a 2-D FusedConv on FP16/BF16 activations runs channels-last (cuDNN's fast layout for
+reduced precision): the weight is converted to ``torch.channels_last`` once per device and dtype
+and kept in the node's ``cache``, the input is made channels-last only when it is not already (so
+consecutive convolutions pass NHWC tensors along without copies), and the residual add and the
+activation run in place on the conv's fresh NHWC output. ``CUDA_CHANNELS_LAST = False`` turns
+that off (the NCHW path, for A/B checks). On CUDA, FusedMatMul/FusedGemm hand ``F.linear`` a
+transposed *view* of the weight (cuBLAS reads either layout), never a transposed copy.
+
 Float32 matrix products with a constant 2-D weight (FusedMatMul, FusedGemm, and plain Gemm
 through :func:`linear`) pick a *tactic* per input shape on their first run: plain ``F.linear``
 (MKL sgemm), MKL's packed GEMM (``torch.ops.mkl._mkl_linear``), or oneDNN's inner product on a
@@ -129,10 +137,52 @@ def _conv_onednn(n, x, w, b, r, geo):
     return y if unary or not a.activation else _TORCH_ACT[a.activation](y, a)
 
 
+# ---------------------------------------------------------------- CUDA channels-last convs
+
+CUDA_CHANNELS_LAST = True  # False: CUDA convs run NCHW through F.conv2d (the A/B switch)
+_NHWC_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _on_cuda(x) -> bool:
+    return x.device.type == "cuda"
+
+
+def _nhwc_cuda(x, w) -> bool:
+    """Run this conv channels-last (CUDA, 4-D FP16/BF16 input and weight)?"""
+    return (CUDA_CHANNELS_LAST and x.dim() == 4 and w.dim() == 4 and x.dtype in _NHWC_DTYPES
+            and w.dtype == x.dtype and _on_cuda(x))
+
+
+def _weight_nhwc(n, w):
+    """``w`` in channels_last memory format, made once per node, device and dtype (the engine's
+    weight is a plain NCHW array; converting it on every call would copy it every call)."""
+    key = ("w_nhwc", w.device, w.dtype)
+    pair = n.cache.get(key)
+    if pair is None or pair[0] is not w:
+        # (a race makes the same tensor twice; either is right)
+        pair = n.cache[key] = (w, w.contiguous(memory_format=torch.channels_last))
+    return pair[1]
+
+
+def _shares_memory(y, t) -> bool:
+    return t is not None and y.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+
+
+def _conv_nhwc(n, x, w, b, r):
+    if not x.is_contiguous(memory_format=torch.channels_last):
+        x = x.contiguous(memory_format=torch.channels_last)
+    y = conv_reference(n, x, _weight_nhwc(n, w), b)  # cuDNN: channels-last in, out
+    if _shares_memory(y, x) or _shares_memory(y, r):  # never for a conv; out of place if so
+        y = y.clone(memory_format=torch.channels_last)
+    return epilogue(y, n.a, r)  # residual add_ and activation in place on the fresh NHWC y
+
+
 @register(FC.FusedConv)
 def fused_conv(n, x, w, b=None, r=None):
     if b is not None and b.dtype != x.dtype:
         b = b.to(x.dtype)
+    if _nhwc_cuda(x, w):
+        return _conv_nhwc(n, x, w, b, r)
     if _onednn_ok(n.a, x, w):
         geo = _geometry(n, x, w)
         if geo is not None:  # the pass fuses only residuals of the output's own shape
@@ -151,6 +201,13 @@ def _transposed(n, w):
             if pair is None or pair[0] is not w:
                 pair = n.cache["wt"] = (w, w.t().contiguous())
     return pair[1]
+
+
+def _weight_t(n, w):
+    """``W^T`` for F.linear: on CUDA a view (cuBLAS reads the transposed layout as it is, so no
+    copy of the weight is made, per call or kept), elsewhere the contiguous copy of
+    :func:`_transposed` that the CPU tactics pack."""
+    return w.t() if _on_cuda(w) else _transposed(n, w)
 
 
 # ---------------------------------------------------------------- CPU linear tactics
@@ -321,7 +378,7 @@ def _plan(x, wt, b, a, r):
 @register(FC.FusedMatMul)
 def fused_matmul(n, x, w, b=None, r=None):
     if w.dim() == 2 and x.dim() >= 2 and x.dtype.is_floating_point:
-        return linear(n, x, _transposed(n, w), b, n.a, r)
+        return linear(n, x, _weight_t(n, w), b, n.a, r)
     y = torch.matmul(x, w)
     if b is not None:
         y = y.add_(b) if y.shape == torch.broadcast_shapes(y.shape, b.shape) else y + b
@@ -333,7 +390,7 @@ def fused_gemm(n, a_in, b_in, c=None, r=None):
     a = n.a
     x = a_in.t() if a.transA else a_in
     if c is not None and c.dim() == 1 and x.dtype.is_floating_point:
-        wt = b_in if a.transB else _transposed(n, b_in)
+        wt = b_in if a.transB else _weight_t(n, b_in)
         return linear(n, x, wt, c, a, r)
     y = torch.matmul(x, b_in.t() if a.transB else b_in)
     if c is not None:
