@@ -68,9 +68,8 @@ def _as_numpy(values) -> list[np.ndarray]:
 # ---- kiln -----------------------------------------------------------------------------------
 
 def has_cuda_backend() -> bool:
-    """kiln runs on CUDA with its torch kernels (cuBLAS/cuDNN underneath) and CUDA graphs. The
-    Triton kernels are not imported here: the builder does not yet tune between them and the
-    vendor kernels, so importing them would make it pick untuned candidates."""
+    """kiln runs on CUDA wherever torch sees a GPU: its torch kernels (cuBLAS/cuDNN) always, and
+    the Triton kernels where the builder's autotuner finds them faster."""
     import torch
 
     return torch.cuda.is_available()
