@@ -29,7 +29,6 @@ the node's ``cache``. ``KILN_CPU_LINEAR=linear|mkl|onednn|onednn_fused`` pins on
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -40,6 +39,7 @@ from kiln.kernels.registry import register
 from kiln.kernels.torch.nn import conv as conv_reference
 from kiln.ops import fused_conv as FC
 from kiln.ops import nn as N
+from kiln.settings import SETTINGS
 
 _MAX_PACKED = 4  # packed weights kept per node, one per input shape
 
@@ -214,7 +214,7 @@ def _weight_t(n, w):
 
 PACKED_LINEAR = True  # False: plain F.linear everywhere (the switch A/B benchmarks flip)
 TACTICS = ("linear", "mkl", "onednn", "onednn_fused")
-_FORCED = os.environ.get("KILN_CPU_LINEAR", "")
+_FORCED = SETTINGS.cpu_linear  # a forced tactic, for repeatable measurements
 _HAVE_MKL = (torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_linear")
              and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
 _HAVE_ONEDNN = (torch.backends.mkldnn.is_available()
