@@ -99,6 +99,14 @@ class Engine:
             f"node '{node.name}' needs kernel {want!r} for {node.op.name}, which this kiln "
             "does not have; rebuild the engine with this kiln version")
 
+    def profile_ranges(self, name: str) -> list[tuple[tuple, tuple, tuple]]:
+        """(min, opt, max) shape of input ``name`` in each optimization profile (empty when the
+        engine has none, i.e. accepts every shape the model allows)."""
+        if name not in {i.name for i in self.inputs}:
+            raise KeyError(f"the engine has no input '{name}'; its inputs are "
+                           f"{[i.name for i in self.inputs]}")
+        return [(p.min[name], p.opt[name], p.max[name]) for p in self.profiles if name in p.min]
+
     def create_context(self, cuda_graph: bool | None = None) -> ExecutionContext:
         """A new context. ``cuda_graph`` overrides the build's choice (CUDA engines only)."""
         return ExecutionContext(self, cuda_graph)

@@ -106,7 +106,11 @@ def test_engine_pinned_profile(model):
 def test_engine_profiles_survive_save(model, tmp_path):
     p = Profile({"x": (1, 8)}, {"x": (4, 8)}, {"x": (8, 8)})
     kiln.Builder(kiln.BuilderConfig(profiles=[p])).build(model).save(tmp_path / "m.kiln")
-    assert kiln.load(tmp_path / "m.kiln").profiles == [p]
+    loaded = kiln.load(tmp_path / "m.kiln")
+    assert loaded.profiles == [p]
+    assert loaded.profile_ranges("x") == [((1, 8), (4, 8), (8, 8))]
+    with pytest.raises(KeyError, match="no input 'q'"):
+        loaded.profile_ranges("q")
 
 
 def test_engine_refuses_profile_that_does_not_fit_model(model):
