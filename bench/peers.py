@@ -81,7 +81,10 @@ def _kiln(fp16: bool):
 
         if device == "cuda" and not has_cuda_backend():
             raise Unavailable("CUDA is not available on this machine")
-        builder = kiln.Builder(kiln.BuilderConfig(device=device, fp16=fp16))
+        profiles = []
+        if device == "cuda":  # tune kernels at this workload's shapes, as torch.compile does
+            profiles = [kiln.Profile.fixed({k: v.shape for k, v in wl.feeds.items()})]
+        builder = kiln.Builder(kiln.BuilderConfig(device=device, fp16=fp16, profiles=profiles))
         engine = builder.build(str(wl.onnx_path()))
         path = tmp / f"{wl.key}{'-fp16' if fp16 else ''}.kiln"
         engine.save(path)
