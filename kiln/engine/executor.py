@@ -88,9 +88,7 @@ class Executor:
         kernel = self.choose(node, self.backend)
         subgraphs = node.subgraphs()
         n_caps = len({c.name for g in subgraphs for c in g.captures})
-        call = Call(node.attrs, len(node.outputs), len(node.inputs) - n_caps, node.name,
-                    tuple(v.type for v in node.outputs), opset=self.opset.get(node.op.domain, 0),
-                    tactic=self.tactics.get(node.name))
+        call = Call.of(node, self.opset, n_caps, tactic=self.tactics.get(node.name))
         if subgraphs:
             call.run_graph = _SubgraphRunner(node, subgraphs, n_caps, self.backend, self.choose,
                                              self.opset, self.device, self.tactics)
@@ -121,12 +119,7 @@ class Executor:
         env = self._env(args)
         with torch.inference_mode():
             for st in self.steps:
-                out = self._call(st, env, keep)
-                if len(st.outs) == 1:
-                    env[st.outs[0]] = out[0] if isinstance(out, tuple) else out
-                else:
-                    for s, o in zip(st.outs, out):
-                        env[s] = o
+                _store(st, env, self._call(st, env, keep))
                 for s in st.free:
                     env[s] = None
         return [env[s] for s in self.output_slots]
@@ -191,11 +184,17 @@ class Executor:
                 out = self._call(st, env, None)
                 sync()
                 timer(k, time.perf_counter() - t0)
-                outs = out if len(st.outs) > 1 else (
-                    (out[0] if isinstance(out, tuple) else out),)
-                for s, o in zip(st.outs, outs):
-                    env[s] = o
+                _store(st, env, out)
         return [env[s] for s in self.output_slots]
+
+
+def _store(st: Step, env: list, out) -> None:
+    """A kernel returns one output or a tuple; write them into the step's output slots."""
+    if len(st.outs) == 1:
+        env[st.outs[0]] = out[0] if isinstance(out, tuple) else out
+    else:
+        for s, o in zip(st.outs, out):
+            env[s] = o
 
 
 def _kernel_error(st: Step, e: Exception) -> KernelError:

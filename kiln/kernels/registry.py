@@ -55,6 +55,12 @@ class Call:
     def a(self):
         return self.attrs
 
+    @classmethod
+    def of(cls, node, opset: dict, n_caps: int = 0, **kw) -> Call:
+        """The Call of an IR node; ``n_caps`` trailing inputs are subgraph captures."""
+        return cls(node.attrs, len(node.outputs), len(node.inputs) - n_caps, node.name,
+                   tuple(v.type for v in node.outputs), opset=opset.get(node.op.domain, 0), **kw)
+
 
 _KERNELS: dict[tuple[OpDef, str], list[Kernel]] = {}
 

@@ -117,8 +117,7 @@ def _evaluate(graph: Graph, node: Node) -> list[np.ndarray] | None:
     kernels = kernels_for(node.op, "cpu")
     if not kernels:
         return None
-    call = Call(node.attrs, len(node.outputs), len(node.inputs), node.name,
-                tuple(v.type for v in node.outputs), opset=graph.opset.get(node.op.domain, 0))
+    call = Call.of(node, graph.opset)
     args = [None if v is None else to_torch(v.const) for v in node.inputs]
     try:
         with torch.inference_mode():

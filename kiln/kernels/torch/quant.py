@@ -81,13 +81,6 @@ def _to_strings(a: np.ndarray) -> np.ndarray:
     return a.astype(np.str_).astype(object)
 
 
-def back(a: np.ndarray):
-    """numpy result -> torch where the dtype allows, keeping 0-d shapes (``to_torch`` goes
-    through ``np.ascontiguousarray``, which makes 0-d arrays 1-d)."""
-    t = to_torch(a)
-    return t.reshape(a.shape) if isinstance(t, torch.Tensor) else t
-
-
 def _np_cast(x, to: DType, saturate: bool, round_mode: str):
     """The general path: numpy + ml_dtypes (mirrors the ONNX reference's ``astype``)."""
     a = to_numpy(x)
@@ -96,14 +89,14 @@ def _np_cast(x, to: DType, saturate: bool, round_mode: str):
     if a.dtype == object:
         a = _np_from_strings(a, to if to.np.kind in "fciub" else DType.float32)
         if a.dtype == to.np:
-            return back(a)
+            return to_torch(a)
     if to in FLOAT8 and saturate:
         info = ml_dtypes.finfo(to.np)
         a = np.clip(a.astype(np.float32) if a.dtype.kind not in "f" else a, info.min, info.max)
     elif to == DType.float8e8m0:
         return to_e8m0(torch.from_numpy(np.array(a, dtype=np.float32)), saturate, round_mode)
     with np.errstate(all="ignore"):
-        return back(np.asarray(a).astype(to.np))
+        return to_torch(np.asarray(a).astype(to.np))
 
 
 def cast(x, to: DType, saturate: bool = True, round_mode: str = "up"):
@@ -146,4 +139,4 @@ def bitcast(n, x):
     tdt = TORCH_DTYPE.get(to)
     if isinstance(x, torch.Tensor) and tdt is not None:
         return x.view(tdt).clone()  # a new value: outputs never alias their inputs
-    return back(np.array(to_numpy(x)).view(to.np))
+    return to_torch(np.array(to_numpy(x)).view(to.np))

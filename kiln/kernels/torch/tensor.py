@@ -48,9 +48,8 @@ def constant(n):
     v = T._constant_value(n.a)
     if v is None:
         raise ValueError("Constant has none of its value attributes")
-    out = to_torch(v)
-    # to_torch goes through np.ascontiguousarray, which turns 0-d arrays into 1-d ones
-    return out.reshape(v.shape).clone() if isinstance(out, torch.Tensor) else out
+    out = to_torch(v)  # shares the attribute's memory: hand out a copy
+    return out.clone() if isinstance(out, torch.Tensor) else out
 
 
 @register(T.ConstantOfShape)

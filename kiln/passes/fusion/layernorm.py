@@ -105,13 +105,15 @@ def norm_param(c: np.ndarray | None, norm_shape, fill: float, dtype) -> np.ndarr
         return None
 
 
-def fuse_layernorm(graph: Graph, log: Callable[[str], None]) -> int:
-    """Decomposed LayerNorm -> LayerNormalization(x, γ, β)."""
-    users, n = Users(graph), 0
+def norm_sites(graph: Graph, users: Users, match):
+    """Each decomposed normalization ``match(top)`` finds, ending at a Div/Mul ``top``, with its
+    γ multiply absorbed: (x, axis, eps, nodes, norm shape, dtype, out, γ or None). Sites whose
+    input is not float or whose normalized dims are not static are skipped. The caller rewrites
+    the graph (and refreshes ``users``) between sites."""
     for top in list(graph.nodes):
         if top.op not in (M.Div, M.Mul) or top not in graph.nodes:
             continue
-        m = match_moments(top)
+        m = match(top)
         if m is None:
             continue
         x, axis, eps, nodes = m
@@ -119,17 +121,26 @@ def fuse_layernorm(graph: Graph, log: Callable[[str], None]) -> int:
         norm_shape = tuple(shape[axis:])
         if dt is None or not dt.is_float or not all(isinstance(s, int) for s in norm_shape):
             continue
-        out, gamma, beta = top.outputs[0], None, None
+        out, gamma = top.outputs[0], None
         mul = affine_tail(users, out, M.Mul)
         if mul:  # n * γ
             nodes, out, gamma = nodes + [mul[0]], mul[0].outputs[0], mul[1]
+        yield x, axis, eps, nodes, norm_shape, dt, out, gamma
+
+
+def fuse_layernorm(graph: Graph, log: Callable[[str], None]) -> int:
+    """Decomposed LayerNorm -> LayerNormalization(x, γ, β)."""
+    users, n = Users(graph), 0
+    for x, axis, eps, nodes, norm_shape, dt, out, gamma in norm_sites(graph, users,
+                                                                      match_moments):
+        beta = None
         add = affine_tail(users, out, M.Add)
         if add:  # (n * γ) + β
             nodes, out, beta = nodes + [add[0]], add[0].outputs[0], add[1]
         g = norm_param(gamma, norm_shape, 1.0, dt.np)
         b = norm_param(beta, norm_shape, 0.0, dt.np) if beta is not None else None
         if g is None or (beta is not None and b is None) or not users.private(nodes, out) \
-                or len(shape_of(out) or ()) != len(shape):
+                or len(shape_of(out) or ()) != len(shape_of(x)):
             continue
         ins = [x, add_const(graph, "ln_scale", g)]
         if b is not None:

@@ -16,7 +16,12 @@ from kiln.ir import Graph, Node
 from kiln.ops import math as M
 from kiln.ops import nn as N
 from kiln.ops import reduce as R
-from kiln.passes.fusion.layernorm import affine_tail, is_square_of, norm_param, normalized
+from kiln.passes.fusion.layernorm import (
+    is_square_of,
+    norm_param,
+    norm_sites,
+    normalized,
+)
 from kiln.passes.fusion.match import (
     Users,
     add_const,
@@ -52,23 +57,10 @@ def match_rms(top: Node):
 def fuse_rmsnorm(graph: Graph, log: Callable[[str], None]) -> int:
     """Decomposed RMSNorm -> RMSNormalization(x, γ)."""
     users, n = Users(graph), 0
-    for top in list(graph.nodes):
-        if top.op not in (M.Div, M.Mul) or top not in graph.nodes:
-            continue
-        m = match_rms(top)
-        if m is None:
-            continue
-        x, axis, eps, nodes = m
-        shape, dt = shape_of(x), getattr(x.type, "dtype", None)
-        norm_shape = tuple(shape[axis:])
-        if dt is None or not dt.is_float or not all(isinstance(s, int) for s in norm_shape):
-            continue
-        out, gamma = top.outputs[0], None
-        mul = affine_tail(users, out, M.Mul)
-        if mul:  # n * γ
-            nodes, out, gamma = nodes + [mul[0]], mul[0].outputs[0], mul[1]
+    for x, axis, eps, nodes, norm_shape, dt, out, gamma in norm_sites(graph, users, match_rms):
         g = norm_param(gamma, norm_shape, 1.0, dt.np)
-        if g is None or not users.private(nodes, out) or len(shape_of(out) or ()) != len(shape):
+        if g is None or not users.private(nodes, out) or \
+                len(shape_of(out) or ()) != len(shape_of(x)):
             continue
         attrs = N.RMSNormalization.make_attrs(axis=axis, epsilon=float(eps), stash_type=1)
         replace(graph, nodes, N.RMSNormalization, [x, add_const(graph, "rms_scale", g)], attrs,
