@@ -39,7 +39,7 @@ class BertConfig:
 
 
 
-def _merge_heads(ctx: torch.Tensor, hidden: int) -> torch.Tensor:
+def merge_heads(ctx: torch.Tensor, hidden: int) -> torch.Tensor:
     """[batch, heads, seq, head_dim] -> [batch, seq, hidden]."""
     return ctx.transpose(1, 2).reshape(ctx.shape[0], -1, hidden)
 
@@ -78,7 +78,7 @@ class SelfAttention(nn.Module):
         q, k, v = self._split(self.query(x)), self._split(self.key(x)), self._split(self.value(x))
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim) + mask_bias
         ctx = torch.softmax(scores, dim=-1) @ v
-        return _merge_heads(ctx, self.heads * self.head_dim)
+        return merge_heads(ctx, self.heads * self.head_dim)
 
 
 class AttentionOutput(nn.Module):

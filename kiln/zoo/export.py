@@ -42,7 +42,7 @@ class ZooModel:
 MODELS: dict[str, ZooModel] = {
     "resnet50": ZooModel(resnet),
     "bert-base": ZooModel(bert),
-    "gpt2": ZooModel(gpt2),
+    "gpt2": ZooModel(gpt2, depends=(bert,)),
     "minilm": ZooModel(minilm, depends=(bert,)),
 }
 

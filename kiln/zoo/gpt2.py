@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from kiln.zoo.bert import merge_heads
+
 INPUT_NAMES = ["input_ids"]
 OUTPUT_NAMES = ["logits"]
 DYNAMIC_AXES = {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
@@ -30,11 +32,6 @@ class GPT2Config:
     max_positions: int = 1024
     eps: float = 1e-5
 
-
-
-def _merge_heads(ctx: torch.Tensor, hidden: int) -> torch.Tensor:
-    """[batch, heads, seq, head_dim] -> [batch, seq, hidden]."""
-    return ctx.transpose(1, 2).reshape(ctx.shape[0], -1, hidden)
 
 
 class CausalSelfAttention(nn.Module):
@@ -59,7 +56,7 @@ class CausalSelfAttention(nn.Module):
         causal = self.bias[:, :, :seq, :seq]
         scores = torch.where(causal, scores, torch.tensor(MASK_VALUE, dtype=scores.dtype))
         ctx = torch.softmax(scores, dim=-1) @ v
-        return self.c_proj(_merge_heads(ctx, self.heads * self.head_dim))
+        return self.c_proj(merge_heads(ctx, self.heads * self.head_dim))
 
 
 class MLP(nn.Module):
