@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from kiln.errors import EngineFileError
+from kiln.settings import SETTINGS
 from kiln.kernels.torch.convert import to_numpy, to_torch
 from kiln.ops import control, tensor, text_ml, vision
 
@@ -98,7 +99,8 @@ def math_flags(tf32: bool):
     old = mm.allow_tf32
     mm.allow_tf32 = tf32
     try:
-        with torch.backends.cudnn.flags(enabled=True, benchmark=True, allow_tf32=tf32):
+        with torch.backends.cudnn.flags(enabled=True, benchmark=SETTINGS.cudnn_benchmark,
+                                        allow_tf32=tf32):
             yield
     finally:
         mm.allow_tf32 = old

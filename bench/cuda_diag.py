@@ -1,0 +1,158 @@
+"""Diagnostics for the CUDA backend (where time goes at load and at big batch).
+
+    PYTHONPATH=. python bench/cuda_diag.py --out OUTDIR [--parts load,profile]
+
+``load``: builds ResNet-50 FP16 engines (b1), then in fresh processes times load + first
+inference with Triton's cache warm / cold and cuDNN autotuning on / off, with a cProfile of the
+warm case. ``profile``: a torch.profiler table of kiln's ResNet-50 FP16 b256 run (eager launches)
+next to PyTorch eager FP16 channels-last's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = r'''
+import os, sys, time, json
+t_imp = time.perf_counter()
+import torch, numpy as np
+import kiln
+torch.cuda.init(); torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+import kiln.kernels.triton
+t_ready = time.perf_counter()
+path, prof = sys.argv[1], sys.argv[2]
+x = np.random.default_rng(0).standard_normal((int(sys.argv[3]), 3, 224, 224)).astype(np.float32)
+def go():
+    t0 = time.perf_counter()
+    e = kiln.load(path)
+    t1 = time.perf_counter()
+    ctx = e.create_context()
+    ctx.run({e.inputs[0].name: x})
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return e, ctx, t1 - t0, t2 - t1
+if prof != "-":
+    import cProfile, pstats, io
+    pr = cProfile.Profile(); pr.enable(); e, ctx, a, b = go(); pr.disable()
+    s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(60)
+    open(prof, "w").write(s.getvalue())
+else:
+    e, ctx, a, b = go()
+feeds = {e.inputs[0].name: x}
+for _ in range(3): ctx.run(feeds)
+torch.cuda.synchronize()
+lat = []
+for _ in range(30):
+    t = time.perf_counter(); ctx.run(feeds); lat.append(time.perf_counter() - t)
+lat.sort()
+print(json.dumps({"import_s": t_ready - t_imp, "load_s": a, "first_run_s": b,
+                  "steady_median_ms": 1e3 * lat[len(lat) // 2],
+                  "decisions": {str(k): v for k, v in ctx.cuda.decisions.items()}}))
+'''
+
+
+def child(path, batch, env, prof="-"):
+    r = subprocess.run([sys.executable, "-c", CHILD, str(path), prof, str(batch)], env=env,
+                       capture_output=True, text=True, timeout=240)
+    if r.returncode:
+        return {"error": r.stderr[-3000:]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def build(batch, path, log):
+    import kiln
+    from kiln.zoo import build_onnx
+
+    t = time.perf_counter()
+    cfg = kiln.BuilderConfig(device="cuda", fp16=True, profiles=[
+        kiln.Profile.fixed({"input": (batch, 3, 224, 224)})])
+    eng = kiln.Builder(cfg, log=log).build(str(build_onnx("resnet50")))
+    eng.save(path)
+    return time.perf_counter() - t
+
+
+def part_load(out: Path, res: dict):
+    tmp = Path(tempfile.mkdtemp())
+    warm = tmp / "tc"
+    os.environ["TRITON_CACHE_DIR"] = str(warm)
+    lines = []
+    res["build_b1_s"] = build(1, tmp / "r1.kiln", lines.append)
+    res["build_b256_s"] = build(256, tmp / "r256.kiln", lines.append)
+    (out / "build_log.txt").write_text("\n".join(lines))
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    res["warm"] = child(tmp / "r1.kiln", 1, env)
+    res["warm_again"] = child(tmp / "r1.kiln", 1, env)
+    res["warm_profiled"] = child(tmp / "r1.kiln", 1, env, str(out / "load_cprofile.txt"))
+    res["warm_nobench"] = child(tmp / "r1.kiln", 1, dict(env, KILN_CUDNN_BENCHMARK="0"))
+    res["cold"] = child(tmp / "r1.kiln", 1, dict(env, TRITON_CACHE_DIR=str(tmp / "cold")))
+    res["b256_bench"] = child(tmp / "r256.kiln", 256, env)
+    res["b256_nobench"] = child(tmp / "r256.kiln", 256, dict(env, KILN_CUDNN_BENCHMARK="0"))
+    res["cache_files"] = sorted(str(p.relative_to(warm)) for p in warm.rglob("*") if p.is_file())
+    return tmp
+
+
+def part_profile(out: Path, res: dict, tmp: Path):
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import kiln
+    from kiln.zoo import resnet
+
+    x = np.random.default_rng(0).standard_normal((256, 3, 224, 224)).astype(np.float32)
+    e = kiln.load(tmp / "r256.kiln")
+    ctx = e.create_context(cuda_graph=False)
+    xt = torch.from_numpy(x).cuda()
+    feeds = {e.inputs[0].name: xt}
+    for _ in range(3):
+        ctx.run(feeds)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(3):
+            ctx.run(feeds)
+        torch.cuda.synchronize()
+    (out / "kiln_b256_profile.txt").write_text(
+        p.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
+    torch.manual_seed(0)
+    m, _ = resnet.build()
+    m = m.eval().cuda().half().to(memory_format=torch.channels_last)
+    xh = xt.half().contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        for _ in range(3):
+            m(xh)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            for _ in range(3):
+                m(xh)
+            torch.cuda.synchronize()
+    (out / "eager_b256_profile.txt").write_text(
+        p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
+    res["layers_b256"] = [(r["name"], r["op"], round(r["median_ms"], 3)) for r in
+                          __import__("kiln.perf.layers", fromlist=["x"]).profile_layers(
+                              e, [xt], runs=3)[:40]]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict = {}
+    try:
+        tmp = part_load(out, res)
+        (out / "diag.json").write_text(json.dumps(res, indent=1, default=str))
+        part_profile(out, res, tmp)
+    finally:
+        (out / "diag.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
