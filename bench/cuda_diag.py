@@ -52,7 +52,12 @@ lat = []
 for _ in range(30):
     t = time.perf_counter(); ctx.run(feeds); lat.append(time.perf_counter() - t)
 lat.sort()
+from kiln.kernels.triton import binary
+tc = os.environ.get("TRITON_CACHE_DIR")
+n_cache = sum(1 for _ in __import__("pathlib").Path(tc).rglob("*")) if tc else None
 print(json.dumps({"import_s": t_ready - t_imp, "load_s": a, "first_run_s": b,
+                  "installed": binary.installed(), "binaries_note": e.binaries_note,
+                  "triton_cache_files_after": n_cache,
                   "steady_median_ms": 1e3 * lat[len(lat) // 2],
                   "decisions": {str(k): v for k, v in ctx.cuda.decisions.items()}}))
 '''
@@ -87,13 +92,21 @@ def part_load(out: Path, res: dict):
     res["build_b256_s"] = build(256, tmp / "r256.kiln", lines.append)
     (out / "build_log.txt").write_text("\n".join(lines))
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    res["warm"] = child(tmp / "r1.kiln", 1, env)
-    res["warm_again"] = child(tmp / "r1.kiln", 1, env)
-    res["warm_profiled"] = child(tmp / "r1.kiln", 1, env, str(out / "load_cprofile.txt"))
-    res["warm_nobench"] = child(tmp / "r1.kiln", 1, dict(env, KILN_CUDNN_BENCHMARK="0"))
-    res["cold"] = child(tmp / "r1.kiln", 1, dict(env, TRITON_CACHE_DIR=str(tmp / "cold")))
-    res["b256_bench"] = child(tmp / "r256.kiln", 256, env)
-    res["b256_nobench"] = child(tmp / "r256.kiln", 256, dict(env, KILN_CUDNN_BENCHMARK="0"))
+    def fresh(tag: str) -> dict:  # an empty Triton cache: nothing to find, so nothing hides
+        d = tmp / f"tc-{tag}"
+        d.mkdir()
+        return dict(env, TRITON_CACHE_DIR=str(d))
+
+    for rep in range(2):
+        res[f"b1_{rep}"] = child(tmp / "r1.kiln", 1, fresh(f"b1{rep}"))
+    res["b1_profiled"] = child(tmp / "r1.kiln", 1, fresh("prof"), str(out / "load_cprofile.txt"))
+    res["b1_nobench"] = child(tmp / "r1.kiln", 1, dict(fresh("nb"), KILN_CUDNN_BENCHMARK="0"))
+    res["b1_nobench_profiled"] = child(tmp / "r1.kiln", 1, dict(fresh("nbp"),
+                                       KILN_CUDNN_BENCHMARK="0"),
+                                       str(out / "load_cprofile_nobench.txt"))
+    res["b256"] = child(tmp / "r256.kiln", 256, fresh("b256"))
+    res["b256_nobench"] = child(tmp / "r256.kiln", 256, dict(fresh("b256nb"),
+                                KILN_CUDNN_BENCHMARK="0"))
     res["cache_files"] = sorted(str(p.relative_to(warm)) for p in warm.rglob("*") if p.is_file())
     return tmp
 
@@ -142,6 +155,7 @@ def part_profile(out: Path, res: dict, tmp: Path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default="load,profile")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,7 +163,8 @@ def main():
     try:
         tmp = part_load(out, res)
         (out / "diag.json").write_text(json.dumps(res, indent=1, default=str))
-        part_profile(out, res, tmp)
+        if "profile" in a.parts:
+            part_profile(out, res, tmp)
     finally:
         (out / "diag.json").write_text(json.dumps(res, indent=1, default=str))
 

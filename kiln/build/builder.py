@@ -62,8 +62,35 @@ class Builder:
                             "parse_s": t_parse - t0, "total_s": t_end - t0})
         self.log(f"built {len(graph.nodes)} layers in {t_end - t0:.2f} s")
         build = dict(cfg.to_json(), build_seconds=round(t_end - t0, 3))
-        return Engine(graph, choices, device=cfg.device, profiles=cfg.profiles, build=build,
-                      tactics=tactics)
+        engine = Engine(graph, choices, device=cfg.device, profiles=cfg.profiles, build=build,
+                        tactics=tactics)
+        if "autotune" in self.report:  # a CUDA build with the Triton kernels
+            self._record_binaries(engine)
+        return engine
+
+    def _record_binaries(self, engine: Engine) -> None:
+        """Run the engine once at each profile's opt shapes (or the default shapes), recording
+        the compiled Triton kernels it launches: they are saved in the engine file, so loading
+        it compiles nothing (see :mod:`kiln.kernels.triton.binary`)."""
+        from kiln.engine.inputs import random_inputs
+        from kiln.kernels.triton import binary
+
+        if binary.triton_abi() is None:
+            self.log("Triton binaries: not embedded (kiln does not know this Triton's launch "
+                     "convention); kernels compile when the engine first runs them")
+            return
+        t0 = time.perf_counter()
+        ctx = engine.create_context(cuda_graph=False)
+        with binary.Recorder() as rec:
+            for k, p in enumerate(engine.profiles or [None]):
+                ctx.profile = k if p is not None else None
+                ctx.run(random_inputs(engine.inputs, {}, p, seed=0))
+        engine.binaries = rec.entries
+        self.report["binaries"] = {"embedded": len(rec.entries), "skipped": dict(rec.skipped)}
+        kib = sum(len(b.cubin) for b in rec.entries.values()) / 1024
+        self.log(f"Triton binaries: {len(rec.entries)} kernels embedded ({kib:.0f} KiB)"
+                 + (f", {len(rec.skipped)} not embeddable: {sorted(set(rec.skipped.values()))}"
+                    if rec.skipped else "") + f" in {time.perf_counter() - t0:.2f} s")
 
     def _choose_kernels(self, graph: Graph) -> tuple[dict[str, str], dict[str, dict]]:
         """``(choices, tactics)``: the kernel name per node, and the tactic per node whose

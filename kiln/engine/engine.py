@@ -86,6 +86,9 @@ class Engine:
                                   tactics=self.tactics)
         self._memory: dict[str, dict] = {}
         self.portability_notes: list[str] = []  # what differed from the build machine
+        # compiled Triton kernels that travel in the engine file (kiln.kernels.triton.binary)
+        self.binaries: dict = {}
+        self.binaries_note = ""  # why the file's binaries are not used here, if they are not
 
     def _choose(self, node, backend):
         ks = kernels_for(node.op, backend)
@@ -152,6 +155,10 @@ class Engine:
             "outputs": [o.to_json() for o in self.outputs],
             "layers": len(self.graph.nodes), "weight_bytes": self.weight_bytes, "plan": plan,
         }
+        if self.binaries:
+            from kiln.kernels.triton import binary
+
+            header["triton_binaries"] = binary.pack(self.binaries, w.tensors)
         return fmt.write_engine(path, header, w.tensors)
 
 
@@ -180,7 +187,28 @@ def load(path: str | os.PathLike, portable: bool = False) -> Engine:
                     profiles=[Profile.from_json(p) for p in h.get("profiles", [])],
                     build=h.get("build"), header={k: v for k, v in h.items() if k != "plan"})
     engine.portability_notes = notes
+    if dev == "cuda" and "triton_binaries" in h:
+        _install_binaries(engine, h["triton_binaries"], ef.tensors, path)
     return engine
+
+
+def _install_binaries(engine: Engine, section: dict, tensors: dict, path) -> None:
+    """Make the engine's compiled Triton kernels launchable without Triton's JIT; an engine
+    loaded with differences from its build machine (``portable=True``) compiles them again."""
+    from kiln.kernels.triton import binary
+
+    try:
+        engine.binaries = binary.unpack(section, tensors)
+    except (KeyError, TypeError, ValueError) as e:
+        raise EngineFileError(f"'{path}' has a damaged Triton binaries section "
+                              f"({type(e).__name__}: {e}); rebuild the engine") from None
+    why = ("the engine was built on another GPU or other versions"
+           if engine.portability_notes else binary.usable(section))
+    if why:
+        engine.binaries_note = f"{len(engine.binaries)} embedded kernels not used ({why}); " \
+                               "Triton compiles them on first use"
+    else:
+        binary.install(engine.binaries)
 
 
 def _register_cuda_kernels(path, choices: dict[str, str]) -> None:

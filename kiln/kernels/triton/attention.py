@@ -16,7 +16,7 @@ import triton.language as tl
 
 from kiln.kernels.registry import register
 from kiln.kernels.torch import fused_transformer as torch_ft
-from kiln.kernels.triton.common import HALF, next_pow2, on_device, tactic_of
+from kiln.kernels.triton.common import HALF, launch, next_pow2, on_device, tactic_of
 from kiln.ops import fused_transformer as FT
 
 _LOG2E = 1.4426950408889634
@@ -145,12 +145,11 @@ def flash_attention(n, q, k, v, mask=None, causal=False, scale=None):
         m4, ms = q, [0, 0, 0, 0]
     scale = float(scale) if scale is not None else d ** -0.5
     grid = (triton.cdiv(sq, t["BLOCK_M"]), b * h)
-    _attn_kernel[grid](
-        q, k, v, m4, o, scale * _LOG2E, sq, sk, h, d, dv,
-        *q.stride(), *k.stride(), *v.stride(), *ms, *o.stride(),
-        HAS_MASK=mask is not None, CAUSAL=bool(causal), BLOCK_M=t["BLOCK_M"],
-        BLOCK_N=t["BLOCK_N"], BLOCK_D=max(16, next_pow2(d)), BLOCK_DV=max(16, next_pow2(dv)),
-        num_warps=t["num_warps"], num_stages=t["num_stages"])
+    launch(_attn_kernel, grid, q, k, v, m4, o, scale * _LOG2E, sq, sk, h, d, dv,
+           *q.stride(), *k.stride(), *v.stride(), *ms, *o.stride(),
+           HAS_MASK=mask is not None, CAUSAL=bool(causal), BLOCK_M=t["BLOCK_M"],
+           BLOCK_N=t["BLOCK_N"], BLOCK_D=max(16, next_pow2(d)), BLOCK_DV=max(16, next_pow2(dv)),
+           num_warps=t["num_warps"], num_stages=t["num_stages"])
     return o
 
 

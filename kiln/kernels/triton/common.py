@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.triton.binary import launch  # noqa: F401  (every kernel launches through it)
+
 # read once: the interpreter is chosen when triton is imported, not per call
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -99,9 +101,3 @@ def act(x, ACT: tl.constexpr, alpha, beta):
         x = tl.where(x >= 0, x, x * alpha)
     return x
 
-
-def launch(kernel, grid, *args, **kwargs):
-    """Launch the ``@triton.jit`` ``kernel`` on ``grid``: every kiln Triton kernel is launched
-    through here (never ``kernel[grid](...)`` directly), so that an engine's embedded binaries
-    can stand in for Triton's JIT (see :mod:`kiln.kernels.triton.binary`)."""
-    return kernel[grid](*args, **kwargs)

@@ -17,7 +17,7 @@ import triton.language as tl
 from kiln.kernels.registry import register
 from kiln.kernels.torch import fused_conv as torch_fused
 from kiln.kernels.torch import nn_norm as torch_nn
-from kiln.kernels.triton.common import ACT_CODE, HALF, act, on_device, tactic_of
+from kiln.kernels.triton.common import ACT_CODE, HALF, act, launch, on_device, tactic_of
 from kiln.ops import fused_conv as FC
 from kiln.ops import nn as N
 
@@ -130,19 +130,19 @@ def gemm2d(n, a, b, bias=None, res=None, activation: str = "", alpha: float = 1.
     codes = dict(HAS_BIAS=bias is not None, HAS_RES=res is not None,
                  ACT=ACT_CODE[activation])
     rs = res.stride() if res is not None else (0, 0)
-    _gemm_kernel[grid](
-        a, b, c, dummy if bias is None else bias, dummy if res is None else res, p, m, nn, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), *rs,
-        float(alpha), float(act_a), float(act_b), **codes,
-        BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"],
-        GROUP_M=t["GROUP_M"], SPLIT_K=split, num_warps=t["num_warps"],
-        num_stages=t["num_stages"])
+    launch(_gemm_kernel, grid, a, b, c, dummy if bias is None else bias,
+           dummy if res is None else res, p, m, nn, k,
+           a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), *rs,
+           float(alpha), float(act_a), float(act_b), **codes,
+           BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"],
+           GROUP_M=t["GROUP_M"], SPLIT_K=split, num_warps=t["num_warps"],
+           num_stages=t["num_stages"])
     if split > 1:
         block = 1024
-        _splitk_epilogue[(triton.cdiv(m * nn, block),)](
-            p, c, dummy if bias is None else bias, dummy if res is None else res, m, nn,
-            c.stride(0), c.stride(1), *rs, float(alpha), float(act_a), float(act_b), **codes,
-            SPLIT_K=split, BLOCK=block, num_warps=4)
+        launch(_splitk_epilogue, (triton.cdiv(m * nn, block),), p, c,
+               dummy if bias is None else bias, dummy if res is None else res, m, nn,
+               c.stride(0), c.stride(1), *rs, float(alpha), float(act_a), float(act_b),
+               **codes, SPLIT_K=split, BLOCK=block, num_warps=4)
     return c
 
 

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from kiln.kernels.registry import register
 from kiln.kernels.torch import nn_norm as torch_norm
-from kiln.kernels.triton.common import FLOATS, next_pow2, on_device, tactic_of, warps_for
+from kiln.kernels.triton.common import FLOATS, launch, next_pow2, on_device, tactic_of, warps_for
 from kiln.ops import nn as N
 from kiln.ops.rules import norm_axis
 
@@ -98,9 +98,10 @@ def _launch(n, x, scale, bias, rms: bool):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     w = scale.contiguous()
     b = bias.contiguous() if bias is not None else w
-    _norm_kernel[(x2.shape[0],)](
-        x2, w, b, y, x2.stride(0), cols, cols, float(eps), HAS_B=bias is not None, RMS=rms,
-        BLOCK=t["BLOCK"], ONE_BLOCK=t["BLOCK"] >= cols, num_warps=t["num_warps"])
+    launch(
+        _norm_kernel, (x2.shape[0],), x2, w, b, y, x2.stride(0), cols, cols, float(eps),
+        HAS_B=bias is not None, RMS=rms, BLOCK=t["BLOCK"], ONE_BLOCK=t["BLOCK"] >= cols,
+        num_warps=t["num_warps"])
     return y
 
 

@@ -37,7 +37,7 @@ from kiln.ir import DType
 from kiln.kernels.registry import register
 from kiln.kernels.torch import fused_transformer as torch_ft
 from kiln.kernels.torch.convert import TORCH_DTYPE
-from kiln.kernels.triton.common import FLOATS, on_device, tactic_of
+from kiln.kernels.triton.common import FLOATS, launch, on_device, tactic_of
 from kiln.ops import fused_transformer as FT
 
 
@@ -305,8 +305,8 @@ def run(program: Program, inputs: list, out_dtypes: list, tactic: dict | None = 
     t = dict({"BLOCK": 1024, "num_warps": 4}, **(tactic or {}))
     if numel:
         grid = (triton.cdiv(numel, t["BLOCK"]),)
-        kernel[grid](*inputs, *outs, numel, *shape, *inner, *strides, BLOCK=t["BLOCK"],
-                     num_warps=t["num_warps"])
+        launch(kernel, grid, *inputs, *outs, numel, *shape, *inner, *strides, BLOCK=t["BLOCK"],
+               num_warps=t["num_warps"])
     return outs
 
 

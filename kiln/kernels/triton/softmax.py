@@ -13,7 +13,7 @@ import triton.language as tl
 
 from kiln.kernels.registry import register
 from kiln.kernels.torch import nn_norm as torch_norm
-from kiln.kernels.triton.common import FLOATS, next_pow2, on_device, tactic_of, warps_for
+from kiln.kernels.triton.common import FLOATS, launch, next_pow2, on_device, tactic_of, warps_for
 from kiln.ops import nn as N
 from kiln.ops.rules import norm_axis
 
@@ -81,9 +81,8 @@ def _launch(n, x, log: bool):
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _softmax_kernel[(x2.shape[0],)](x2, y, x2.stride(0), cols, cols, LOG=log,
-                                    BLOCK=t["BLOCK"], ONE_BLOCK=t["BLOCK"] >= cols,
-                                    num_warps=t["num_warps"])
+    launch(_softmax_kernel, (x2.shape[0],), x2, y, x2.stride(0), cols, cols, LOG=log,
+           BLOCK=t["BLOCK"], ONE_BLOCK=t["BLOCK"] >= cols, num_warps=t["num_warps"])
     return y
 
 
