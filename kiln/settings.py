@@ -2,8 +2,10 @@
 
 - ``KILN_CPU_LINEAR``: force one CPU GEMM tactic (``linear``, ``mkl``, ``onednn``,
   ``onednn_fused``) instead of timing them at the first run; for repeatable A/B measurements.
-- ``KILN_CUDNN_BENCHMARK``: ``0`` turns cuDNN's per-shape autotuning off on CUDA engines (its
-  heuristic picks the convolution algorithms; no timing at the first run of a shape).
+- ``KILN_CUDNN_BENCHMARK``: ``1`` turns cuDNN's per-shape autotuning on for CUDA engines. Off by
+  default: the builder times convolutions with cuDNN's heuristic algorithm choice (what an engine
+  then runs), and autotuning at the first run of each shape costs about a second on ResNet-50
+  (H200: first inference 0.84 s with it, 0.40 s without; steady state within 2%).
 - ``KILN_CACHE_DIR``: where kiln.zoo caches exported models (read by ``kiln.zoo.cache_dir``).
 """
 
@@ -16,13 +18,13 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Settings:
     cpu_linear: str = ""
-    cudnn_benchmark: bool = True
+    cudnn_benchmark: bool = False
 
     @classmethod
     def from_env(cls, env=None) -> Settings:
         env = os.environ if env is None else env
         return cls(cpu_linear=env.get("KILN_CPU_LINEAR", ""),
-                   cudnn_benchmark=env.get("KILN_CUDNN_BENCHMARK", "1") != "0")
+                   cudnn_benchmark=env.get("KILN_CUDNN_BENCHMARK", "0") == "1")
 
 
 SETTINGS = Settings.from_env()

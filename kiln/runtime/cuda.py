@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from kiln.errors import EngineFileError
-from kiln.settings import SETTINGS
 from kiln.kernels.torch.convert import to_numpy, to_torch
 from kiln.ops import control, tensor, text_ml, vision
+from kiln.settings import SETTINGS
 
 # ops whose output shape (or control flow) depends on data: never captured
 EAGER_OPS = frozenset({tensor.NonZero, tensor.Unique, tensor.Compress, control.If, control.Loop,
@@ -94,7 +94,8 @@ def check_device(built: dict, path, portable: bool = False) -> list[str]:
 
 @contextlib.contextmanager
 def math_flags(tf32: bool):
-    """cuDNN autotuning on, TF32 as the build allowed, for the duration of a run."""
+    """cuDNN on (autotuning only with KILN_CUDNN_BENCHMARK=1), TF32 as the build allowed, for
+    the duration of a run."""
     mm = torch.backends.cuda.matmul
     old = mm.allow_tf32
     mm.allow_tf32 = tf32
@@ -294,11 +295,15 @@ def _on_device(x) -> bool:
 
 
 def _first_difference(a: list, b: list) -> str | None:
+    """Where the replayed outputs ``b`` differ from the eager ones ``a`` (None: nowhere).
+    Small outputs are compared on the host: no device kernels the run itself did not load."""
     for k, (x, y) in enumerate(zip(a, b)):
         if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
             continue
         if x.shape != y.shape or x.dtype != y.dtype:
             return f"output {k}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}"
+        if x.numel() <= _HOST_COMPARE and x.device.type == "cuda":
+            x, y = x.cpu(), y.cpu()
         if x.dtype.is_floating_point:
             ok = torch.allclose(x.float(), y.float(), rtol=1e-2, atol=1e-2, equal_nan=True)
         else:
@@ -306,3 +311,6 @@ def _first_difference(a: list, b: list) -> str | None:
         if not ok:
             return f"output {k} differs"
     return None
+
+
+_HOST_COMPARE = 1 << 20  # elements: outputs up to this size are compared on the host
