@@ -25,10 +25,12 @@ class Builder:
     ``log`` receives one line per step (what the CLI prints with ``--verbose``).
 
     On ``device="cuda"`` with a GPU present (and Triton importable), every layer that has CUDA
-    kernels is autotuned at the first profile's opt shapes: its candidates (kernel x tactic,
-    and the PyTorch kernel) are timed with ``timer`` (default: :func:`autotune.cuda_timer`)
-    through the timing cache ``config.timing_cache``; the plan records the fastest kernel and
-    its tactic, ``report["autotune"]`` every :class:`autotune.Selection` (with the runner-up).
+    kernels is autotuned at each optimization profile's opt shapes: its candidates (kernel x
+    tactic, and the PyTorch kernel) are timed with ``timer`` (default:
+    :func:`autotune.cuda_timer`) through the timing cache ``config.timing_cache``; the plan
+    records the fastest kernel and its tactic per profile (inputs run the kernels of the profile
+    they match), ``report["autotune"]`` every :class:`autotune.Selection` of the first profile
+    (with the runner-up), ``report["autotune_profiles"]`` those of every profile.
     """
 
     def __init__(self, config: BuilderConfig | None = None, log: Callable[[str], None] = None,
@@ -56,14 +58,16 @@ class Builder:
         if cfg.fp16 or cfg.bf16:  # FP16 when both are allowed: more mantissa, same speed
             lower_precision(graph, "fp16" if cfg.fp16 else "bf16", log=self.log)
         self.report = {}
-        choices, tactics = self._choose_kernels(graph)
+        tuned = self._autotune(graph)  # picks per profile, or None
+        choices, tactics = self._choose_kernels(graph, tuned[0] if tuned else None)
+        variants = [self._choose_kernels(graph, p) for p in (tuned or [])[1:]]
         t_end = time.perf_counter()
         self.report.update({"nodes_before": before, "nodes_after": graph.op_counts(),
                             "parse_s": t_parse - t0, "total_s": t_end - t0})
         self.log(f"built {len(graph.nodes)} layers in {t_end - t0:.2f} s")
         build = dict(cfg.to_json(), build_seconds=round(t_end - t0, 3))
         engine = Engine(graph, choices, device=cfg.device, profiles=cfg.profiles, build=build,
-                        tactics=tactics)
+                        tactics=tactics, variants=variants)
         if "autotune" in self.report:  # a CUDA build with the Triton kernels
             self._record_binaries(engine)
         return engine
@@ -92,11 +96,12 @@ class Builder:
                  + (f", {len(rec.skipped)} not embeddable: {sorted(set(rec.skipped.values()))}"
                     if rec.skipped else "") + f" in {time.perf_counter() - t0:.2f} s")
 
-    def _choose_kernels(self, graph: Graph) -> tuple[dict[str, str], dict[str, dict]]:
+    def _choose_kernels(self, graph: Graph, picks: dict | None
+                        ) -> tuple[dict[str, str], dict[str, dict]]:
         """``(choices, tactics)``: the kernel name per node, and the tactic per node whose
-        kernel has one. Without tuning (CPU builds, no GPU, no Triton): the first kernel."""
+        kernel has one, from one profile's autotune ``picks``. Without tuning (CPU builds, no
+        GPU, no Triton; ``picks`` None): the first kernel."""
         backend = self.config.device
-        picks = self._autotune(graph)
         choices: dict[str, str] = {}
         tactics: dict[str, dict] = {}
         for n in _all_nodes(graph):
@@ -116,8 +121,9 @@ class Builder:
             choices[n.name] = ks[0].name
         return choices, tactics
 
-    def _autotune(self, graph: Graph) -> dict[str, autotune.Selection] | None:
-        """Selections per tuned node, or None when this build does not tune."""
+    def _autotune(self, graph: Graph) -> list[dict[str, autotune.Selection]] | None:
+        """Selections per tuned node for each optimization profile (at its opt shapes; one
+        entry when there are no profiles), or None when this build does not tune."""
         cfg = self.config
         if cfg.device != "cuda" or not torch.cuda.is_available():
             return None
@@ -128,14 +134,23 @@ class Builder:
             return None
         t0 = time.perf_counter()
         cache = autotune.TimingCache(cfg.timing_cache, autotune.device_key(), log=self.log)
-        profile = cfg.profiles[0] if cfg.profiles else None
-        picks = autotune.tune_graph(graph, profile, cache, timer=self.timer, log=self.log)
-        timed = sum(s.timed for s in picks.values())
-        cached = sum(s.cached for s in picks.values())
-        self.log(f"autotune: {len(picks)} layers tuned, {timed} candidates timed, "
-                 f"{cached} from the timing cache, in {time.perf_counter() - t0:.2f} s")
-        self.report["autotune"] = {name: s.to_json() for name, s in picks.items()}
-        return picks
+        per_profile = []
+        for k, profile in enumerate(cfg.profiles or [None]):
+            if len(cfg.profiles) > 1:
+                self.log(f"autotune: profile {k} at its opt shapes {dict(profile.opt)}")
+            per_profile.append(autotune.tune_graph(graph, profile, cache, timer=self.timer,
+                                                   log=self.log))
+        timed = sum(s.timed for p in per_profile for s in p.values())
+        cached = sum(s.cached for p in per_profile for s in p.values())
+        self.log(f"autotune: {len(per_profile[0])} layers tuned"
+                 f"{f' x {len(per_profile)} profiles' if len(per_profile) > 1 else ''}, "
+                 f"{timed} candidates timed, {cached} from the timing cache, in "
+                 f"{time.perf_counter() - t0:.2f} s")
+        self.report["autotune"] = {name: s.to_json() for name, s in per_profile[0].items()}
+        if len(per_profile) > 1:
+            self.report["autotune_profiles"] = [
+                {name: s.to_json() for name, s in p.items()} for p in per_profile]
+        return per_profile
 
 
 def _all_nodes(graph: Graph):

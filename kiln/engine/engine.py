@@ -66,7 +66,8 @@ class Engine:
 
     def __init__(self, graph: Graph, choices: dict[str, str], *, device: str = "cpu",
                  profiles: list[Profile] | None = None, build: dict | None = None,
-                 header: dict | None = None, tactics: dict[str, dict] | None = None):
+                 header: dict | None = None, tactics: dict[str, dict] | None = None,
+                 variants: list[tuple[dict, dict]] | None = None):
         self.graph = graph
         self.choices = dict(choices)
         self.tactics = {k: dict(v) for k, v in (tactics or {}).items() if v is not None}
@@ -82,25 +83,41 @@ class Engine:
                 raise KilnError("this engine is for CUDA and this machine has no CUDA device; "
                                 "build it with device='cpu'")
             self.torch_device = torch.device("cuda", torch.cuda.current_device())
-        self._executor = Executor(graph, device, self._choose, device=self.torch_device,
-                                  tactics=self.tactics)
+        self._executor = Executor(graph, device, self._chooser(self.choices),
+                                  device=self.torch_device, tactics=self.tactics)
+        # (choices, tactics) of profiles 1.. where the builder tuned them apart from profile 0
+        self.variants = [(dict(c), {k: dict(v) for k, v in t.items() if v is not None})
+                         for c, t in (variants or [])]
+        self._executors = [self._executor] + [
+            self._executor if (c, t) == (self.choices, self.tactics) else
+            Executor(graph, device, self._chooser(c), device=self.torch_device, tactics=t,
+                     consts_from=self._executor) for c, t in self.variants]
         self._memory: dict[str, dict] = {}
         self.portability_notes: list[str] = []  # what differed from the build machine
         # compiled Triton kernels that travel in the engine file (kiln.kernels.triton.binary)
         self.binaries: dict = {}
         self.binaries_note = ""  # why the file's binaries are not used here, if they are not
 
-    def _choose(self, node, backend):
-        ks = kernels_for(node.op, backend)
-        if backend != "cpu":  # the PyTorch kernels run on every device torch has
-            ks += kernels_for(node.op, "cpu")
-        want = self.choices.get(node.name)
-        for k in ks:
-            if want is None or k.name == want:
-                return k
-        raise EngineFileError(
-            f"node '{node.name}' needs kernel {want!r} for {node.op.name}, which this kiln "
-            "does not have; rebuild the engine with this kiln version")
+    @staticmethod
+    def _chooser(choices: dict[str, str]):
+        def choose(node, backend):
+            ks = kernels_for(node.op, backend)
+            if backend != "cpu":  # the PyTorch kernels run on every device torch has
+                ks += kernels_for(node.op, "cpu")
+            want = choices.get(node.name)
+            for k in ks:
+                if want is None or k.name == want:
+                    return k
+            raise EngineFileError(
+                f"node '{node.name}' needs kernel {want!r} for {node.op.name}, which this kiln "
+                "does not have; rebuild the engine with this kiln version")
+        return choose
+
+    def executor_for(self, profile: int) -> Executor:
+        """The executor running inputs that matched optimization profile ``profile`` (-1: the
+        engine has no profiles): each profile runs the kernels tuned at its opt shapes."""
+        return self._executors[profile] if 0 < profile < len(self._executors) \
+            else self._executor
 
     def profile_ranges(self, name: str) -> list[tuple[tuple, tuple, tuple]]:
         """(min, opt, max) shape of input ``name`` in each optimization profile (empty when the
@@ -155,6 +172,12 @@ class Engine:
             "outputs": [o.to_json() for o in self.outputs],
             "layers": len(self.graph.nodes), "weight_bytes": self.weight_bytes, "plan": plan,
         }
+        if self.variants:  # per profile 1..: the nodes whose kernel or tactic differ
+            header["profile_variants"] = [
+                {"kernels": {k: v for k, v in c.items() if self.choices.get(k) != v},
+                 "tactics": {k: v for k, v in t.items() if self.tactics.get(k) != v},
+                 "no_tactic": sorted(k for k in self.tactics if k not in t)}
+                for c, t in self.variants]
         if self.binaries:
             from kiln.kernels.triton import binary
 
@@ -181,9 +204,18 @@ def load(path: str | os.PathLike, portable: bool = False) -> Engine:
     except (KeyError, TypeError, ValueError) as e:
         raise EngineFileError(f"'{path}' has a damaged plan ({type(e).__name__}: {e}); "
                               "rebuild the engine") from None
+    try:
+        variants = [({**choices, **v["kernels"]},
+                     {**{k: t for k, t in tactics.items() if k not in v["no_tactic"]},
+                      **v["tactics"]}) for v in h.get("profile_variants", [])]
+    except (KeyError, TypeError, AttributeError) as e:
+        raise EngineFileError(f"'{path}' has damaged profile variants ({type(e).__name__}: "
+                              f"{e}); rebuild the engine") from None
     if dev == "cuda":
         _register_cuda_kernels(path, choices)
-    engine = Engine(graph, choices, device=dev, tactics=tactics,
+        for c, _ in variants:
+            _register_cuda_kernels(path, c)
+    engine = Engine(graph, choices, device=dev, tactics=tactics, variants=variants,
                     profiles=[Profile.from_json(p) for p in h.get("profiles", [])],
                     build=h.get("build"), header={k: v for k, v in h.items() if k != "plan"})
     engine.portability_notes = notes
@@ -258,16 +290,18 @@ class ExecutionContext:
         if self.profile is not None:
             profiles = [eng.profiles[self.profile]]
         with self._lock:
-            self.last_profile = check_feeds(eng.inputs, feeds, profiles, dtype_of)
+            k = check_feeds(eng.inputs, feeds, profiles, dtype_of)
+            self.last_profile = self.profile if self.profile is not None else k
+            ex = eng.executor_for(self.last_profile)
             torch_in = [x for x in feeds.values() if isinstance(x, torch.Tensor)]
             if self.cuda is not None:
                 outs = self.cuda.run([feeds[i.name] for i in eng.inputs], bool(torch_in),
-                                     torch_in[0].device if torch_in else None)
+                                     torch_in[0].device if torch_in else None, ex)
                 return {o.name: v for o, v in zip(eng.outputs, outs)}
             as_torch = bool(torch_in)
             args = [to_torch(np.asarray(feeds[i.name]) if not isinstance(
                 feeds[i.name], torch.Tensor) else feeds[i.name]) for i in eng.inputs]
-            outs = eng._executor.run(args)
+            outs = ex.run(args)
         conv = (lambda t: t) if as_torch else to_numpy
         return {o.name: conv(v) for o, v in zip(eng.outputs, outs)}
 

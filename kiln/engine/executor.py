@@ -47,11 +47,14 @@ class Executor:
     """Executes ``graph`` with the kernels ``choose(node, backend)`` picks.
 
     ``tactics`` (node name -> tactic dict, the builder's picks) becomes ``call.tactic`` of each
-    node's kernel, subgraph nodes included; nodes without one get None."""
+    node's kernel, subgraph nodes included; nodes without one get None. ``consts_from``: an
+    executor of the same graph whose (device) constants this one shares, so kernel variants of
+    one engine (one per optimization profile) hold the weights once."""
 
     def __init__(self, graph: Graph, backend: str = "cpu",
                  choose: Callable = default_choice, opset: dict | None = None,
-                 device: torch.device | None = None, tactics: dict | None = None):
+                 device: torch.device | None = None, tactics: dict | None = None,
+                 consts_from: Executor | None = None):
         self.graph, self.backend, self.choose = graph, backend, choose
         self.tactics = tactics or {}
         self.device = device if device is not None and device.type != "cpu" else None
@@ -75,8 +78,14 @@ class Executor:
         self._plan_frees()
         self.const_slots = {s for s, _ in self.consts}
         self._device_consts: dict[int, torch.Tensor] = {}  # host constants a kernel needed up
-        if self.device is not None:
+        if consts_from is not None:
+            if consts_from.graph is not graph or consts_from.n_slots != self.n_slots:
+                raise ValueError("consts_from must be an executor of the same graph")
+            self.consts = list(consts_from.consts)
+            self._device_consts = consts_from._device_consts
+        elif self.device is not None:
             self.consts = [(s, _place(c, self.device)) for s, c in self.consts]
+            _conv_weights_channels_last(self)
 
     @property
     def device_weight_bytes(self) -> int:
@@ -219,6 +228,28 @@ def _place(c, device: torch.device):
     if not c.dtype.is_floating_point and not c.dtype.is_complex and c.numel() <= HOST_CONST_MAX:
         return c
     return c.to(device)
+
+
+def _conv_weights_channels_last(ex: Executor) -> None:
+    """Store the 4-D FP16/BF16 weights of FusedConv steps channels_last, in place of their NCHW
+    upload: the CUDA conv kernels run channels-last and keep a converted copy of an NCHW weight
+    in the node's cache, which would put every conv weight on the device twice. Only weights
+    that nothing else reads (another node or input position, a graph output) are converted;
+    channels_last is a memory format, the same logical tensor, but kernels that index a raw
+    pointer as contiguous would misread it."""
+    from kiln.ops import fused_conv as FC
+
+    uses: dict[int, set[bool]] = {}
+    for st in ex.steps:
+        for k, s in enumerate(st.ins):
+            if s >= 0:
+                uses.setdefault(s, set()).add(st.node.op is FC.FusedConv and k == 1)
+    outputs = set(ex.output_slots)
+    for i, (s, c) in enumerate(ex.consts):
+        if (uses.get(s) == {True} and s not in outputs and isinstance(c, torch.Tensor)
+                and c.dim() == 4 and c.dtype in (torch.float16, torch.bfloat16)):
+            # replaced one by one: each NCHW copy is freed before the next is converted
+            ex.consts[i] = (s, c.contiguous(memory_format=torch.channels_last))
 
 
 class _SubgraphRunner:

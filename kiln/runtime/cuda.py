@@ -130,7 +130,7 @@ class CudaRunner:
         self.ex, self.device, self.tf32 = executor, device, tf32
         self.stream = torch.cuda.Stream(device)
         self.never = never_captured(executor) if cuda_graph else "CUDA graphs are off"
-        self.graphs: dict[tuple, _Captured | None] = {}
+        self.graphs: dict[tuple, _Captured | None] = {}  # (executor id, signature) -> graph
         self.decisions: dict[tuple, str] = {}  # signature -> "cuda graph" or why eager
         self.pool = None
         self._in_stage: dict[int, torch.Tensor] = {}
@@ -142,30 +142,34 @@ class CudaRunner:
 
     # ---- one run
 
-    def run(self, args: list, to_torch_out: bool, out_device: torch.device | None) -> list:
+    def run(self, args: list, to_torch_out: bool, out_device: torch.device | None,
+            executor=None) -> list:
         """``args``: one numpy array or torch tensor per input. Returns numpy arrays, or torch
-        tensors on ``out_device`` (the caller's) when ``to_torch_out``."""
+        tensors on ``out_device`` (the caller's) when ``to_torch_out``. ``executor``: the
+        engine's executor for the profile the inputs matched (default: the context's)."""
         caller = torch.cuda.current_stream(self.device)
+        ex = executor if executor is not None else self.ex
         sig = tuple((tuple(a.shape), str(a.dtype).removeprefix("torch.")) for a in args)
+        key = (id(ex), sig)  # a shape signature, under the profile's executor
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)] \
             if self.record_timing else None
         with torch.cuda.stream(self.stream), math_flags(self.tf32):
             self.stream.wait_stream(caller)  # device inputs the caller just wrote
             if ev:
                 ev[0].record()
-            entry = self.graphs.get(sig)
-            if sig not in self.graphs:
-                outs = self._first_run(sig, self._stage_in(args, None), ev)
+            entry = self.graphs.get(key)
+            if key not in self.graphs:
+                outs = self._first_run(ex, key, self._stage_in(args, None), ev)
             elif entry is None:
-                outs = self._launch(None, self._stage_in(args, None), ev)
+                outs = self._launch(ex, None, self._stage_in(args, None), ev)
             else:
                 self._stage_in(args, entry)
-                outs = self._launch(entry, None, ev)
+                outs = self._launch(ex, entry, None, ev)
             outs = self._stage_out(outs, to_torch_out, out_device, entry is not None, ev, caller)
         return outs
 
-    def _first_run(self, sig: tuple, dev: list, ev) -> list:
-        outs = self._launch(None, dev, ev)
+    def _first_run(self, ex, key: tuple, dev: list, ev) -> list:
+        outs = self._launch(ex, None, dev, ev)
         reason = self.never or (f"more than {MAX_GRAPHS} shape signatures captured"
                                 if sum(g is not None for g in self.graphs.values()) >= MAX_GRAPHS
                                 else None)
@@ -173,12 +177,12 @@ class CudaRunner:
             reason = "an input stays on the host (a dtype torch has no CUDA tensor for)"
         entry = None
         if reason is None:
-            entry, reason = self._capture(dev, outs)
-        self.graphs[sig] = entry
-        self.decisions[sig] = "cuda graph" if entry is not None else f"eager: {reason}"
+            entry, reason = self._capture(ex, dev, outs)
+        self.graphs[key] = entry
+        self.decisions[key[1]] = "cuda graph" if entry is not None else f"eager: {reason}"
         return outs
 
-    def _launch(self, entry: _Captured | None, dev: list | None, ev) -> list:
+    def _launch(self, ex, entry: _Captured | None, dev: list | None, ev) -> list:
         if ev:
             ev[1].record()
         t0 = time.perf_counter()
@@ -186,7 +190,7 @@ class CudaRunner:
             entry.graph.replay()
             outs = entry.outputs
         else:
-            outs = self.ex.run(dev)
+            outs = ex.run(dev)
         if ev:
             self._enqueue_s = time.perf_counter() - t0
             ev[2].record()
@@ -194,7 +198,7 @@ class CudaRunner:
 
     # ---- capture
 
-    def _capture(self, dev: list, eager_outs: list) -> tuple[_Captured | None, str | None]:
+    def _capture(self, ex, dev: list, eager_outs: list) -> tuple[_Captured | None, str | None]:
         static_in = [a.clone() for a in dev]  # outside the pool: never reused by replays
         keep: list = []
         g = torch.cuda.CUDAGraph()
@@ -203,7 +207,7 @@ class CudaRunner:
                 self.stream.synchronize()
                 with torch.cuda.graph(g, pool=self.pool, stream=self.stream,
                                       capture_error_mode="thread_local"):
-                    static_out = self.ex.run(static_in, keep=keep)
+                    static_out = ex.run(static_in, keep=keep)
             if self.pool is None:
                 self.pool = g.pool()
             for s, a in zip(static_in, dev):

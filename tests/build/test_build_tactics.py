@@ -3,6 +3,7 @@ GPU and a fake clock, the plan's ``tactic`` records, and ``call.tactic`` reachin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -120,6 +121,49 @@ def test_builder_cuda_picks_kernel_and_tactic_by_timer(fake_gpu, fake_matmul, tm
     assert clock2.calls == 0 and fake_gpu["tactics"]["fc1"] == {"BLOCK": 32}
 
 
+def test_each_profile_runs_the_tactics_tuned_at_its_opt_shapes(fake_gpu, monkeypatch,
+                                                               tmp_path):
+    """Two profiles: batch 2 is fastest with BLOCK 16, batch 64 with BLOCK 64; each input runs
+    the tactic of the profile it matches, also after a save and load."""
+    seen: list = []
+
+    def fn(call, a, b):
+        seen.append((call.node_name, call.tactic, a.shape[0]))
+        return a @ b
+    fake = Kernel(MATMUL, "cuda", fn, "FakeMatMul", tactics=TACTICS)
+    monkeypatch.setitem(registry._KERNELS, (MATMUL, "cuda"), [fake])
+    monkeypatch.setitem(registry._KERNELS, (MATMUL, "cpu"),
+                        kernels_for(MATMUL, "cpu") + [dataclasses.replace(fake, backend="cpu")])
+    best = {2: 16, 64: 64}
+
+    def clock(f) -> float:
+        n = len(seen)
+        f()
+        if len(seen) == n:
+            return 1.0  # the PyTorch kernel
+        _, tactic, batch = seen[-1]
+        return 0.1 if tactic["BLOCK"] == best[batch] else 0.5
+
+    profiles = [kiln.Profile.fixed({"x": (2, 8)}), kiln.Profile.fixed({"x": (64, 8)})]
+    b = Builder(BuilderConfig(device="cuda", optimize=False, profiles=profiles), timer=clock)
+    eng = b.build(mlp())
+    assert eng.tactics["fc1"] == {"BLOCK": 16}
+    assert eng.variants[0][1]["fc1"] == {"BLOCK": 64}
+    assert len(b.report["autotune_profiles"]) == 2
+    path = tmp_path / "m.kiln"
+    eng.save(path)
+    loaded = kiln.load(path)
+    assert loaded.variants == eng.variants
+    ctx = loaded.create_context()
+    for batch in (64, 2, 64):
+        seen.clear()
+        x = np.random.default_rng(batch).standard_normal((batch, 8)).astype(np.float32)
+        y = ctx.run({"x": x})["y"]
+        np.testing.assert_allclose(y, mlp_reference(x, mlp()), rtol=1e-4, atol=1e-4)
+        assert {t["BLOCK"] for _, t, _ in seen} == {best[batch]}
+        assert ctx.last_profile == (0 if batch == 2 else 1)
+
+
 def test_builder_cuda_vendor_kernel_wins_without_tactic(fake_gpu, fake_matmul):
     clock = FakeClock(fake_matmul, {16: 0.3, 32: 0.4, 64: 0.5}, torch_ms=0.1)
     b = Builder(BuilderConfig(device="cuda", optimize=False), timer=clock)
@@ -136,7 +180,7 @@ def test_builder_cuda_without_gpu_is_untuned(monkeypatch, fake_matmul):
     monkeypatch.setattr(autotune, "tune_graph", lambda *a, **k: called.append(1))
     b = Builder(BuilderConfig(device="cuda", optimize=False))
     graph = import_onnx(mlp())
-    choices, tactics = b._choose_kernels(graph)
+    choices, tactics = b._choose_kernels(graph, b._autotune(graph))
     assert not called and tactics == {} and "autotune" not in b.report
     assert choices["fc1"] == "FakeMatMul"  # as before: the first CUDA kernel, no timing
 
