@@ -1,5 +1,6 @@
 """Triton kernels for the CUDA backend (generated pointwise chains, norms, softmax, GEMM with
-fused epilogue, flash attention). Importing this package registers them; it needs ``triton``.
+fused epilogue, flash attention, cuDNN convolutions with a fused epilogue). Importing this
+package registers them; it needs ``triton``.
 
 Each kernel is registered with its tactic space and a ``supports`` predicate, and falls back to
 the PyTorch kernel for inputs it does not cover, so choosing it never breaks a node.
@@ -7,6 +8,7 @@ the PyTorch kernel for inputs it does not cover, so choosing it never breaks a n
 
 from kiln.kernels.triton import (
     attention,  # noqa: F401
+    conv,  # noqa: F401
     gemm,  # noqa: F401
     norm,  # noqa: F401
     pointwise,  # noqa: F401
