@@ -178,10 +178,38 @@ def test_triton_conv_tactics_off_gpu():
     x, w, b, r = _inputs(xs, ws, n)
     space = conv.tactics(n, (x, w, b, r))
     assert len(space) > 1
-    assert all(t["epilogue"] == "triton" for t in space) == (not x.is_cuda)
-    # nothing to fuse: one tactic (the conv alone)
+    assert all(t.get("epilogue", "triton") == "triton" for t in space) == (not x.is_cuda)
+    # nothing to fuse: the conv alone, and (a 1x1 conv) the GEMM tactics
     n0 = _fused("", **attrs)
-    assert conv.tactics(n0, (x, w, None, None)) == [conv.DEFAULT]
+    space0 = conv.tactics(n0, (x, w, None, None))
+    assert space0[0] == conv.DEFAULT and all("impl" in t for t in space0[1:])
+    xs3, ws3, attrs3 = CONVS[1]  # a 3x3 conv has no GEMM tactics
+    n3 = _fused("", **attrs3)
+    x3, w3, _, _ = _inputs(xs3, ws3, n3, False, False)
+    assert conv.tactics(n3, (x3, w3, None, None)) == [conv.DEFAULT]
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("activation,bias,residual", [("Relu", True, True), ("", True, False),
+                                                      ("Clip", False, True)])
+def test_triton_conv_1x1_as_gemm(stride, activation, bias, residual):
+    attrs = {"strides": [stride, stride]}
+    n = _fused(activation, residual, tactic=None, **attrs)
+    x, w, b, r = _inputs((2, 8, 5, 5), (12, 8, 1, 1), n, bias, residual)
+    want = torch_fused.fused_conv(_fused(activation, residual, **attrs), x, w, b, r)
+    gemms = [t for t in conv.tactics(n, (x, w, b, r)) if "impl" in t]
+    assert {t["impl"] for t in gemms} == {"gemm", "cublas"}
+    for t in [gemms[0], gemms[-1]]:  # a Triton GEMM tile (the interpreter is slow), cuBLAS
+        n.tactic, n.cache = t, {}
+        y = conv.fused_conv(n, x, w, b, r)
+        assert y.shape == want.shape and y.is_contiguous(memory_format=CL), t
+        assert_close(y, want, scale=2)
+
+
+def test_triton_conv_1x1_with_pads_is_not_a_gemm():
+    n = _fused("Relu", pads=[1, 1, 1, 1])
+    x, w, b, _ = _inputs((1, 4, 3, 3), (6, 4, 1, 1), n, True, False)
+    assert not any("impl" in t for t in conv.tactics(n, (x, w, b, None)))
 
 
 def test_triton_conv_cudnn_tactic_off_gpu_runs_triton_epilogue():

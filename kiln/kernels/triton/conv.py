@@ -13,6 +13,12 @@ over the output. Here, for 2-D convs on FP16/BF16 with symmetric pads, tactics:
   of an element is its column: no division per element, and the bias is read once per tile.
 - ``{"epilogue": "cudnn"}`` (CUDA, Relu only): cuDNN's fused ``conv + bias (+ z) -> relu``
   through ``torch.cudnn_convolution_relu`` / ``torch.cudnn_convolution_add_relu``.
+- 1x1 convolutions (no padding or dilation, one group; a stride is a slice first) are a GEMM
+  on the NHWC activations seen as an [N*H*W, C] matrix: ``{"impl": "gemm", <GEMM tile>}``
+  runs kiln's Triton GEMM with the bias, residual and activation in its epilogue (one kernel,
+  embedded in the engine file); ``{"impl": "cublas"}`` runs cuBLAS then the Triton epilogue
+  pass. Neither has cuDNN's per-shape plan creation (tens of ms per layer shape at an engine's
+  first run), which is what an engine's load + first inference time is mostly made of.
 
 Asymmetric pads, other ranks and dtypes, or a residual not of the output's shape run the
 PyTorch kernel. Under ``TRITON_INTERPRET=1`` CPU tensors of any float dtype take the Triton
@@ -38,6 +44,7 @@ from kiln.kernels.triton.common import (
     on_device,
     tactic_of,
 )
+from kiln.kernels.triton.gemm import gemm2d, gemm_tactics
 from kiln.ops import fused_conv as FC
 from kiln.ops import nn as N
 
@@ -130,16 +137,49 @@ def _cudnn_fuses(n, x) -> bool:
             and torch.backends.cudnn.is_available())
 
 
+def _pointwise(n, x, w) -> int | None:
+    """The stride of a 1x1 conv that is a GEMM (no pads, no dilation, one group), else None."""
+    if tuple(w.shape[2:]) != (1, 1) or (n.a.group or 1) != 1:
+        return None
+    pad, stride, dil, _ = _geometry(n, x, w)
+    if any(pad) or any(d != 1 for d in dil) or stride[0] != stride[1]:
+        return None
+    return stride[0]
+
+
 def tactics(n, inputs) -> list[dict]:
-    x = inputs[0]
+    x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
     r = inputs[3] if len(inputs) > 3 else None
+    out = []
+    s = _pointwise(n, x, w)
+    if s is not None:
+        m = x.shape[0] * len(range(0, x.shape[2], s)) * len(range(0, x.shape[3], s))
+        out += [dict(t, impl="gemm") for t in gemm_tactics(m, w.shape[0], w.shape[1])]
+        out.append({"impl": "cublas"})
     if b is None and r is None and not n.a.activation:
-        return [dict(DEFAULT)]  # nothing to fuse: the conv alone
-    out = [{"epilogue": "triton", "BLOCK": blk, "num_warps": w} for blk, w in _CONFIGS]
+        return [dict(DEFAULT)] + out  # nothing to fuse: the conv alone
+    out += [{"epilogue": "triton", "BLOCK": blk, "num_warps": w} for blk, w in _CONFIGS]
     if _cudnn_fuses(n, x):
         out.append({"epilogue": "cudnn"})
     return out
+
+
+def _conv1x1(n, t, x, w, b, r, stride: int):
+    """A 1x1 conv as a GEMM over channels-last activations (see the module docstring)."""
+    if stride > 1:
+        x = x[:, :, ::stride, ::stride].contiguous(memory_format=CL)
+    nb, c, h, wd = x.shape
+    co = w.shape[0]
+    x2 = x.permute(0, 2, 3, 1).reshape(-1, c)  # views of NHWC memory
+    w2 = w.reshape(co, c)
+    r2 = None if r is None else r.permute(0, 2, 3, 1).reshape(-1, co)
+    a = n.a
+    if t["impl"] == "gemm":
+        y2 = gemm2d(n, x2, w2.t(), b, r2, a.activation, 1.0, a.alpha or 0.0, a.beta or 0.0)
+        return y2.view(nb, h, wd, co).permute(0, 3, 1, 2)
+    y = torch.mm(x2, w2.t()).view(nb, h, wd, co).permute(0, 3, 1, 2)
+    return bias_act_(y, b, r, a.activation, a.alpha or 0.0, a.beta or 0.0)
 
 
 @register(FC.FusedConv, backend="cuda", name="TritonFusedConv", tactics=tactics,
@@ -156,6 +196,10 @@ def fused_conv(n, x, w, b=None, r=None):
         x = x.contiguous(memory_format=CL)
     if r is not None and not r.is_contiguous(memory_format=CL):
         r = r.contiguous(memory_format=CL)
+    if "impl" in t:
+        s = _pointwise(n, x, w)
+        if s is not None:
+            return _conv1x1(n, t, x, w, b, r, s)
     wc = torch_fused._weight_nhwc(n, w)  # channels-last, made once per node (a no-op if it is)
     if t["epilogue"] == "cudnn" and _cudnn_fuses(n, x):
         if r is None:
