@@ -43,10 +43,15 @@ def _engine_info(path: str) -> dict:
                "tactic": n.get("tactic"), "precision": _prec(n), "output": ", ".join(
                    str(decode_type(o["type"])) for o in n["outputs"])}
               for n in h["plan"]["nodes"]]
+    tb = h.get("triton_binaries") or {}
+    variants = [{"kernels": v.get("kernels", {}), "tactics": v.get("tactics", {})}
+                for v in h.get("profile_variants", [])]
     return {"file": path, "kind": "engine", "kiln_version": h.get("kiln_version"),
             "torch_version": h.get("torch_version"), "triton_version": h.get("triton_version"),
             "device": h.get("device"), "build": h.get("build"), **io, "layers": layers,
-            "weight_bytes": h.get("weight_bytes")}
+            "weight_bytes": h.get("weight_bytes"),
+            "triton_binaries": len(tb.get("kernels", [])),
+            "profile_variants": variants}
 
 
 def _prec(n) -> str:
@@ -76,6 +81,12 @@ def _print(info: dict) -> None:
               f" (triton {info['triton_version']}) for {info['device']['kind']} "
               f"({info['device']['name']})")
     print(f"  weights: {human_bytes(info['weight_bytes'] or 0)}, layers: {len(info['layers'])}")
+    if info.get("triton_binaries"):
+        print(f"  embedded Triton kernels: {info['triton_binaries']} (loaded through the CUDA "
+              "driver: no compiler at load)")
+    for k, v in enumerate(info.get("profile_variants") or [], start=1):
+        print(f"  profile {k}: tuned apart from profile 0 on {len(v['kernels'])} kernel and "
+              f"{len(v['tactics'])} tactic choice(s)")
     for t in info["inputs"]:
         ranges = "; ".join(t["profiles"]) if t["profiles"] else ""
         print(f"  input  {t['name']:<24} {t['type']}" + (f"  profile: {ranges}" if ranges else ""))
