@@ -1,10 +1,22 @@
-"""Peak memory of one system's setup + run.
+"""Peak memory of one step of a system: its build (kiln), or its loading + runs (every system).
+
+bench.run measures each system in two separate windows. The *inference* window (the table's
+"peak mem MiB") opens just before the system is set up and closes after its timed runs: kiln
+loads its engine file, creates a context and runs (the check run captures its CUDA graph); the
+torch peers make their module (FP16 weights converted on the host), move it to the device and
+run; onnxruntime creates its session (which includes its graph optimizations) and runs. kiln's
+build (ONNX import, optimization, precision lowering, autotuning on the device) and the engine
+file's save are an offline step: they get a window of their own ("build peak MiB"), closed
+before the inference window opens, so what the build leaves allocated is in the latter's
+baseline, not in its peak.
 
 CPU: the process's peak resident set (VmHWM in /proc/self/status) is reset through
-/proc/self/clear_refs before the system is set up, so afterwards VmHWM - VmRSS(before) is the
-peak RSS growth, at no cost to timing. Where the reset is refused, a background thread samples
-VmRSS every 5 ms instead. CUDA: torch.cuda.max_memory_allocated() minus memory_allocated()
-before, after torch.cuda.reset_peak_memory_stats() (only memory from torch's allocator).
+/proc/self/clear_refs when a window opens, so afterwards VmHWM - VmRSS(before) is the peak RSS
+growth, at no cost to timing. Where the reset is refused, a background thread samples VmRSS every
+5 ms instead. CUDA: torch.cuda.max_memory_allocated() minus memory_allocated() before, after
+torch.cuda.reset_peak_memory_stats() (only memory from torch's allocator, and only memory handed
+out: what the caching allocator holds in reserve, CUDA-graph pools' free blocks included, is not
+counted).
 """
 
 from __future__ import annotations
@@ -14,11 +26,26 @@ import gc
 import threading
 import time
 
-CPU_METHOD = ("peak RSS growth: VmHWM after the system's setup + run minus VmRSS before it "
-              "(VmHWM reset through /proc/self/clear_refs; sampled VmRSS every 5 ms if the "
-              "reset is refused); freed memory is returned to the OS (malloc_trim) between systems")
-CUDA_METHOD = ("torch.cuda.max_memory_allocated() during setup + run minus memory_allocated() "
-               "before (torch's caching allocator only; onnxruntime's CUDA memory is not seen)")
+CPU_METHOD = ("peak mem MiB, the inference peak: peak RSS growth over loading the system and "
+              "running it (kiln: load the engine file + create a context + runs; torch: build "
+              "the module (torch.compile: + compile) + runs; onnxruntime: session creation + "
+              "runs), VmHWM at the end minus VmRSS before (VmHWM reset through "
+              "/proc/self/clear_refs; sampled VmRSS every 5 ms if the reset is refused); build "
+              "peak MiB (kiln only; '-' for the others): the same over building the engine from "
+              "the ONNX file and saving it, an offline step measured before and apart from the "
+              "inference peak; freed memory is returned to the OS (malloc_trim) before each "
+              "window")
+CUDA_METHOD = ("peak mem MiB, the inference peak: torch.cuda.max_memory_allocated() minus "
+               "memory_allocated() before, over loading the system and running it (kiln: load "
+               "the engine file + create a context + the first run, which captures the CUDA "
+               "graph, + the timed runs; torch: the module's weights (FP16 ones converted on the "
+               "host) moved to the device (torch.compile: + compile) + runs; onnxruntime: "
+               "session creation + runs); build peak MiB (kiln only; '-' for the others): the "
+               "same over building the engine (import, optimization, precision lowering, "
+               "autotuning on the device) and saving it, an offline step measured before and "
+               "apart from the inference peak. torch's caching allocator only: memory it holds "
+               "in reserve (CUDA-graph pools included) is not counted, and onnxruntime's CUDA "
+               "memory is not seen")
 
 
 def _status_kib(field: str) -> int:
@@ -40,7 +67,8 @@ def release() -> None:
 
 
 class PeakMemory:
-    """``with PeakMemory(device) as m: ...`` then ``m.peak_mib`` (None when unknown)."""
+    """``with PeakMemory(device) as m: ...`` then ``m.peak_mib`` (None when unknown): the peak
+    growth over the block. Windows do not nest (on CUDA each one resets the peak statistics)."""
 
     def __init__(self, device: str = "cpu"):
         self.device = device

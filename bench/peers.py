@@ -4,6 +4,11 @@ finished forward pass (synchronized on CUDA), plus ``fetch()`` to read its outpu
 Systems: kiln (built, saved, and the *loaded* engine timed), onnxruntime, PyTorch eager (the zoo
 module, FP32, ``torch.inference_mode``), torch.compile; on CUDA also PyTorch FP16 eager and
 torch.compile(mode="reduce-overhead") in FP16 (CUDA graphs).
+
+A peer with a ``build`` step (kiln) does its offline work there: the engine is built and saved
+before ``prepare`` loads it, so that the inference numbers (memory, set-up) cover loading and
+running only, as they do for the torch peers, whose FP16 weights are made on the host before
+they move to the device.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class Peer:
     precision: str  # "fp32" or "fp16"
     prepare: Callable[[Workload, str, Path], Prepared]
     is_kiln: bool = False
+    # the offline step before ``prepare`` (kiln: build + save the engine file); returns a note
+    build: Callable[[Workload, str, Path], str] | None = None
 
     @property
     def tolerance(self) -> float:
@@ -75,33 +82,47 @@ def has_cuda_backend() -> bool:
     return torch.cuda.is_available()
 
 
-def _kiln(fp16: bool):
-    def prepare(wl: Workload, device: str, tmp: Path) -> Prepared:
+def kiln_config(wl: Workload, device: str, fp16: bool):
+    """The bench's build: on CUDA a fixed profile at the workload's shapes, so that the kernels
+    are tuned where they run, as torch.compile specializes to them."""
+    import kiln
+
+    profiles = []
+    if device == "cuda":
+        profiles = [kiln.Profile.fixed({k: v.shape for k, v in wl.feeds.items()})]
+    return kiln.BuilderConfig(device=device, fp16=fp16, profiles=profiles)
+
+
+def engine_path(wl: Workload, tmp: Path, fp16: bool) -> Path:
+    return tmp / f"{wl.key}{'-fp16' if fp16 else ''}.kiln"
+
+
+def _kiln_build(fp16: bool):
+    def build(wl: Workload, device: str, tmp: Path) -> str:
         import kiln
 
         if device == "cuda" and not has_cuda_backend():
             raise Unavailable("CUDA is not available on this machine")
-        profiles = []
-        if device == "cuda":  # tune kernels at this workload's shapes, as torch.compile does
-            profiles = [kiln.Profile.fixed({k: v.shape for k, v in wl.feeds.items()})]
-        builder = kiln.Builder(kiln.BuilderConfig(device=device, fp16=fp16, profiles=profiles))
-        engine = builder.build(str(wl.onnx_path()))
-        path = tmp / f"{wl.key}{'-fp16' if fp16 else ''}.kiln"
-        engine.save(path)
-        del engine
+        builder = kiln.Builder(kiln_config(wl, device, fp16))
+        builder.build(str(wl.onnx_path())).save(engine_path(wl, tmp, fp16))
+        nodes = builder.report.get("nodes_after", {})
+        return f"{sum(nodes.values())} layers" if nodes else ""
+    return build
+
+
+def _kiln(fp16: bool):
+    def prepare(wl: Workload, device: str, tmp: Path) -> Prepared:
+        import kiln
+
+        path = engine_path(wl, tmp, fp16)
         engine = kiln.load(path)
         path.unlink()  # the weights stay mapped; the file is not needed any more
         ctx = engine.create_context()
         feeds = wl.feeds
         if device == "cuda":  # device tensors in and out, as the torch peers get them
-            import torch
-
             feeds = {k: torch.from_numpy(v).cuda() for k, v in feeds.items()}
         names = [o.name for o in engine.outputs]
-        nodes = builder.report.get("nodes_after", {})
-        note = f"{sum(nodes.values())} layers" if nodes else ""
-        return Prepared(lambda: ctx.run(feeds), lambda out: _as_numpy(out[n] for n in names),
-                        note=note)
+        return Prepared(lambda: ctx.run(feeds), lambda out: _as_numpy(out[n] for n in names))
     return prepare
 
 
@@ -172,12 +193,19 @@ def _fetch_torch(y) -> list[np.ndarray]:
     return [t.detach().float().cpu().numpy() for t in ys]
 
 
+def torch_module(wl: Workload, device: str, fp16: bool) -> torch.nn.Module:
+    """The zoo module on ``device``; FP16 weights are made on the host first, so that the device
+    only ever holds the weights the model runs with (an FP32 upload would double the peak)."""
+    model = build_module(wl)
+    if fp16:
+        # Half weights; autocast casts the FP32 attention-mask arithmetic to FP16 too.
+        model = model.half()
+    return model.to(device)
+
+
 def _eager(fp16: bool):
     def prepare(wl: Workload, device: str, tmp: Path) -> Prepared:
-        model = build_module(wl).to(device)
-        if fp16:
-            # Half weights; autocast casts the FP32 attention-mask arithmetic to FP16 too.
-            model = model.half()
+        model = torch_module(wl, device, fp16)
         args = _torch_args(wl, device, fp16)
         return Prepared(_torch_run(model, args, device, fp16), _fetch_torch)
     return prepare
@@ -205,9 +233,7 @@ def _deadline(seconds: float | None):
 def _compiled(fp16: bool, mode: str | None, compile_timeout: float | None):
     def prepare(wl: Workload, device: str, tmp: Path) -> Prepared:
         torch._dynamo.reset()  # no graphs or guards left over from the previous workload
-        model = build_module(wl).to(device)
-        if fp16:
-            model = model.half()
+        model = torch_module(wl, device, fp16)
         compiled = torch.compile(model, mode=mode)
         step = torch.compiler.cudagraph_mark_step_begin if mode == "reduce-overhead" else None
         run = _torch_run(compiled, _torch_args(wl, device, fp16), device, fp16, step)
@@ -224,11 +250,11 @@ def peers(device: str, compile: bool = True, compile_timeout: float | None = 300
     """The systems for ``device``, reference candidates first (onnxruntime, then eager FP32)."""
     out = [Peer("onnxruntime", "fp32", _onnxruntime),
            Peer("torch eager", "fp32", _eager(False)),
-           Peer("kiln", "fp32", _kiln(False), is_kiln=True)]
+           Peer("kiln", "fp32", _kiln(False), is_kiln=True, build=_kiln_build(False))]
     if compile:
         out.append(Peer("torch.compile", "fp32", _compiled(False, None, compile_timeout)))
     if device == "cuda":
-        out += [Peer("kiln fp16", "fp16", _kiln(True), is_kiln=True),
+        out += [Peer("kiln fp16", "fp16", _kiln(True), is_kiln=True, build=_kiln_build(True)),
                 Peer("torch eager fp16", "fp16", _eager(True))]
         if compile:
             out.append(Peer("torch.compile reduce-overhead fp16", "fp16",

@@ -9,7 +9,7 @@ from pathlib import Path
 from bench.peers import TOLERANCE
 
 COLUMNS = ("workload", "batch", "system", "prec", "check", "median ms", "p90 ms", "items/s",
-           "setup/compile s", "peak mem MiB", "kiln speed-up")
+           "setup/compile s", "peak mem MiB", "build peak MiB", "kiln speed-up")
 
 
 def header_lines(result: dict) -> list[str]:
@@ -24,9 +24,9 @@ def header_lines(result: dict) -> list[str]:
          "forward pass; items/s = batch / mean latency over the timed run"),
         (f"check: outputs vs the FP32 reference ({result['reference']}) before timing, "
          f"max|out - ref| / max|ref| within {tol}"),
-        f"peak mem: {result['memory_method']}",
-        ("setup/compile s: kiln build + save + load; onnxruntime session creation; torch "
-         "model construction; torch.compile construction + first call (compile)"),
+        f"memory: {result['memory_method']}",
+        ("setup/compile s: kiln build + save + load + context; onnxruntime session creation; "
+         "torch model construction; torch.compile construction + first call (compile)"),
     ]
 
 
@@ -50,7 +50,8 @@ def cells(row: dict) -> list[str]:
     return [row["workload"], str(row["batch"]), row["system"], row["precision"], _check(row),
             _num(row.get("median_ms"), ".2f"), _num(row.get("p90_ms"), ".2f"),
             _num(row.get("items_per_s"), ".1f"), _num(row.get("setup_s"), ".1f"),
-            _num(row.get("peak_mem_mib"), ".0f"), _speedup(row)]
+            _num(row.get("peak_mem_mib"), ".0f"), _num(row.get("build_peak_mem_mib"), ".0f"),
+            _speedup(row)]
 
 
 def _speedup(row: dict) -> str:

@@ -122,41 +122,59 @@ def _status(exc: BaseException) -> str:
 
 def run_one(peer: Peer, wl: Workload, device: str, tmp: Path, cfg: TimingConfig,
             ref: list | None) -> tuple[dict, list | None]:
-    """Set up, check against ``ref`` and time one system; returns its row and its outputs."""
+    """Build (kiln), set up, check against ``ref`` and time one system; returns its row and its
+    outputs. ``peak_mem_mib`` covers set-up (loading) and the runs; a build step is measured
+    on its own, as ``build_peak_mem_mib``, before the inference measurement starts."""
     row = {"key": wl.key, "workload": wl.name, "model": wl.model, "batch": wl.batch,
            "seq": wl.seq, "options": wl.options, "system": peer.name,
            "precision": peer.precision, "kiln": peer.is_kiln, "tolerance": peer.tolerance,
-           "status": "ok", "reason": "", "reference": False}
-    outs = None
-    with memory.PeakMemory(device) as mem:
-        t0 = time.perf_counter()
-        try:
+           "status": "ok", "reason": "", "reference": False, "peak_mem_mib": None}
+    outs = prep = None
+    try:
+        build_s = _build(peer, wl, device, tmp, row)
+        with memory.PeakMemory(device) as mem:
+            t0 = time.perf_counter()
             prep = peer.prepare(wl, device, tmp)
-            row["setup_s"] = time.perf_counter() - t0
+            row["setup_s"] = build_s + time.perf_counter() - t0
             row["compile_s"] = prep.first_call_s
-            row["note"] = prep.note
+            row["note"] = prep.note or row.get("note", "")
             outs = prep.fetch(prep.run())
-            if ref is None and peer.precision != "fp32":
-                row["max_rel_err"] = None  # nothing to check against: every FP32 row failed
-            elif ref is None:
-                row["reference"] = True
-                row["max_rel_err"] = 0.0
-            else:
-                row["max_rel_err"] = max_rel_err(outs, ref)
-                if not row["max_rel_err"] <= peer.tolerance:
-                    row["status"] = "mismatch"  # reported, and still timed
+            _check(row, peer, outs, ref)
             records, wall = measure([prep.run], cfg)
-            s = summarize(records, wall, wl.batch, cfg.percentiles)
-            row.update(median_ms=s.latency_ms["median"], p90_ms=s.percentiles_ms["p90"],
-                       items_per_s=s.items_per_s, timing=s.to_json())
-        except Exception as exc:  # a failing peer is a table row, not a crash
-            row.update(status=_status(exc), reason=_reason(exc))
-            outs = None
-        finally:
-            prep = None
-    row["peak_mem_mib"] = mem.peak_mib if row["status"] in ("ok", "mismatch") else None
+        prep = None  # the system goes before memory.release(), so none of it counts for the next
+        s = summarize(records, wall, wl.batch, cfg.percentiles)
+        row.update(median_ms=s.latency_ms["median"], p90_ms=s.percentiles_ms["p90"],
+                   items_per_s=s.items_per_s, timing=s.to_json(), peak_mem_mib=mem.peak_mib)
+    except Exception as exc:  # a failing peer is a table row, not a crash
+        row.update(status=_status(exc), reason=_reason(exc), peak_mem_mib=None)
+        outs = prep = None
     memory.release()
     return row, outs
+
+
+def _build(peer: Peer, wl: Workload, device: str, tmp: Path, row: dict) -> float:
+    """Run the peer's offline build step, if it has one, under its own memory measurement
+    (``build_s``, ``build_peak_mem_mib``, the build's note); returns its seconds."""
+    if peer.build is None:
+        return 0.0
+    with memory.PeakMemory(device) as mem:
+        t0 = time.perf_counter()
+        row["note"] = peer.build(wl, device, tmp)
+        row["build_s"] = time.perf_counter() - t0
+    row["build_peak_mem_mib"] = mem.peak_mib
+    return row["build_s"]
+
+
+def _check(row: dict, peer: Peer, outs: list, ref: list | None) -> None:
+    if ref is None and peer.precision != "fp32":
+        row["max_rel_err"] = None  # nothing to check against: every FP32 row failed
+    elif ref is None:
+        row["reference"] = True
+        row["max_rel_err"] = 0.0
+    else:
+        row["max_rel_err"] = max_rel_err(outs, ref)
+        if not row["max_rel_err"] <= peer.tolerance:
+            row["status"] = "mismatch"  # reported, and still timed
 
 
 def run_suite(args, path: Path | None = None) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 METHOD = ("weights: bytes of the constants resident on the device; activations: "
@@ -9,8 +10,10 @@ METHOD = ("weights: bytes of the constants resident on the device; activations: 
           "given, else the first profile's opt shapes) minus memory_allocated() before it; "
           "workspace: device tensors the kernels keep between runs (e.g. transposed weights) "
           "plus what the first run left allocated (library workspaces). Only torch's caching "
-          "allocator is seen. With CUDA graphs each context also keeps about one activation "
-          "peak reserved in its graph pool.")
+          "allocator is seen. graph_buffers (not in total): what a context that replays a "
+          "CUDA graph keeps allocated besides, its static input and output buffers at these "
+          "shapes (device outputs are returned as copies of the latter); it also keeps about "
+          "one activation peak reserved in its graph pool.")
 
 
 def measure_device_memory(engine, shapes: dict | None = None) -> dict:
@@ -35,12 +38,14 @@ def measure_device_memory(engine, shapes: dict | None = None) -> dict:
     workspace = cached + max(0, grown - (cached - cached0))
     torch.cuda.reset_peak_memory_stats(dev)
     before = torch.cuda.memory_allocated(dev)
-    ctx.run(feeds)
+    outs = ctx.run(feeds)
     torch.cuda.synchronize(dev)
     activations = torch.cuda.max_memory_allocated(dev) - before
     weights = ex.device_weight_bytes
+    io = [*feeds.values(), *outs.values()]
     return {"weights": weights, "activations": activations, "workspace": workspace,
             "total": weights + activations + workspace,
+            "graph_buffers": sum(a.nbytes for a in io if isinstance(a, np.ndarray)),
             "shapes": {k: list(v.shape) for k, v in feeds.items()}, "method": METHOD}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import time
 
 import numpy as np
 import pytest
@@ -43,8 +44,15 @@ def test_bench_quick_json_has_every_system(quick_run):
     assert {r["system"] for r in rows} == SYSTEMS
     for r in rows:
         assert r["status"] == "ok", r
-        for field in ("median_ms", "p90_ms", "items_per_s", "setup_s", "peak_mem_mib"):
+        fields = ["median_ms", "p90_ms", "items_per_s", "setup_s", "peak_mem_mib"]
+        if r["kiln"]:  # the build is measured apart from the inference peak
+            fields += ["build_s", "build_peak_mem_mib"]
+            assert r["setup_s"] >= r["build_s"]
+        else:
+            assert "build_peak_mem_mib" not in r
+        for field in fields:
             assert isinstance(r[field], (int, float)), (r["system"], field)
+    assert "build peak" in result["memory_method"]
     assert [r["system"] for r in rows if r["reference"]] == ["onnxruntime"]
     assert all("kiln_speedup" in r for r in rows if not r["kiln"])
 
@@ -83,6 +91,38 @@ def test_bench_failing_system_is_a_row(tmp_path):
     assert outs is None
     assert (row["status"], row["reason"]) == ("failed", "RuntimeError: no C++ compiler")
     assert report.cells(row)[4] == "failed: RuntimeError: no C++ compiler"
+
+
+def test_bench_build_memory_is_not_inference_memory(tmp_path):
+    """A build step's memory shows as build_peak_mem_mib, not in the inference peak."""
+    held = []
+
+    def build(wl, device, tmp):
+        big = np.ones(64 * 2**20, np.uint8)  # 64 MiB, touched
+        time.sleep(0.05)  # long enough for the 5 ms sampler, where VmHWM cannot be reset
+        held.append(int(big[::4096].sum()))
+        return "built"
+
+    peer = Peer("kiln", "fp32", _peer(np.ones((2, 3))).prepare, is_kiln=True, build=build)
+    wl = workloads("cpu", quick=True)[0]
+    row, _ = run_one(peer, wl, "cpu", tmp_path, QUICK, None)
+    assert row["status"] == "ok" and row["note"] == "built"
+    assert row["build_peak_mem_mib"] >= 60
+    assert row["peak_mem_mib"] < 30
+    cells = report.cells(row)
+    assert cells[report.COLUMNS.index("build peak MiB")] == format(row["build_peak_mem_mib"], ".0f")
+
+
+def test_bench_failing_build_is_a_row(tmp_path):
+    def build(wl, device, tmp):
+        raise RuntimeError("import failed")
+
+    peer = Peer("kiln", "fp32", _peer(np.ones((2, 3))).prepare, is_kiln=True, build=build)
+    wl = workloads("cpu", quick=True)[0]
+    row, outs = run_one(peer, wl, "cpu", tmp_path, QUICK, None)
+    assert outs is None
+    assert (row["status"], row["reason"]) == ("failed", "RuntimeError: import failed")
+    assert row["peak_mem_mib"] is None and "build_peak_mem_mib" not in row
 
 
 def test_max_rel_err_shapes_and_nan():
