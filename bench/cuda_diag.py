@@ -2,10 +2,10 @@
 
     PYTHONPATH=. python bench/cuda_diag.py --out OUTDIR [--parts load,profile]
 
-``load``: builds ResNet-50 FP16 engines (b1), then in fresh processes times load + first
-inference with Triton's cache warm / cold and cuDNN autotuning on / off, with a cProfile of the
-warm case. ``profile``: a torch.profiler table of kiln's ResNet-50 FP16 b256 run (eager launches)
-next to PyTorch eager FP16 channels-last's.
+``load``: builds ResNet-50 FP16 engines (per ``--batches``; twice through one timing cache),
+then in fresh processes, each with an empty Triton cache, times load + first inference (and a
+cProfile of one). ``profile``: a torch.profiler table of kiln's ResNet-50 FP16 b256 run (eager
+launches) next to PyTorch eager FP16 channels-last's (needs 256 in ``--batches``).
 """
 
 from __future__ import annotations
@@ -71,43 +71,43 @@ def child(path, batch, env, prof="-"):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def build(batch, path, log):
+def build(batch, path, log, timing_cache=None):
     import kiln
     from kiln.zoo import build_onnx
 
+    onnx = str(build_onnx("resnet50"))  # exported (and cached) outside the build's time
     t = time.perf_counter()
-    cfg = kiln.BuilderConfig(device="cuda", fp16=True, profiles=[
+    cfg = kiln.BuilderConfig(device="cuda", fp16=True, timing_cache=timing_cache, profiles=[
         kiln.Profile.fixed({"input": (batch, 3, 224, 224)})])
-    eng = kiln.Builder(cfg, log=log).build(str(build_onnx("resnet50")))
+    eng = kiln.Builder(cfg, log=log).build(onnx)
     eng.save(path)
     return time.perf_counter() - t
 
 
-def part_load(out: Path, res: dict):
+def part_load(out: Path, res: dict, batches: list[int]):
+    """Builds (twice through one timing cache: the rebuild times nothing), then load + first
+    inference in fresh processes, each with an empty Triton cache (so nothing can hide a
+    compile: the engine's embedded kernels are all it has)."""
     tmp = Path(tempfile.mkdtemp())
-    warm = tmp / "tc"
-    os.environ["TRITON_CACHE_DIR"] = str(warm)
+    os.environ["TRITON_CACHE_DIR"] = str(tmp / "tc-build")
     lines = []
-    res["build_b1_s"] = build(1, tmp / "r1.kiln", lines.append)
-    res["build_b256_s"] = build(256, tmp / "r256.kiln", lines.append)
+    cache = str(tmp / "timing.json")
+    for b in batches:
+        res[f"build_b{b}_s"] = build(b, tmp / f"r{b}.kiln", lines.append, cache)
+        res[f"rebuild_b{b}_s"] = build(b, tmp / f"r{b}-again.kiln", lines.append, cache)
     (out / "build_log.txt").write_text("\n".join(lines))
     env = dict(os.environ, PYTHONPATH=os.getcwd())
+
     def fresh(tag: str) -> dict:  # an empty Triton cache: nothing to find, so nothing hides
         d = tmp / f"tc-{tag}"
         d.mkdir()
         return dict(env, TRITON_CACHE_DIR=str(d))
 
-    for rep in range(2):
-        res[f"b1_{rep}"] = child(tmp / "r1.kiln", 1, fresh(f"b1{rep}"))
-    res["b1_profiled"] = child(tmp / "r1.kiln", 1, fresh("prof"), str(out / "load_cprofile.txt"))
-    res["b1_nobench"] = child(tmp / "r1.kiln", 1, dict(fresh("nb"), KILN_CUDNN_BENCHMARK="0"))
-    res["b1_nobench_profiled"] = child(tmp / "r1.kiln", 1, dict(fresh("nbp"),
-                                       KILN_CUDNN_BENCHMARK="0"),
-                                       str(out / "load_cprofile_nobench.txt"))
-    res["b256"] = child(tmp / "r256.kiln", 256, fresh("b256"))
-    res["b256_nobench"] = child(tmp / "r256.kiln", 256, dict(fresh("b256nb"),
-                                KILN_CUDNN_BENCHMARK="0"))
-    res["cache_files"] = sorted(str(p.relative_to(warm)) for p in warm.rglob("*") if p.is_file())
+    for b in batches:
+        for rep in range(3):
+            res[f"b{b}_{rep}"] = child(tmp / f"r{b}.kiln", b, fresh(f"b{b}-{rep}"))
+        res[f"b{b}_profiled"] = child(tmp / f"r{b}.kiln", b, fresh(f"b{b}p"),
+                                      str(out / f"load_cprofile_b{b}.txt"))
     return tmp
 
 
@@ -156,12 +156,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default="load,profile")
+    ap.add_argument("--batches", default="1,256")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {}
     try:
-        tmp = part_load(out, res)
+        tmp = part_load(out, res, [int(b) for b in a.batches.split(",")])
         (out / "diag.json").write_text(json.dumps(res, indent=1, default=str))
         if "profile" in a.parts:
             part_profile(out, res, tmp)

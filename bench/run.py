@@ -40,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="tiny model variants, batch 1, seq 16, short timing (for tests)")
     p.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
+    p.add_argument("--systems", default=None,
+                   help="comma-separated systems to run (default: all of the device's; the "
+                        "FP32 reference candidates onnxruntime and torch eager always run)")
     p.add_argument("--compile-timeout", type=float, default=300.0, metavar="S",
                    help="report torch.compile as skipped when its first call takes longer (300)")
     p.add_argument("--warmup", type=float, default=None, metavar="S", help="warm-up seconds")
@@ -188,6 +191,13 @@ def run_suite(args, path: Path | None = None) -> dict:
     cfg = timing_config(args)
     wls = workloads(device, _split(args.models), _split(args.batches, int), args.quick)
     line_up = peers(device, compile=not args.no_compile, compile_timeout=args.compile_timeout)
+    if args.systems:
+        wanted = set(_split(args.systems)) | {"onnxruntime", "torch eager"}
+        unknown = wanted - {p.name for p in line_up}
+        if unknown:
+            raise SystemExit(f"--systems: unknown {sorted(unknown)}; this device runs "
+                             f"{[p.name for p in line_up]}")
+        line_up = [p for p in line_up if p.name in wanted]
     result = {
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "device": device, "machine": machine_info(device), "versions": versions(),

@@ -321,6 +321,9 @@ def tune_graph(graph, profile=None, cache: TimingCache | None = None,
     ex.run([_to(to_torch(args[v.name]), device) for v in graph.inputs])
     if cache is not None:
         cache.save()
+    if device == "cuda" and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        # the timing streams' cuBLAS workspaces (~33 MiB each) would outlive the build
+        torch._C._cuda_clearCublasWorkspaces()
     return picks
 
 

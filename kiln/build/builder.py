@@ -56,7 +56,8 @@ class Builder:
         if cfg.optimize:
             graph = optimize(graph, log=self.log)
         if cfg.fp16 or cfg.bf16:  # FP16 when both are allowed: more mantissa, same speed
-            lower_precision(graph, "fp16" if cfg.fp16 else "bf16", log=self.log)
+            lower_precision(graph, "fp16" if cfg.fp16 else "bf16", log=self.log,
+                            io=cfg.low_precision_io)
         self.report = {}
         tuned = self._autotune(graph)  # picks per profile, or None
         choices, tactics = self._choose_kernels(graph, tuned[0] if tuned else None)

@@ -16,6 +16,9 @@ class BuilderConfig:
         fp16, bf16, int8: precisions the builder may use in addition to FP32 (permissions,
             as in TensorRT: a layer runs in the fastest allowed precision that has a kernel).
         tf32: allow TF32 math for FP32 layers on CUDA.
+        low_precision_io: with ``fp16``/``bf16``, the model's float32 inputs and outputs take
+            that precision too (trtexec's ``--inputIOFormats``/``--outputIOFormats``): callers
+            pass and get FP16/BF16 tensors, and no Casts run at the edges.
         profiles: optimization profiles (min/opt/max shape per input); with none, every
             shape the model allows is accepted.
         workspace: bytes of scratch memory kernels may use (None: no limit).
@@ -29,6 +32,7 @@ class BuilderConfig:
     bf16: bool = False
     int8: bool = False
     tf32: bool = True
+    low_precision_io: bool = False
     profiles: list[Profile] = field(default_factory=list)
     workspace: int | None = None
     optimize: bool = True
@@ -39,6 +43,9 @@ class BuilderConfig:
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
+        if self.low_precision_io and not (self.fp16 or self.bf16):
+            raise ValueError("low_precision_io needs fp16 or bf16 (it gives the model's float32 "
+                             "inputs and outputs that precision)")
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -63,26 +63,32 @@ FP32_INPUTS: dict = {
 
 
 def lower_precision(graph: Graph, precision: str = "fp16", keep_fp32=(),
-                    log: Callable[[str], None] = lambda m: None) -> dict:
+                    log: Callable[[str], None] = lambda m: None, io: bool = False) -> dict:
     """Rewrite ``graph`` (in place) to run in ``precision`` ("fp16" or "bf16").
 
-    ``keep_fp32``: names of nodes to pin to FP32. Returns counts: ``low`` (nodes in the low
-    precision), ``fp32`` (float nodes pinned to FP32, by name), ``casts`` (Casts inserted),
-    ``weights`` (weights converted)."""
+    ``keep_fp32``: names of nodes to pin to FP32. ``io``: the graph's float32 inputs and
+    outputs take the low precision too (as trtexec's ``--inputIOFormats``/
+    ``--outputIOFormats``): no Cast at the edges, and the caller passes and gets low-precision
+    tensors. Returns counts: ``low`` (nodes in the low precision), ``fp32`` (float nodes
+    pinned to FP32, by name), ``casts`` (Casts inserted), ``weights`` (weights converted)."""
     if precision not in LOW:
         raise ValueError(f"precision must be one of {sorted(LOW)}, not {precision!r}")
-    return _Lowering(graph, LOW[precision], set(keep_fp32)).run(log)
+    return _Lowering(graph, LOW[precision], set(keep_fp32), io).run(log)
 
 
 class _Lowering:
-    def __init__(self, graph: Graph, low: DType, keep: set[str]):
-        self.g, self.low, self.keep = graph, low, keep
+    def __init__(self, graph: Graph, low: DType, keep: set[str], io: bool = False):
+        self.g, self.low, self.keep, self.io = graph, low, keep, io
         self.orig: dict[int, DType | None] = {id(v): _dtype(v) for v in _all_values(graph)}
         self.names = {v.name for v in _all_values(graph)} | {n.name for n in graph.nodes}
         self.converted: dict[tuple[int, DType], Value] = {}
         self.stats = {"low": 0, "fp32": [], "casts": 0, "weights": 0}
 
     def run(self, log) -> dict:
+        if self.io:
+            for v in self.g.inputs:
+                if self.orig.get(id(v)) == F32:
+                    v.type = TensorType(self.low, getattr(v.type, "shape", None))
         lows = {id(n) for n in self.g.nodes if self._lower_node(n)}
         out: list[Node] = []
         for n in self.g.nodes:
@@ -92,9 +98,10 @@ class _Lowering:
                     n.inputs[i] = self._convert(v, want, out)
             out.append(n)
         self.g.nodes = out
+        io_type = self.low if self.io else F32
         for i, v in enumerate(self.g.outputs):
-            if self.orig.get(id(v)) == F32 and _dtype(v) != F32:
-                self.g.outputs[i] = self._convert(v, F32, self.g.nodes)
+            if self.orig.get(id(v)) == F32 and _dtype(v) != io_type:
+                self.g.outputs[i] = self._convert(v, io_type, self.g.nodes, keep_name=True)
         self._drop_unused_weights()
         verify(self.g, after="lower_precision")
         s = self.stats
@@ -163,22 +170,22 @@ class _Lowering:
             return self.low
         return F32
 
-    def _convert(self, v: Value, want: DType, out: list[Node]) -> Value:
+    def _convert(self, v: Value, want: DType, out: list[Node], keep_name: bool = False) -> Value:
         key = (id(v), want)
-        if key in self.converted:
+        if key in self.converted and not keep_name:
             return self.converted[key]
         shape = getattr(v.type, "shape", None)
-        if v.const is not None and v.producer is None:
+        if v.const is not None and v.producer is None and not keep_name:
             c = Value(self._fresh(f"{v.name}__{want.name}"), TensorType(want, shape),
                       const=np.asarray(v.const).astype(want.np))
             if any(w is v for w in self.g.weights.values()):
                 self.g.weights[c.name] = c
                 self.stats["weights"] += 1
-        elif want == F32:
-            # a cast back up takes the value's name (outputs and subgraph captures are matched
-            # by name); the low value is renamed
-            c = Value(v.name, TensorType(F32, shape))
-            v.name = self._fresh(f"{v.name}__{self.low.name}")
+        elif keep_name or (want == F32 and not any(v is i for i in self.g.inputs)):
+            # the cast takes the value's name (outputs and subgraph captures are matched by
+            # name); the value it reads is renamed. Graph inputs keep theirs.
+            c = Value(v.name, TensorType(want, shape))
+            v.name = self._fresh(f"{v.name}__{_dtype(v).name}")
             out.append(self._cast_node(v, c, want))
         else:
             c = Value(self._fresh(f"{v.name}__{want.name}"), TensorType(want, shape))

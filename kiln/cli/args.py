@@ -38,6 +38,9 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bf16", action="store_true", help="allow BF16 layers")
     g.add_argument("--int8", action="store_true", help="allow INT8 layers")
     g.add_argument("--no-tf32", action="store_true", help="disallow TF32 for FP32 layers")
+    g.add_argument("--low-precision-io", action="store_true",
+                   help="with --fp16/--bf16: float32 inputs and outputs take that precision "
+                        "too (no Casts at the edges; pass and get FP16/BF16 arrays)")
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:

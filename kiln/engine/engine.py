@@ -284,7 +284,11 @@ class ExecutionContext:
                                            cuda_graph=graphs,
                                            tf32=b.get("tf32", True))
 
-    def run(self, feeds: dict) -> dict:
+    def run(self, feeds: dict, copy_outputs: bool = True) -> dict:
+        """Run once. ``copy_outputs=False`` (CUDA, torch tensors in on the GPU): the outputs
+        may be the context's CUDA-graph buffers themselves, valid until this context's next
+        run — as torch.compile's CUDA graphs return theirs — which saves a copy and the memory
+        of a second set of outputs. Host (numpy) outputs are always copies."""
         eng = self.engine
         profiles = eng.profiles
         if self.profile is not None:
@@ -296,7 +300,8 @@ class ExecutionContext:
             torch_in = [x for x in feeds.values() if isinstance(x, torch.Tensor)]
             if self.cuda is not None:
                 outs = self.cuda.run([feeds[i.name] for i in eng.inputs], bool(torch_in),
-                                     torch_in[0].device if torch_in else None, ex)
+                                     torch_in[0].device if torch_in else None, ex,
+                                     copy_outputs)
                 return {o.name: v for o, v in zip(eng.outputs, outs)}
             as_torch = bool(torch_in)
             args = [to_torch(np.asarray(feeds[i.name]) if not isinstance(

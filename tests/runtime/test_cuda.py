@@ -182,6 +182,21 @@ def test_cuda_torch_in_torch_out_on_callers_device():
 
 @gpu
 @needs_cuda
+def test_cuda_outputs_without_copy_are_the_graph_buffers():
+    ctx = _cuda_engine(tf32=False).create_context()
+    x = torch.randn(3, 8, device="cuda")
+    want = ctx.run({"x": x.cpu()})["y"]
+    a = ctx.run({"x": x}, copy_outputs=False)["y"]
+    torch.testing.assert_close(a.cpu(), want, rtol=1e-4, atol=1e-4)
+    b = ctx.run({"x": 2 * x}, copy_outputs=False)["y"]
+    assert a.data_ptr() == b.data_ptr()  # one buffer, overwritten by the next run
+    c = ctx.run({"x": x})["y"]  # the default: a copy the next run leaves alone
+    assert c.data_ptr() != b.data_ptr()
+    torch.testing.assert_close(c.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@gpu
+@needs_cuda
 def test_cuda_graphs_off_runs_eagerly():
     engine = _cuda_engine(cuda_graph=False)
     ctx = engine.create_context()

@@ -157,3 +157,37 @@ def test_precision_bert_matches_fp32(tiny_bert, precision):
     assert got.dtype == np.float32 and got.shape == ref.shape
     assert _rel(got, ref) < TOL[precision]
 
+
+
+def test_low_precision_io_takes_and_gives_fp16():
+    model = mlp(hidden=32)
+    engine = _build(model, fp16=True, low_precision_io=True)
+    assert [(i.dtype, o.dtype) for i, o in zip(engine.inputs, engine.outputs)] == [
+        (DType.float16, DType.float16)]
+    assert not any(n.op.name == "Cast" for n in engine.graph.nodes)  # nothing at the edges
+    assert [i.name for i in engine.inputs] == ["x"] and [o.name for o in engine.outputs] == ["y"]
+    x = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
+    y = engine.create_context().run({"x": x.astype(np.float16)})["y"]
+    assert y.dtype == np.float16
+    assert _rel(y.astype(np.float32), mlp_reference(x, model)) < TOL["fp16"]
+    with pytest.raises(kiln.ShapeError, match="float16"):
+        engine.create_context().run({"x": x})  # float32 in: refused, naming the dtype
+
+
+def test_low_precision_io_with_a_pinned_first_and_last_node():
+    """Exp is pinned to FP32: the FP16 input is cast up for it, and its FP32 result cast down
+    for the FP16 output, which keeps its name."""
+    nodes = [helper.make_node("Exp", ["x"], ["y"], name="exp")]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    engine = _build(model, fp16=True, low_precision_io=True)
+    assert engine.inputs[0].dtype == engine.outputs[0].dtype == DType.float16
+    assert engine.outputs[0].name == "y"
+    x = np.array([0.0, 1.0, -2.0], np.float16)
+    y = engine.create_context().run({"x": x})["y"]
+    np.testing.assert_allclose(y.astype(np.float32), np.exp(x.astype(np.float32)), rtol=2e-3)
+
+
+def test_low_precision_io_needs_a_low_precision():
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        kiln.BuilderConfig(low_precision_io=True)
