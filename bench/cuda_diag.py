@@ -104,7 +104,7 @@ def part_load(out: Path, res: dict, batches: list[int]):
         return dict(env, TRITON_CACHE_DIR=str(d))
 
     for b in batches:
-        for rep in range(3):
+        for rep in range(2):
             res[f"b{b}_{rep}"] = child(tmp / f"r{b}.kiln", b, fresh(f"b{b}-{rep}"))
         res[f"b{b}_profiled"] = child(tmp / f"r{b}.kiln", b, fresh(f"b{b}p"),
                                       str(out / f"load_cprofile_b{b}.txt"))
