@@ -318,7 +318,11 @@ def tune_graph(graph, profile=None, cache: TimingCache | None = None,
 
     args = random_inputs([TensorInfo.of(v) for v in graph.inputs], profile=profile)
     ex = Executor(graph, "cuda", choose)
-    ex.run([_to(to_torch(args[v.name]), device) for v in graph.inputs])
+    try:
+        ex.run([_to(to_torch(args[v.name]), device) for v in graph.inputs])
+    except KilnError as e:  # random data the model cannot take (an index, a k, a shape)
+        log(f"autotune: the tuning run stopped on random inputs ({e}); the layers it did "
+            "not reach keep their default kernel")
     if cache is not None:
         cache.save()
     if device == "cuda" and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from kiln.build import autotune
 from kiln.build.autotune import Candidate, TimingCache, candidates, select, signature
 from kiln.ir import Attr, OpDef
 from kiln.kernels.registry import Call, Kernel, register
@@ -179,3 +180,24 @@ def test_autotune_candidates_respect_supports_and_tactic_space():
     cands = candidates(op, _call(), (X,))
     assert [(c.kernel.name, c.tactic) for c in cands] == [("TritonA", {"T": 2}),
                                                          ("TorchCand", None)]
+
+
+def test_tuning_run_survives_random_inputs_the_model_cannot_take():
+    """TopK's k drawn at random exceeds the axis: the tuning run stops there, the build goes
+    on (those layers keep their default kernel) and says why."""
+    from onnx import TensorProto, helper
+
+    from kiln.frontend import import_onnx
+
+    nodes = [helper.make_node("TopK", ["x", "k"], ["v", "i"], name="topk")]
+    g = helper.make_graph(
+        nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6]),
+                     helper.make_tensor_value_info("k", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("v", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("i", TensorProto.INT64, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    lines: list[str] = []
+    picks = autotune.tune_graph(import_onnx(model), None, None, timer=lambda fn: 1.0,
+                                log=lines.append, device="cpu")
+    assert picks == {}
+    assert any("stopped on random inputs" in ln and "topk" in ln for ln in lines)
