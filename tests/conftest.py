@@ -1,3 +1,11 @@
+import os
+
+import torch
+
+# Triton reads this when its kernels are decorated, i.e. when kiln.kernels.triton is first
+# imported, which a test module may do at collection: set it here, before any of them. With a
+# GPU the Triton tests run compiled on CUDA; without one, under the interpreter.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 
 def pytest_configure(config):
