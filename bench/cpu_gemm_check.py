@@ -9,6 +9,7 @@ shapes, with onnxruntime's MatMul (MLAS) as the yardstick.
 and (K, N) in ``--shapes`` (BERT-base/GPT-2, MiniLM, GPT-2's LM head). The candidates:
 
 - ``torch.linear``: ``F.linear(x, W^T)``, MKL sgemm (kiln's ``linear`` tactic);
+- ``torch.mm``: ``torch.mm(x, W)``, MKL sgemm on the [K, N] weight (no tactic of kiln's);
 - ``torch.mkl_packed``: ``torch.ops.mkl._mkl_linear`` on a weight packed for M (``mkl``);
 - ``torch.onednn``: ``torch.ops.mkldnn._linear_pointwise`` on a reordered weight (``onednn``);
 - ``numpy.openblas`` / ``numpy.openblas_nt``: ``numpy.matmul`` (numpy's bundled OpenBLAS) into a
@@ -36,6 +37,17 @@ median call.
 ``--mixed`` measures that contention instead of avoiding it: every timed call is preceded by
 an OpenMP-parallel torch op (an in-place add on 1M floats, as an engine runs between GEMMs),
 with no pause, and the GFLOP/s count the GEMM's flops over the time of both.
+
+Found on the 2-core AMD EPYC dev machine (Zen 3, AVX2; torch 2.13 with MKL 2024.2 and oneDNN
+3.12, numpy 2.4 with OpenBLAS 0.3.31, blis 1.3.4, onnxruntime 1.32): on the transformer shapes
+but the LM head, kiln's pick per shape, numpy's OpenBLAS and onnxruntime's MatMul are within a
+few percent of each other (geometric mean, 1 and 2 threads). OpenBLAS is still no kiln tactic:
+its pthread pool and torch's OpenMP pool fight over the cores (``--mixed`` at 2 threads: its
+median drops up to several times, while the torch candidates keep their speed).
+The ``blis`` wheel runs its generic kernels on Zen 3 (its CPU check knows no family 19h), on one
+thread (~20 GFLOP/s). ``MKL_ENABLE_INSTRUCTIONS=AVX2`` and ``MKL_DYNAMIC=FALSE`` change nothing
+measurable. The one clear gap is the LM head (768x50257): onnxruntime ~1.2x faster than oneDNN,
+the fastest torch path (MKL is ~2x slower there).
 """
 
 from __future__ import annotations
@@ -56,7 +68,7 @@ import torch.nn.functional as F
 SHAPES = ((768, 768), (768, 2304), (768, 3072), (3072, 768),
           (384, 384), (384, 1152), (384, 1536), (1536, 384), (768, 50257))
 TOL = 1e-4
-TORCH_CANDIDATES = ("torch.linear", "torch.mkl_packed", "torch.onednn")
+TORCH_CANDIDATES = ("torch.linear", "torch.mm", "torch.mkl_packed", "torch.onednn")
 
 
 @dataclass
@@ -69,6 +81,10 @@ class Case:
 
 def _torch_linear(c):
     return lambda: F.linear(c.x, c.wt)
+
+
+def _torch_mm(c):
+    return lambda: torch.mm(c.x, c.w)
 
 
 def _torch_mkl(c):
@@ -119,7 +135,7 @@ def _blis(c):
 
     def run():
         y = torch.empty(c.x.shape[0], wn.shape[1])
-        blis.py.gemm(xn, wn, out=y.numpy())
+        blis.py.gemm(xn, wn, out=y.numpy(), beta=0.0)  # (beta defaults to 1: y += x W)
         return y
     return run
 
@@ -146,6 +162,7 @@ def _ort_matmul(c):
 
 CANDIDATES = {
     "torch.linear": _torch_linear,
+    "torch.mm": _torch_mm,
     "torch.mkl_packed": _torch_mkl,
     "torch.onednn": _torch_onednn,
     "numpy.openblas": _numpy_matmul(lambda c: c.w.numpy()),
@@ -272,21 +289,42 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+KILN_TACTICS = ("torch.linear", "torch.mkl_packed", "torch.onednn")  # what kiln times per shape
+
+
+def _speedups(rows, threads, ref) -> dict:
+    """candidate -> geometric mean over the shapes of its speed relative to ``ref(times)``
+    (``times``: candidate -> best seconds on one shape; shapes where ``ref`` is None are left
+    out)."""
+    shapes: dict = {}
+    for r in rows:
+        if r["threads"] == threads and "best_s" in r:
+            shapes.setdefault((r["m"], r["k"], r["n"]), {})[r["candidate"]] = r["best_s"]
+    ratios: dict = {}
+    for times in shapes.values():
+        t_ref = ref(times)
+        if t_ref is not None:
+            for name, t in times.items():
+                ratios.setdefault(name, []).append(t_ref / t)
+    return {name: float(np.exp(np.mean(np.log(v)))) for name, v in ratios.items()}
+
+
+def _kiln_best(times):
+    got = [times[t] for t in KILN_TACTICS if t in times]
+    return min(got) if len(got) == len(KILN_TACTICS) else None
+
+
 def summary(rows: list[dict]) -> str:
-    """Per thread count: each candidate's geometric mean speed over the shapes, relative to
-    ``ort.matmul`` (1.00 = onnxruntime's speed; shapes where either is missing are left out)."""
+    """Per thread count, each candidate's speed (geometric mean over the shapes) relative to
+    onnxruntime's MatMul and to kiln's pick (the fastest of its tactics on each shape)."""
     lines = []
     for threads in sorted({r["threads"] for r in rows}):
-        ort = {(r["m"], r["k"], r["n"]): r["best_s"] for r in rows
-               if r["threads"] == threads and r["candidate"] == "ort.matmul" and "best_s" in r}
-        ratios: dict = {}
-        for r in rows:
-            key = (r["m"], r["k"], r["n"])
-            if r["threads"] == threads and "best_s" in r and key in ort:
-                ratios.setdefault(r["candidate"], []).append(ort[key] / r["best_s"])
-        cells = [f"{name} {np.exp(np.mean(np.log(v))):.2f}" for name, v in ratios.items()]
-        if cells:
-            lines.append(f"{threads} thread(s), speed vs ort.matmul (geomean): " + ", ".join(cells))
+        for label, ref in (("ort.matmul", lambda t: t.get("ort.matmul")),
+                           ("kiln's best tactic", _kiln_best)):
+            speed = _speedups(rows, threads, ref)
+            if speed:
+                cells = ", ".join(f"{name} {v:.2f}" for name, v in speed.items())
+                lines.append(f"{threads} thread(s), speed vs {label} (geomean): {cells}")
     return "\n".join(lines)
 
 
