@@ -56,20 +56,30 @@ def is_square_of(node: Node | None, d) -> bool:
     return node.op is M.Mul and node.inputs[0] is d and node.inputs[1] is d  # Mul(d, d) -> d²
 
 
+def root_mean_square(sigma, d):
+    """``sigma = Sqrt(ReduceMean(d²) + eps)``: (eps, the ReduceMean, its nodes [d², ReduceMean,
+    Add, Sqrt]), or None. The statistic of both LayerNorm (d = x - mean) and RMSNorm (d = x)."""
+    sqrt = made_by(sigma, M.Sqrt)
+    add = made_by(sqrt.inputs[0], M.Add) if sqrt else None
+    ms_eps = split_const(add) if add else None
+    mean = made_by(ms_eps[0], R.ReduceMean) if ms_eps else None
+    sq = made_by(mean.inputs[0], M.Pow, M.Mul) if mean else None
+    if not is_square_of(sq, d):
+        return None
+    return ms_eps[1], mean, [sq, mean, add, sqrt]
+
+
 def match_moments(top: Node):
     """Walk up from the normalizing node; returns (x, axis, eps, nodes) or None."""
     got = normalized(top)
     if got is None:
         return None
     d, sigma, extra = got
-    sqrt = made_by(sigma, M.Sqrt)
-    add = made_by(sqrt.inputs[0], M.Add) if sqrt else None
-    var_eps = split_const(add) if add else None
-    r2 = made_by(var_eps[0], R.ReduceMean) if var_eps else None
-    sq = made_by(r2.inputs[0], M.Pow, M.Mul) if r2 else None
+    stat = root_mean_square(sigma, d)
     sub = made_by(d, M.Sub)
-    if not (is_square_of(sq, d) and sub is not None):
+    if stat is None or sub is None:
         return None
+    eps, r2, chain = stat
     x = sub.inputs[0]
     r1 = made_by(sub.inputs[1], R.ReduceMean)
     rank = len(shape_of(x)) if shape_of(x) is not None else None
@@ -78,7 +88,7 @@ def match_moments(top: Node):
     axes = reduce_axes(r1, rank)
     if axes is None or axes != reduce_axes(r2, rank) or trailing(axes, rank) is None:
         return None
-    return x, trailing(axes, rank), var_eps[1], [r1, sub, sq, r2, add, sqrt, top, *extra]
+    return x, trailing(axes, rank), eps, [r1, sub, *chain, top, *extra]
 
 
 def affine_tail(users: Users, out, want_op) -> tuple[Node, np.ndarray] | None:

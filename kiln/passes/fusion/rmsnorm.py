@@ -13,23 +13,19 @@ from __future__ import annotations
 from typing import Callable
 
 from kiln.ir import Graph, Node
-from kiln.ops import math as M
 from kiln.ops import nn as N
-from kiln.ops import reduce as R
 from kiln.passes.fusion.layernorm import (
-    is_square_of,
     norm_param,
     norm_sites,
     normalized,
+    root_mean_square,
 )
 from kiln.passes.fusion.match import (
     Users,
     add_const,
-    made_by,
     reduce_axes,
     replace,
     shape_of,
-    split_const,
     trailing,
 )
 
@@ -40,18 +36,15 @@ def match_rms(top: Node):
     if got is None:
         return None
     x, sigma, extra = got
-    sqrt = made_by(sigma, M.Sqrt)
-    add = made_by(sqrt.inputs[0], M.Add) if sqrt else None
-    ms_eps = split_const(add) if add else None
-    mean = made_by(ms_eps[0], R.ReduceMean) if ms_eps else None
-    sq = made_by(mean.inputs[0], M.Pow, M.Mul) if mean else None
-    if not is_square_of(sq, x):
+    stat = root_mean_square(sigma, x)
+    if stat is None:
         return None
+    eps, mean, chain = stat
     rank = len(shape_of(x)) if shape_of(x) is not None else None
     axis = trailing(reduce_axes(mean, rank), rank)
     if axis is None:
         return None
-    return x, axis, ms_eps[1], [sq, mean, add, sqrt, top, *extra]
+    return x, axis, eps, [*chain, top, *extra]
 
 
 def fuse_rmsnorm(graph: Graph, log: Callable[[str], None]) -> int:
