@@ -96,13 +96,14 @@ def _onednn_ok(a, x, w) -> bool:
             and w.dtype == torch.float32 and torch.backends.mkldnn.is_available())
 
 
-def _geometry(n, x, w):
-    """(padding, stride, dilation) for oneDNN, or None when the pads are asymmetric."""
+def symmetric_geometry(n, x, w):
+    """(padding, stride, dilation, output spatial dims) of a 2-D conv, as oneDNN and cuDNN take
+    them, or None when the pads are asymmetric; kept per input and weight shape."""
     key = ("geo", tuple(x.shape[2:]), tuple(w.shape))
     if key not in n.cache:
         k, s, d, p = N.spatial_attrs(n.a, 2, list(w.shape[2:]))
-        _, pb, pe = N.window_geometry(list(x.shape[2:]), k, s, d, p, n.a.auto_pad)
-        n.cache[key] = (list(pb), list(s), list(d)) if pb == pe else None
+        outs, pb, pe = N.window_geometry(list(x.shape[2:]), k, s, d, p, n.a.auto_pad)
+        n.cache[key] = (list(pb), list(s), list(d), tuple(outs)) if pb == pe else None
     return n.cache[key]
 
 
@@ -187,9 +188,9 @@ def fused_conv(n, x, w, b=None, r=None):
     if _nhwc_cuda(x, w):
         return _conv_nhwc(n, x, w, b, r)
     if _onednn_ok(n.a, x, w):
-        geo = _geometry(n, x, w)
+        geo = symmetric_geometry(n, x, w)
         if geo is not None:  # the pass fuses only residuals of the output's own shape
-            return _conv_onednn(n, x, w, b, r, geo)
+            return _conv_onednn(n, x, w, b, r, geo[:3])
     return epilogue(conv_reference(n, x, w, b), n.a, r)
 
 

@@ -46,7 +46,6 @@ from kiln.kernels.triton.common import (
 )
 from kiln.kernels.triton.gemm import gemm2d, gemm_tactics
 from kiln.ops import fused_conv as FC
-from kiln.ops import nn as N
 
 CL = torch.channels_last
 DEFAULT = {"epilogue": "triton", "BLOCK": 1024, "num_warps": 4}
@@ -102,14 +101,9 @@ def bias_act_(y, bias=None, res=None, activation: str = "", alpha: float = 0.0,
 
 def _geometry(n, x, w):
     """(padding, stride, dilation, output H, W) as cuDNN takes them, or None where the pads
-    are asymmetric or negative; kept per input and weight shape."""
-    key = ("triton_geo", tuple(x.shape), tuple(w.shape))
-    if key not in n.cache:
-        k, s, d, p = N.spatial_attrs(n.a, 2, list(w.shape[2:]))
-        outs, pb, pe = N.window_geometry(list(x.shape[2:]), k, s, d, p, n.a.auto_pad)
-        ok = pb == pe and min(pb) >= 0 and min(outs) > 0
-        n.cache[key] = (list(pb), list(s), list(d), tuple(outs)) if ok else None
-    return n.cache[key]
+    are asymmetric or negative or the output is empty."""
+    geo = torch_fused.symmetric_geometry(n, x, w)
+    return geo if geo is not None and min(geo[0]) >= 0 and min(geo[3]) > 0 else None
 
 
 def supports(n, inputs) -> bool:
