@@ -26,7 +26,6 @@ import faulthandler
 import gc
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from bench.peers import deadline
 
 FP16_TOL = 2e-2
 BUDGET_S = 420.0  # parts that would start after this are skipped
@@ -97,19 +98,6 @@ def watchdog() -> None:
     t.daemon = True
     t.start()
     faulthandler.dump_traceback_later(WATCHDOG_S + 8, exit=True)
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"took longer than {seconds:.0f} s")
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def sync() -> None:

@@ -218,14 +218,16 @@ def _eager(fp16: bool):
 
 
 @contextlib.contextmanager
-def _deadline(seconds: float | None):
-    """Raise Skipped in the main thread if the block runs longer than ``seconds``."""
+def deadline(seconds: float | None, error: type[Exception] = TimeoutError, what: str = ""):
+    """Raise ``error("<what>took longer than N s")`` in the main thread if the block runs
+    longer than ``seconds`` (no limit without seconds, or off the main thread, which SIGALRM
+    cannot interrupt)."""
     if not seconds or threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def on_alarm(signum, frame):
-        raise Skipped(f"compile took longer than {seconds:.0f} s")
+        raise error(f"{what}took longer than {seconds:.0f} s")
 
     old = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -244,7 +246,7 @@ def _compiled(fp16: bool, mode: str | None, compile_timeout: float | None):
         step = torch.compiler.cudagraph_mark_step_begin if mode == "reduce-overhead" else None
         run = _torch_run(compiled, _torch_args(wl, device, fp16), device, fp16, step)
         t0 = time.perf_counter()
-        with _deadline(compile_timeout):
+        with deadline(compile_timeout, Skipped, "compile "):
             run()
         return Prepared(run, _fetch_torch, first_call_s=time.perf_counter() - t0)
     return prepare
