@@ -30,6 +30,7 @@ Kernels that need scratch memory, clusters, PDL or cooperative launch are never 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import inspect
 import threading
@@ -57,9 +58,10 @@ def triton_abi() -> str | None:
     return LAUNCH_ABI.get(".".join(triton.__version__.split(".")[:2]))
 
 
+@functools.cache
 def kernels_digest() -> str:
     """A digest of kiln's Triton kernel sources (this package), so binaries built from other
-    sources are never used."""
+    sources are never used. Read once per process: every save and load asks for it."""
     h = hashlib.sha256()
     for p in sorted(Path(__file__).parent.glob("*.py")):
         h.update(p.name.encode())
