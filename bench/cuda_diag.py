@@ -96,6 +96,8 @@ def part_load(out: Path, res: dict, batches: list[int]):
         res[f"build_b{b}_s"] = build(b, tmp / f"r{b}.kiln", lines.append, cache)
         res[f"rebuild_b{b}_s"] = build(b, tmp / f"r{b}-again.kiln", lines.append, cache)
     (out / "build_log.txt").write_text("\n".join(lines))
+    if Path(cache).exists():  # every candidate's time, for reading offline
+        (out / "timing_cache.json").write_text(Path(cache).read_text())
     env = dict(os.environ, PYTHONPATH=os.getcwd())
 
     def fresh(tag: str) -> dict:  # an empty Triton cache: nothing to find, so nothing hides

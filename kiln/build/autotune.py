@@ -64,6 +64,8 @@ class Selection:
     timed: int = 0  # candidates timed now
     cached: int = 0  # candidates whose time came from the cache
     failed: list[str] = field(default_factory=list)  # "label: why"
+    # kept over a faster runner-up that makes a cuDNN plan at first run (select's plan_margin)
+    plan_free: bool = False
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -71,7 +73,8 @@ class Selection:
     def line(self) -> str:
         s = f"{self.node}: {label(self.kernel, self.tactic)} {self.ms:.4f} ms"
         if self.runner_up:
-            s += f" (runner-up {self.runner_up[0]} {self.runner_up[1]:.4f} ms)"
+            why = ", which makes a cuDNN plan at first run" if self.plan_free else ""
+            s += f" (runner-up {self.runner_up[0]} {self.runner_up[1]:.4f} ms{why})"
         return s
 
 
@@ -196,11 +199,16 @@ def _close(got, want) -> bool:
 
 def select(node_name: str, op, call: Call, inputs, cands: list[Candidate],
            timer: Callable[[Callable], float], cache: TimingCache | None = None,
-           verify: bool = True) -> Selection:
+           verify: bool = True, plan_margin: float = 0.0) -> Selection:
     """Time ``cands`` (or read their times from ``cache``) and keep the fastest.
 
     ``verify``: each candidate's outputs are first compared with the PyTorch kernel's; one that
-    differs (or raises) is recorded as failed and never chosen."""
+    differs (or raises) is recorded as failed and never chosen.
+
+    ``plan_margin``: where the fastest candidate makes a library plan at its first call
+    (``Kernel.makes_plan``: cuDNN), the fastest one that doesn't is kept instead if it is at
+    most this fraction slower; the plan-making one is then the runner-up. An engine of such
+    kernels runs its first inference from its embedded binaries alone."""
     if not cands:
         raise ValueError(f"node '{node_name}': no candidate kernels")
     ref = None
@@ -236,6 +244,12 @@ def select(node_name: str, op, call: Call, inputs, cands: list[Candidate],
     if not timed:
         raise RuntimeError(f"node '{node_name}': every candidate failed: {sel.failed}")
     timed.sort(key=lambda r: (r[0], r[1]))  # ties: registration order
+    if timed[0][2].kernel.plans(timed[0][2].tactic):
+        planless = [r for r in timed if not r[2].kernel.plans(r[2].tactic)]
+        if planless and planless[0][0] <= timed[0][0] * (1.0 + plan_margin):
+            timed.remove(planless[0])
+            timed.insert(0, planless[0])
+            sel.plan_free = True
     best = timed[0]
     sel.kernel, sel.tactic, sel.ms = best[2].kernel.name, best[2].tactic, best[0]
     if len(timed) > 1:
@@ -283,9 +297,10 @@ def cuda_timer(reps: int = 1, rep_ms: int = 25, cuda_graph: bool = True) -> Call
 
 def tune_graph(graph, profile=None, cache: TimingCache | None = None,
                timer: Callable | None = None, log: Callable[[str], None] = lambda m: None,
-               device: str = "cuda") -> dict[str, Selection]:
+               device: str = "cuda", plan_margin: float = 0.0) -> dict[str, Selection]:
     """Run ``graph`` once at the profile's opt shapes with the PyTorch kernels on ``device``;
-    at every node that has CUDA kernels, time its candidates on the live inputs first.
+    at every node that has CUDA kernels, time its candidates on the live inputs first
+    (``plan_margin``: see :func:`select`).
 
     Returns a :class:`Selection` per tuned node (nodes with only the PyTorch kernel are not
     listed). Saves ``cache`` at the end."""
@@ -311,7 +326,7 @@ def tune_graph(graph, profile=None, cache: TimingCache | None = None,
                 cands = candidates(node.op, call, ins)
                 if len(cands) > 1:
                     picks[node.name] = sel = select(node.name, node.op, call, ins, cands,
-                                                    timer, cache)
+                                                    timer, cache, plan_margin=plan_margin)
                     log("autotune " + sel.line())
             return torch_k.fn(call, *ins)
         return dataclasses.replace(torch_k, fn=tuned)

@@ -148,9 +148,14 @@ class Builder:
             if len(cfg.profiles) > 1:
                 self.log(f"autotune: profile {k} at its opt shapes {dict(profile.opt)}")
             per_profile.append(autotune.tune_graph(graph, profile, cache, timer=self.timer,
-                                                   log=self.log))
+                                                   log=self.log, plan_margin=cfg.plan_margin))
         timed = sum(s.timed for p in per_profile for s in p.values())
         cached = sum(s.cached for p in per_profile for s in p.values())
+        kept = sum(s.plan_free for p in per_profile for s in p.values())
+        if kept:
+            self.log(f"autotune: {kept} layers keep a kernel within {cfg.plan_margin:.0%} of a "
+                     "faster cuDNN one, so the engine's first run makes no cuDNN plan for them "
+                     "(--plan-margin 0 keeps the fastest everywhere)")
         self.log(f"autotune: {len(per_profile[0])} layers tuned"
                  f"{f' x {len(per_profile)} profiles' if len(per_profile) > 1 else ''}, "
                  f"{timed} candidates timed, {cached} from the timing cache, in "

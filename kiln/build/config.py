@@ -24,6 +24,11 @@ class BuilderConfig:
         workspace: bytes of scratch memory kernels may use (None: no limit).
         optimize: run the graph optimizer (folding, elimination, fusion).
         timing_cache: path of a timing cache file for kernel selection.
+        plan_margin: on CUDA, a layer keeps a kernel that runs from the engine's embedded
+            binaries over a faster cuDNN one when it is at most this fraction slower (0.25:
+            25%). cuDNN makes a plan per layer shape at an engine's first run (milliseconds
+            each); kernels that don't make an engine's load + first inference fast. 0 keeps
+            the fastest kernel everywhere.
         verbose: log every step (fusions, kernel choices).
     """
 
@@ -37,6 +42,7 @@ class BuilderConfig:
     workspace: int | None = None
     optimize: bool = True
     timing_cache: str | None = None
+    plan_margin: float = 0.25
     cuda_graph: bool = True
     verbose: bool = False
 
@@ -46,6 +52,10 @@ class BuilderConfig:
         if self.low_precision_io and not (self.fp16 or self.bf16):
             raise ValueError("low_precision_io needs fp16 or bf16 (it gives the model's float32 "
                              "inputs and outputs that precision)")
+
+        if not 0.0 <= self.plan_margin <= 10.0:
+            raise ValueError(f"plan_margin must be a fraction between 0 and 10 (0.25: 25%), "
+                             f"not {self.plan_margin!r}")
 
     def to_json(self) -> dict:
         d = asdict(self)

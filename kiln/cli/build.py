@@ -18,6 +18,10 @@ def add_arguments(p):
     add_precision_args(p)
     p.add_argument("--no-optimize", action="store_true", help="skip the graph optimizer")
     p.add_argument("--timing-cache", help="timing cache file for kernel selection")
+    p.add_argument("--plan-margin", type=float, default=0.25, metavar="F",
+                   help="CUDA: keep a kernel embedded in the engine over a faster cuDNN one "
+                        "when at most this fraction slower (cuDNN makes a plan per layer "
+                        "shape at the first run; default 0.25; 0: always the fastest)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="CUDA: launch kernels one by one instead of replaying CUDA graphs")
     add_common_args(p)
@@ -31,7 +35,8 @@ def main(args) -> int:
                         tf32=not args.no_tf32, profiles=[profile] if profile else [],
                         low_precision_io=args.low_precision_io,
                         optimize=not args.no_optimize, timing_cache=args.timing_cache,
-                        cuda_graph=not args.no_cuda_graph, verbose=args.verbose)
+                        plan_margin=args.plan_margin, cuda_graph=not args.no_cuda_graph,
+                        verbose=args.verbose)
     out = args.output or (args.model.rsplit(".", 1)[0] + ".kiln")
     log = print if args.verbose else (lambda m: None)
     stages = Stages(2)

@@ -28,6 +28,13 @@ class Kernel:
     tactics: Any = ()
     # ``(call, inputs) -> bool``: can this kernel run this node with these inputs? None: always
     supports: Callable | None = None
+    # ``(tactic) -> bool``: does this tactic call a vendor library that makes a per-shape plan
+    # at its first call (cuDNN: milliseconds per layer shape, paid at an engine's first run)?
+    # None: never. The builder prefers kernels that don't, within a margin (autotune.select)
+    makes_plan: Callable | None = None
+
+    def plans(self, tactic) -> bool:
+        return self.makes_plan is not None and bool(self.makes_plan(tactic))
 
     def tactic_space(self, call, inputs) -> list:
         space = self.tactics(call, inputs) if callable(self.tactics) else self.tactics
@@ -65,17 +72,23 @@ class Call:
 _KERNELS: dict[tuple[OpDef, str], list[Kernel]] = {}
 
 
+def cudnn(_tactic=None) -> bool:
+    """``makes_plan`` of the PyTorch kernels that run cuDNN on CUDA tensors (convolutions)."""
+    return True
+
+
 def register(*ops: OpDef, backend: str = "cpu", name: str | None = None, tactics=(),
-             supports: Callable | None = None):
+             supports: Callable | None = None, makes_plan: Callable | None = None):
     """Decorator: ``@register(ops.Relu)`` makes ``fn`` the CPU kernel of Relu.
 
-    ``tactics`` and ``supports`` are what the builder's autotuner reads (see :class:`Kernel`)."""
+    ``tactics``, ``supports`` and ``makes_plan`` are what the builder's autotuner reads (see
+    :class:`Kernel`)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}")
 
     def deco(fn):
         for op in ops:
-            k = Kernel(op, backend, fn, name or f"Torch{op.name}", tactics, supports)
+            k = Kernel(op, backend, fn, name or f"Torch{op.name}", tactics, supports, makes_plan)
             _KERNELS.setdefault((op, backend), []).append(k)
         return fn
     return deco

@@ -73,6 +73,67 @@ def test_autotune_vendor_kernel_wins_when_fastest():
     assert sel.runner_up == ("TritonFake[B=1]", 0.3)  # a tie keeps registration order
 
 
+def _plan_cands(clock):
+    """TritonFake tactic B=1 and the vendor kernel make a cuDNN plan; tactic B=2 doesn't."""
+    k = Kernel(OP, "cuda", _kernel(clock, "TritonFake").fn, "TritonFake",
+               makes_plan=lambda t: t["B"] == 1)
+    torch_k = Kernel(OP, "cpu", _kernel(clock, "TorchFake", backend="cpu").fn, "TorchFake",
+                     makes_plan=lambda t: True)
+    return [Candidate(k, {"B": 1}), Candidate(k, {"B": 2}), Candidate(torch_k)]
+
+
+@pytest.mark.parametrize("plan_free_ms,margin,kept", [
+    (0.12, 0.25, "B=2"),  # 20% slower, within 25%: the plan-free tactic
+    (0.13, 0.25, "B=1"),  # 30% slower: the fastest, which makes a plan
+    (0.11, 0.0, "B=1"),   # no margin: always the fastest
+])
+def test_autotune_plan_margin_prefers_kernels_without_a_first_run_plan(plan_free_ms, margin,
+                                                                      kept):
+    clock = FakeClock({_key("TritonFake", {"B": 1}): 0.10,
+                       _key("TritonFake", {"B": 2}): plan_free_ms, _key("TorchFake"): 0.105})
+    sel = select("n1", OP, _call(), (X,), _plan_cands(clock), clock, verify=False,
+                 plan_margin=margin)
+    assert sel.kernel == "TritonFake" and sel.tactic == {"B": int(kept[-1])}
+    assert sel.plan_free == (kept == "B=2")
+    if sel.plan_free:  # the faster plan-making one is the runner-up, and the log says why
+        assert sel.runner_up == ("TritonFake[B=1]", 0.10) and sel.ms == plan_free_ms
+        assert "makes a cuDNN plan" in sel.line()
+    else:
+        assert sel.runner_up[0] == "TorchFake"
+
+
+def test_autotune_plan_margin_leaves_plan_free_winners_alone():
+    clock = FakeClock({_key("TritonFake", {"B": 1}): 0.20, _key("TritonFake", {"B": 2}): 0.10,
+                       _key("TorchFake"): 0.30})
+    sel = select("n1", OP, _call(), (X,), _plan_cands(clock), clock, verify=False,
+                 plan_margin=0.5)
+    assert sel.tactic == {"B": 2} and not sel.plan_free
+    assert sel.runner_up == ("TritonFake[B=1]", 0.20)
+
+
+def test_conv_kernels_say_which_tactics_make_cudnn_plans():
+    pytest.importorskip("triton")
+    from kiln.kernels.registry import kernels_for
+    from kiln.kernels.triton import conv  # noqa: F401  (registers the CUDA conv)
+    from kiln.ops import fused_conv as FC
+    from kiln.ops import nn as N
+
+    k = [k for k in kernels_for(FC.FusedConv, "cuda") if k.name == "TritonFusedConv"][0]
+    assert k.plans(None) and k.plans({"epilogue": "cudnn"}) and k.plans(
+        {"epilogue": "triton", "BLOCK": 1024, "num_warps": 4})
+    assert not any(k.plans({"impl": i}) for i in ("gemm", "cublas", "igemm"))
+    # the PyTorch conv kernels run cuDNN on CUDA tensors
+    for op in (FC.FusedConv, N.Conv, N.ConvTranspose):
+        assert kernels_for(op, "cpu")[0].plans(None), op.name
+    assert not kernels_for(N.MatMul, "cpu")[0].plans(None)
+
+
+def test_builder_config_rejects_a_negative_plan_margin():
+    from kiln.build import BuilderConfig
+    with pytest.raises(ValueError, match="plan_margin"):
+        BuilderConfig(device="cuda", plan_margin=-0.1)
+
+
 def test_autotune_failing_candidate_is_skipped_and_remembered(tmp_path):
     clock = FakeClock({_key("TorchFake"): 0.5})
     cache = TimingCache(tmp_path / "t.json", DEVICE)

@@ -183,10 +183,16 @@ def test_triton_conv_tactics_off_gpu():
     n0 = _fused("", **attrs)
     space0 = conv.tactics(n0, (x, w, None, None))
     assert space0[0] == conv.DEFAULT and all("impl" in t for t in space0[1:])
-    xs3, ws3, attrs3 = CONVS[1]  # a 3x3 conv has no GEMM tactics
+    assert not any(t["impl"] == "igemm" for t in space0[1:])  # a plain 1x1 is a GEMM already
+    xs3, ws3, attrs3 = CONVS[1]  # a 3x3 conv: the implicit GEMM, no plain GEMM
     n3 = _fused("", **attrs3)
     x3, w3, _, _ = _inputs(xs3, ws3, n3, False, False)
-    assert conv.tactics(n3, (x3, w3, None, None)) == [conv.DEFAULT]
+    space3 = conv.tactics(n3, (x3, w3, None, None))
+    assert space3[0] == conv.DEFAULT and {t["impl"] for t in space3[1:]} == {"igemm"}
+    xsg, wsg, attrsg = CONVS[3]  # grouped: no implicit GEMM
+    ng = _fused("", **attrsg)
+    xg, wg, _, _ = _inputs(xsg, wsg, ng, False, False)
+    assert conv.tactics(ng, (xg, wg, None, None)) == [conv.DEFAULT]
 
 
 @pytest.mark.parametrize("stride", [1, 2])
@@ -197,8 +203,9 @@ def test_triton_conv_1x1_as_gemm(stride, activation, bias, residual):
     n = _fused(activation, residual, tactic=None, **attrs)
     x, w, b, r = _inputs((2, 8, 5, 5), (12, 8, 1, 1), n, bias, residual)
     want = torch_fused.fused_conv(_fused(activation, residual, **attrs), x, w, b, r)
-    gemms = [t for t in conv.tactics(n, (x, w, b, r)) if "impl" in t]
-    assert {t["impl"] for t in gemms} == {"gemm", "cublas"}
+    impls = [t["impl"] for t in conv.tactics(n, (x, w, b, r)) if "impl" in t]
+    assert set(impls) == ({"gemm", "cublas", "igemm"} if stride > 1 else {"gemm", "cublas"})
+    gemms = [t for t in conv.tactics(n, (x, w, b, r)) if t.get("impl") in ("gemm", "cublas")]
     for t in [gemms[0], gemms[-1]]:  # a Triton GEMM tile (the interpreter is slow), cuBLAS
         n.tactic, n.cache = t, {}
         y = conv.fused_conv(n, x, w, b, r)
@@ -206,10 +213,50 @@ def test_triton_conv_1x1_as_gemm(stride, activation, bias, residual):
         assert_close(y, want, scale=2)
 
 
+# (CONVS index, tactic overrides): the tap-by-tap walk (C >= FLAT_BELOW) and the flat one (the
+# stem), each plain and split over K; strides, pads, SAME_UPPER and VALID
+IGEMM = [(1, {}), (2, {}), (2, {"SPLIT_K": 2, "BLOCK_K": 16}), (4, {}), (5, {}),
+         ("wide", {}), ("wide", {"SPLIT_K": 3, "BLOCK_K": 16}), ("dilated", {})]
+WIDE = ((2, 40, 6, 5), (24, 40, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 1]})
+DILATED = ((1, 20, 9, 7), (10, 20, 3, 3), {"pads": [2, 2, 2, 2], "dilations": [2, 2]})
+
+
+@pytest.mark.parametrize("which,over", IGEMM,
+                         ids=["3x3-s2-flat", "stem", "stem-splitk", "same-upper", "valid",
+                              "taps", "taps-splitk", "taps-dilated"])
+@pytest.mark.parametrize("activation,bias,residual", [("Relu", True, True), ("", False, False),
+                                                      ("HardSwish", True, False)])
+def test_triton_conv_implicit_gemm(which, over, activation, bias, residual):
+    xs, ws, attrs = {"wide": WIDE, "dilated": DILATED}.get(which) or CONVS[which]
+    n = _fused(activation, residual, tactic=None, **attrs)
+    x, w, b, r = _inputs(xs, ws, n, bias, residual)
+    want = torch_fused.fused_conv(_fused(activation, residual, **attrs), x, w, b, r)
+    space = [t for t in conv.tactics(n, (x, w, b, r)) if t.get("impl") == "igemm"]
+    assert space, "no implicit-GEMM tactic"
+    n.tactic, n.cache = dict(space[0], **over), {}
+    y = conv.fused_conv(n, x, w, b, r)
+    assert y.shape == want.shape and y.is_contiguous(memory_format=CL)
+    assert_close(y, want, scale=2)
+
+
+def test_triton_conv_implicit_gemm_splits_only_small_outputs():
+    from kiln.kernels.triton import implicit_gemm as ig
+    # ResNet-50 at batch 1: the 7x7 stage has 8 tiles of 64x64, the 56x56 stage 49+
+    small = ig.tactics(1, 512, 512, 3, 3, 7, 7)
+    assert any(t["SPLIT_K"] > 1 for t in small)
+    big = ig.tactics(32, 64, 64, 3, 3, 56, 56)
+    assert big and all(t["SPLIT_K"] == 1 for t in big)
+    # every split has two K steps: 3 input channels (flat K = 147: 3 steps of 64) don't split
+    stem = ig.tactics(1, 3, 64, 7, 7, 4, 4)
+    assert stem and all(t["SPLIT_K"] == 1 for t in stem if t["BLOCK_K"] >= 64)
+    assert all(-(-147 // t["BLOCK_K"]) >= 2 * t["SPLIT_K"] for t in stem)
+
+
 def test_triton_conv_1x1_with_pads_is_not_a_gemm():
     n = _fused("Relu", pads=[1, 1, 1, 1])
     x, w, b, _ = _inputs((1, 4, 3, 3), (6, 4, 1, 1), n, True, False)
-    assert not any("impl" in t for t in conv.tactics(n, (x, w, b, None)))
+    impls = {t.get("impl") for t in conv.tactics(n, (x, w, b, None))}
+    assert "gemm" not in impls and "cublas" not in impls and "igemm" in impls
 
 
 def test_triton_conv_cudnn_tactic_off_gpu_runs_triton_epilogue():

@@ -35,7 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kiln.kernels.registry import register
+from kiln.kernels.registry import cudnn, register
 from kiln.kernels.torch.nn import conv as conv_reference
 from kiln.ops import fused_conv as FC
 from kiln.ops import nn as N
@@ -181,7 +181,7 @@ def _conv_nhwc(n, x, w, b, r):
     return epilogue(y, n.a, r)  # residual add_ and activation in place on the fresh NHWC y
 
 
-@register(FC.FusedConv)
+@register(FC.FusedConv, makes_plan=cudnn)
 def fused_conv(n, x, w, b=None, r=None):
     if b is not None and b.dtype != x.dtype:
         b = b.to(x.dtype)

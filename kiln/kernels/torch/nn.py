@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kiln.kernels.registry import register
+from kiln.kernels.registry import cudnn, register
 from kiln.ops import nn as N
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -35,7 +35,7 @@ def _pad_spatial(x, begin, end, value=0.0):
 # ---------------------------------------------------------------- Conv
 
 
-@register(N.Conv)
+@register(N.Conv, makes_plan=cudnn)
 def conv(n, x, w, b=None):
     a = n.a
     n_sp = x.dim() - 2
@@ -71,7 +71,7 @@ def _conv_nd(x, w, b, k, s, d, group):
     return y
 
 
-@register(N.ConvTranspose)
+@register(N.ConvTranspose, makes_plan=cudnn)
 def conv_transpose(n, x, w, b=None):
     a = n.a
     n_sp = x.dim() - 2

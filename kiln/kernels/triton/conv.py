@@ -19,6 +19,9 @@ over the output. Here, for 2-D convs on FP16/BF16 with symmetric pads, tactics:
   embedded in the engine file); ``{"impl": "cublas"}`` runs cuBLAS then the Triton epilogue
   pass. Neither has cuDNN's per-shape plan creation (tens of ms per layer shape at an engine's
   first run), which is what an engine's load + first inference time is mostly made of.
+- Any one-group conv but a plain 1x1: ``{"impl": "igemm", <tile>}``, kiln's implicit-GEMM
+  Triton conv (``implicit_gemm.py``) with the epilogue fused; like the GEMM tactics it runs
+  from the engine's embedded binaries, with no cuDNN plan to make at the first run.
 
 Asymmetric pads, other ranks and dtypes, or a residual not of the output's shape run the
 PyTorch kernel. Under ``TRITON_INTERPRET=1`` CPU tensors of any float dtype take the Triton
@@ -44,6 +47,7 @@ from kiln.kernels.triton.common import (
     on_device,
     tactic_of,
 )
+from kiln.kernels.triton import implicit_gemm
 from kiln.kernels.triton.gemm import gemm2d, gemm_tactics
 from kiln.ops import fused_conv as FC
 
@@ -151,6 +155,9 @@ def tactics(n, inputs) -> list[dict]:
         m = x.shape[0] * len(range(0, x.shape[2], s)) * len(range(0, x.shape[3], s))
         out += [dict(t, impl="gemm") for t in gemm_tactics(m, w.shape[0], w.shape[1])]
         out.append({"impl": "cublas"})
+    if (n.a.group or 1) == 1 and s != 1:
+        _, _, _, (oh, ow) = _geometry(n, x, w)
+        out += implicit_gemm.tactics(x.shape[0], x.shape[1], w.shape[0], *w.shape[2:], oh, ow)
     if b is None and r is None and not n.a.activation:
         return [dict(DEFAULT)] + out  # nothing to fuse: the conv alone
     out += [{"epilogue": "triton", "BLOCK": blk, "num_warps": w} for blk, w in _CONFIGS]
@@ -176,8 +183,13 @@ def _conv1x1(n, t, x, w, b, r, stride: int):
     return bias_act_(y, b, r, a.activation, a.alpha or 0.0, a.beta or 0.0)
 
 
+def makes_plan(t) -> bool:
+    """Every tactic but the GEMM ones (Triton, cuBLAS) and the implicit GEMM runs cuDNN."""
+    return not t or t.get("impl") not in ("gemm", "cublas", "igemm")
+
+
 @register(FC.FusedConv, backend="cuda", name="TritonFusedConv", tactics=tactics,
-          supports=supports)
+          supports=supports, makes_plan=makes_plan)
 def fused_conv(n, x, w, b=None, r=None):
     if not supports(n, (x, w, b, r)):
         return torch_fused.fused_conv(n, x, w, b, r)
@@ -190,11 +202,14 @@ def fused_conv(n, x, w, b=None, r=None):
         x = x.contiguous(memory_format=CL)
     if r is not None and not r.is_contiguous(memory_format=CL):
         r = r.contiguous(memory_format=CL)
-    if "impl" in t:
+    if t.get("impl") in ("gemm", "cublas"):
         s = _pointwise(n, x, w)
         if s is not None:
             return _conv1x1(n, t, x, w, b, r, s)
     wc = torch_fused._weight_nhwc(n, w)  # channels-last, made once per node (a no-op if it is)
+    if t.get("impl") == "igemm" and groups == 1:
+        return implicit_gemm.conv2d(t, x, wc, b, r, _geometry(n, x, w), a.activation,
+                                    a.alpha or 0.0, a.beta or 0.0)
     if t["epilogue"] == "cudnn" and _cudnn_fuses(n, x):
         if r is None:
             return torch.cudnn_convolution_relu(x, wc, b, stride, pad, dil, groups)

@@ -70,7 +70,7 @@ def _gemm_kernel(A, B, C, Bias, R, P, M, N, K,
 
 
 @triton.jit
-def _splitk_epilogue(P, C, Bias, R, M, N, s_cm, s_cn, s_rm, s_rn, alpha, act_a, act_b,
+def splitk_epilogue(P, C, Bias, R, M, N, s_cm, s_cn, s_rm, s_rn, alpha, act_a, act_b,
                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
                      SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -139,7 +139,7 @@ def gemm2d(n, a, b, bias=None, res=None, activation: str = "", alpha: float = 1.
            num_stages=t["num_stages"])
     if split > 1:
         block = 1024
-        launch(_splitk_epilogue, (triton.cdiv(m * nn, block),), p, c,
+        launch(splitk_epilogue, (triton.cdiv(m * nn, block),), p, c,
                dummy if bias is None else bias, dummy if res is None else res, m, nn,
                c.stride(0), c.stride(1), *rs, float(alpha), float(act_a), float(act_b),
                **codes, SPLIT_K=split, BLOCK=block, num_warps=4)

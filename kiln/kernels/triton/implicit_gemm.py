@@ -1,0 +1,163 @@
+"""Convolution as an implicit GEMM over channels-last activations, epilogue fused.
+
+The conv is the product of an [M, K] matrix of input patches (M = N*OH*OW output pixels,
+K = KH*KW*C) and the weight seen as [K, CO]; neither the patch matrix nor the output in another
+layout is ever written. Each program computes a [BLOCK_M, BLOCK_N] tile of the NHWC output::
+
+    y[p, o] = act(sum_k patch[p, k] * w[o, k] + bias[o] + residual[p, o])
+
+walking K in steps of (window tap, block of BLOCK_K input channels): one tap's rows are NHWC
+pixels, so a [BLOCK_M, BLOCK_K] load is BLOCK_M runs of contiguous channels, and padding is a
+mask on the pixel. Layers with few input channels (a 3-channel stem) would waste most of each
+step that way, so there (``FLAT``) K is walked as one flat index, decoded into (kh, kw, c) per
+element. ``SPLIT_K`` > 1 gives each of that many programs every SPLIT_K-th step and sums their
+fp32 partials in a second pass that also applies the epilogue: small outputs (batch 1, 7x7
+feature maps) have too few tiles to fill the GPU otherwise.
+
+Why it exists: its compiled kernels travel in the engine file, where cuDNN's per-layer-shape
+plans are made at an engine's first run (tens of ms per shape), so an engine whose convs all
+run here loads and runs its first inference without any of that.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.triton.common import ACT_CODE, act, launch
+from kiln.kernels.triton.gemm import splitk_epilogue
+
+# input channels below which K is walked flat (a BLOCK_K step of one tap would be mostly mask)
+FLAT_BELOW = 16
+_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages")
+# the GEMM template's usual tiles, smaller ones for batch-1 feature maps, and split-K ones for
+# outputs of a few tiles (ResNet-50's 7x7 and 14x14 stages at small batch)
+_CONFIGS = (
+    (128, 128, 64, 8, 1, 8, 3), (128, 64, 64, 8, 1, 4, 3), (64, 128, 64, 8, 1, 4, 3),
+    (64, 64, 64, 8, 1, 4, 3), (64, 64, 32, 8, 1, 4, 4), (32, 64, 64, 8, 1, 4, 4),
+    (64, 32, 64, 8, 1, 4, 4), (32, 32, 64, 8, 1, 2, 4), (64, 64, 64, 8, 2, 4, 3),
+    (32, 64, 64, 8, 2, 4, 4), (64, 64, 64, 8, 4, 4, 3), (32, 64, 64, 8, 4, 4, 3),
+    (32, 64, 64, 8, 8, 4, 3), (16, 64, 128, 8, 8, 4, 3),
+)
+DEFAULT = dict(zip(_KEYS, (64, 64, 32, 8, 1, 4, 3)), impl="igemm")
+_SMS = 132  # an H100/H200's SM count: split-K only where the plain tiles leave most idle
+
+
+@triton.jit
+def _conv_kernel(X, Wt, Y, Bias, R, P, H, W, C, OH, OW, CO, M,
+                 stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, act_a, act_b,
+                 KH: tl.constexpr, KW: tl.constexpr, FLAT: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(CO, BLOCK_N)
+    width = GROUP_M * grid_n  # grouped order, as in the GEMM: neighbours share weight tiles
+    first_m = (pid // width) * GROUP_M
+    group_m = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_m
+    pid_n = (pid % width) // group_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    ow = rm % OW
+    oh = (rm // OW) % OH
+    nb = rm // (OW * OH)
+    ih0 = oh * stride_h - pad_h
+    iw0 = ow * stride_w - pad_w
+    k_total = KH * KW * C
+    # out-of-range output channels read channel 0's weights (masked on store)
+    w_rows = Wt + (rn % CO)[None, :].to(tl.int64) * k_total
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FLAT:
+        for k0 in range(pid_k * BLOCK_K, k_total, BLOCK_K * SPLIT_K):
+            kk = k0 + rk
+            c = kk % C
+            kw = (kk // C) % KW
+            kh = kk // (C * KW)
+            ih = ih0[:, None] + kh[None, :] * dil_h
+            iw = iw0[:, None] + kw[None, :] * dil_w
+            ok = (m_ok[:, None] & (kk[None, :] < k_total) & (ih >= 0) & (ih < H)
+                  & (iw >= 0) & (iw < W))
+            pix = (nb[:, None] * H + ih) * W + iw
+            a = tl.load(X + pix.to(tl.int64) * C + c[None, :], mask=ok, other=0.0)
+            b = tl.load(w_rows + kk[:, None], mask=kk[:, None] < k_total, other=0.0)
+            acc = tl.dot(a, b, acc)
+    else:
+        # one loop over (tap, channel block) steps, not a loop per tap: Triton pipelines the
+        # loads of the innermost loop only, and a tap has one or two channel blocks
+        c_steps = tl.cdiv(C, BLOCK_K)
+        for step in range(pid_k, KH * KW * c_steps, SPLIT_K):
+            tap = step // c_steps
+            cc = (step - tap * c_steps) * BLOCK_K + rk
+            kh = tap // KW
+            ih = ih0 + kh * dil_h
+            iw = iw0 + (tap - kh * KW) * dil_w
+            ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            pix = ((nb * H + ih) * W + iw).to(tl.int64)
+            a = tl.load(X + pix[:, None] * C + cc[None, :],
+                        mask=ok[:, None] & (cc[None, :] < C), other=0.0)
+            b = tl.load(w_rows + (tap * C + cc)[:, None], mask=cc[:, None] < C, other=0.0)
+            acc = tl.dot(a, b, acc)
+    mask = m_ok[:, None] & (rn[None, :] < CO)
+    offs = rm[:, None].to(tl.int64) * CO + rn[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(Bias + rn, mask=rn < CO, other=0.0).to(tl.float32)[None, :]
+        if HAS_RES:
+            acc += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        acc = act(acc, ACT, act_a, act_b)
+        tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
+    else:
+        tl.store(P + pid_k * M * CO + offs, acc, mask=mask)
+
+
+def tactics(nb: int, c: int, co: int, kh: int, kw: int, oh: int, ow: int) -> list[dict]:
+    """The tiles worth timing for this conv: none more than twice the output's extent, split-K
+    only where the plain tiles are too few to fill the GPU and every split has two K steps."""
+    m = nb * oh * ow
+    out = []
+    for cfg in _CONFIGS:
+        t = dict(zip(_KEYS, cfg), impl="igemm")
+        if t["BLOCK_M"] > max(16, 2 * m) or t["BLOCK_N"] > max(16, 2 * co):
+            continue
+        bk = t["BLOCK_K"]
+        steps = -(-kh * kw * c // bk) if c < FLAT_BELOW else kh * kw * -(-c // bk)
+        tiles = -(-m // t["BLOCK_M"]) * -(-co // t["BLOCK_N"])
+        if t["SPLIT_K"] > 1 and (tiles * 2 > _SMS or steps < 2 * t["SPLIT_K"]):
+            continue
+        out.append(t)
+    return out or [dict(DEFAULT)]
+
+
+def conv2d(t: dict, x, w, bias, res, geometry, activation: str = "", act_a: float = 0.0,
+           act_b: float = 0.0):
+    """``act(conv(x, w) + bias + res)``, one group. ``x``, ``w``, ``res``: channels-last 4-D
+    (w: [CO, C, KH, KW] with KH*KW*C contiguous per output channel); ``geometry``: the
+    (pads, strides, dilations, (OH, OW)) of ``kiln.kernels.torch.fused_conv.symmetric_geometry``.
+    Returns the channels-last output."""
+    (pad_h, pad_w), (sh, sw), (dh, dw), (oh, ow) = geometry
+    nb, c, h, wd = x.shape
+    co, _, kh, kw = w.shape
+    m = nb * oh * ow
+    y = torch.empty((nb, co, oh, ow), dtype=x.dtype, device=x.device,
+                    memory_format=torch.channels_last)
+    split = t["SPLIT_K"]
+    p = torch.empty((split, m, co), dtype=torch.float32, device=x.device) if split > 1 else y
+    codes = dict(HAS_BIAS=bias is not None, HAS_RES=res is not None, ACT=ACT_CODE[activation])
+    grid = (triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(co, t["BLOCK_N"]), split)
+    launch(_conv_kernel, grid, x, w, y, y if bias is None else bias, y if res is None else res,
+           p, h, wd, c, oh, ow, co, m, sh, sw, pad_h, pad_w, dh, dw, float(act_a),
+           float(act_b), KH=kh, KW=kw, FLAT=c < FLAT_BELOW, **codes,
+           BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"],
+           GROUP_M=t["GROUP_M"], SPLIT_K=split, num_warps=t["num_warps"],
+           num_stages=t["num_stages"])
+    if split > 1:
+        block = 1024
+        launch(splitk_epilogue, (triton.cdiv(m * co, block),), p, y,
+               y if bias is None else bias, y if res is None else res, m, co, co, 1, co, 1,
+               1.0, float(act_a), float(act_b), **codes, SPLIT_K=split, BLOCK=block,
+               num_warps=4)
+    return y
