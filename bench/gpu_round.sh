@@ -21,11 +21,13 @@ if [[ $parts == *load* ]]; then
     > "$OUT/diag/stdout.txt" 2>&1 || echo "rc=$?" >> "$OUT/diag/stdout.txt"
 fi
 if [[ $parts == *bench* ]]; then  # BENCH_MODELS (default minilm), BENCH_BATCHES (default: all)
-  timeout ${BENCH_S:-200} python -m bench.run --device cuda --models ${BENCH_MODELS:-minilm} \
-    ${BENCH_BATCHES:+--batches $BENCH_BATCHES} \
-    --systems "${BENCH_SYSTEMS:-kiln fp16,torch eager fp16,torch.compile reduce-overhead fp16}" \
-    --compile-timeout 40 --duration 0.3 --iterations 10 --warmup 0.2 --markdown \
-    --json "$OUT/bench.json" > "$OUT/bench.md" 2>&1
-  echo "rc=$?" >> "$OUT/bench.md"
+  for b in ${BENCH_BATCHES:-all}; do  # one run (and file) per batch: a time-out loses one
+    [[ $b == all ]] && bargs="" || bargs="--batches $b"
+    timeout ${BENCH_S:-200} python -m bench.run --device cuda --models ${BENCH_MODELS:-minilm} \
+      $bargs --systems "${BENCH_SYSTEMS:-kiln fp16,torch eager fp16,torch.compile reduce-overhead fp16}" \
+      --compile-timeout 40 --duration 0.3 --iterations 10 --warmup 0.2 --markdown \
+      > "$OUT/bench_$b.md" 2>&1
+    echo "rc=$?" >> "$OUT/bench_$b.md"
+  done
 fi
 true
