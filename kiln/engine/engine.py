@@ -19,6 +19,7 @@ from kiln.ir import DType, Graph, TensorType
 from kiln.kernels.registry import kernels_for
 from kiln.kernels.torch.convert import dtype_of, to_numpy, to_torch
 from kiln.runtime import cuda as rt_cuda
+from kiln.runtime import host
 from kiln.runtime.memory import measure_device_memory
 
 
@@ -277,7 +278,9 @@ class ExecutionContext:
         self.last_profile = -1
         self._lock = threading.Lock()  # one run at a time per context
         self.cuda: rt_cuda.CudaRunner | None = None  # the CUDA half: stream, graphs, staging
-        if engine.torch_device is not None:
+        if engine.torch_device is None:
+            host.keep_freed_memory()  # activations reuse the pages of the last run's
+        else:
             b = engine.build_info
             graphs = b.get("cuda_graph", True) if cuda_graph is None else cuda_graph
             self.cuda = rt_cuda.CudaRunner(engine._executor, engine.torch_device,
