@@ -25,6 +25,7 @@ def header_lines(result: dict) -> list[str]:
         (f"check: outputs vs the FP32 reference ({result['reference']}) before timing, "
          f"max|out - ref| / max|ref| within {tol}"),
         f"memory: {result['memory_method']}",
+        *([f"host malloc: {result['host_malloc']}"] if result.get("host_malloc") else []),
         ("setup/compile s: kiln build + save + load + context; onnxruntime session creation; "
          "torch model construction; torch.compile construction + first call (compile)"),
     ]

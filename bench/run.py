@@ -23,6 +23,7 @@ from bench import memory, report
 from bench.peers import TOLERANCE, Peer, Skipped, Unavailable, max_rel_err, peers
 from bench.workloads import DEFAULT_MODELS, Workload, workloads
 from kiln.perf.timing import TimingConfig, measure, summarize
+from kiln.runtime import host
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FULL = TimingConfig(warmup_s=1.0, min_iterations=10, min_duration_s=3.0, percentiles=(90.0,))
@@ -188,6 +189,10 @@ def run_suite(args, path: Path | None = None) -> dict:
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     torch.set_num_threads(os.cpu_count() or 1)  # as onnxruntime's intra_op_num_threads
+    # every system runs in this one process: kiln's CPU contexts set glibc's malloc to keep
+    # freed memory, process-wide, so set it before any runs and every torch system has it
+    # too, whatever the order (onnxruntime has its own arena)
+    keeps = device == "cpu" and host.keep_freed_memory()
     cfg = timing_config(args)
     wls = workloads(device, _split(args.models), _split(args.batches, int), args.quick)
     line_up = peers(device, compile=not args.no_compile, compile_timeout=args.compile_timeout)
@@ -208,6 +213,8 @@ def run_suite(args, path: Path | None = None) -> dict:
         "tolerance": {"definition": "max|out - ref| / max|ref| over each output",
                       **TOLERANCE},
         "memory_method": memory.CUDA_METHOD if device == "cuda" else memory.CPU_METHOD,
+        "host_malloc": ("glibc keeps freed memory (kiln.runtime.host), for every system"
+                        if keeps else "as the process found it"),
         "rows": [],
     }
     with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
