@@ -44,7 +44,8 @@ def _mallopt() -> bool:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
-        libc.gnu_get_libc_version  # glibc only: musl and others have other parameters
+        if not hasattr(libc, "gnu_get_libc_version"):  # musl and others: other parameters
+            return False
         mallopt = libc.mallopt
     except (OSError, AttributeError, TypeError):
         return False

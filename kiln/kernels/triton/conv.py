@@ -37,6 +37,7 @@ import triton.language as tl
 
 from kiln.kernels.registry import register
 from kiln.kernels.torch import fused_conv as torch_fused
+from kiln.kernels.triton import implicit_gemm
 from kiln.kernels.triton.common import (
     ACT_CODE,
     FLOATS,
@@ -47,7 +48,6 @@ from kiln.kernels.triton.common import (
     on_device,
     tactic_of,
 )
-from kiln.kernels.triton import implicit_gemm
 from kiln.kernels.triton.gemm import gemm2d, gemm_tactics
 from kiln.ops import fused_conv as FC
 
