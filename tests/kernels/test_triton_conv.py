@@ -239,6 +239,38 @@ def test_triton_conv_implicit_gemm(which, over, activation, bias, residual):
     assert_close(y, want, scale=2)
 
 
+# (x, w, attrs): 3x3 MobileNet-style, a channel multiplier of 2 with stride and dilation, a
+# 7x7 ConvNeXt-style with more channels than one tile, and SAME_UPPER
+DEPTHWISE = [((2, 6, 7, 5), (6, 1, 3, 3), {"pads": [1] * 4, "group": 6}),
+             ((1, 4, 9, 8), (8, 1, 3, 3), {"pads": [2] * 4, "strides": [2, 2],
+                                           "dilations": [2, 2], "group": 4}),
+             ((1, 40, 9, 9), (40, 1, 7, 7), {"pads": [3] * 4, "group": 40}),
+             ((2, 5, 6, 6), (5, 1, 5, 5), {"auto_pad": "SAME_UPPER", "group": 5})]
+
+
+@pytest.mark.parametrize("xs,ws,attrs", DEPTHWISE, ids=["3x3", "mult2-s2-dil2", "7x7", "same"])
+@pytest.mark.parametrize("activation,bias,residual", [("Relu", True, True), ("", False, False),
+                                                      ("Silu", True, False)])
+def test_triton_conv_depthwise(xs, ws, attrs, activation, bias, residual):
+    n = _fused(activation, residual, tactic=None, **attrs)
+    x, w, b, r = _inputs(xs, ws, n, bias, residual)
+    want = torch_fused.fused_conv(_fused(activation, residual, **attrs), x, w, b, r)
+    space = [t for t in conv.tactics(n, (x, w, b, r)) if t.get("impl") == "depthwise"]
+    assert space and not any(t.get("impl") == "igemm" for t in conv.tactics(n, (x, w, b, r)))
+    for t in [space[0], space[-1]]:
+        n.tactic, n.cache = t, {}
+        y = conv.fused_conv(n, x, w, b, r)
+        assert y.shape == want.shape and y.is_contiguous(memory_format=CL), t
+        assert_close(y, want, scale=2)
+
+
+def test_triton_conv_grouped_but_not_depthwise_has_no_depthwise_tactic():
+    xs, ws, attrs = CONVS[3]  # 2 groups of 3 channels
+    n = _fused("", **attrs)
+    x, w, _, _ = _inputs(xs, ws, n, False, False)
+    assert not any(t.get("impl") == "depthwise" for t in conv.tactics(n, (x, w, None, None)))
+
+
 def test_triton_conv_implicit_gemm_splits_only_small_outputs():
     from kiln.kernels.triton import implicit_gemm as ig
     # ResNet-50 at batch 1: the 7x7 stage has 8 tiles of 64x64, the 56x56 stage 49+
@@ -340,14 +372,18 @@ GPU_CONVS = [((4, 3, 64, 64), (64, 3, 7, 7), {"pads": [3] * 4, "strides": [2, 2]
               False),
              ((4, 128, 14, 14), (512, 128, 1, 1), {}, "Relu", True),
              ((4, 256, 14, 14), (512, 256, 1, 1), {"strides": [2, 2]}, "", False),
-             ((4, 64, 14, 14), (64, 16, 3, 3), {"pads": [1] * 4, "group": 4}, "Clip", True)]
+             ((4, 64, 14, 14), (64, 16, 3, 3), {"pads": [1] * 4, "group": 4}, "Clip", True),
+             ((4, 96, 28, 28), (96, 1, 3, 3), {"pads": [1] * 4, "group": 96}, "Relu", True),
+             ((2, 64, 14, 14), (128, 1, 7, 7), {"pads": [3] * 4, "strides": [2, 2], "group": 64},
+              "", False)]
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("xs,ws,attrs,activation,residual", GPU_CONVS,
-                         ids=["stem", "1x1", "3x3-s2", "1x1-res", "downsample", "grouped-clip"])
+                         ids=["stem", "1x1", "3x3-s2", "1x1-res", "downsample", "grouped-clip",
+                              "depthwise-3x3", "depthwise-7x7-mult2"])
 def test_triton_conv_gpu_every_tactic(xs, ws, attrs, activation, residual, dtype):
     n = _fused(activation, residual, **attrs)
     x, w, b, r = _inputs(xs, ws, n, True, residual, dtype, device="cuda")

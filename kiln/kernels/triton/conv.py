@@ -22,6 +22,8 @@ over the output. Here, for 2-D convs on FP16/BF16 with symmetric pads, tactics:
 - Any one-group conv but a plain 1x1: ``{"impl": "igemm", <tile>}``, kiln's implicit-GEMM
   Triton conv (``implicit_gemm.py``) with the epilogue fused; like the GEMM tactics it runs
   from the engine's embedded binaries, with no cuDNN plan to make at the first run.
+- Depthwise convs (one group per input channel): ``{"impl": "depthwise", <tile>}``, a direct
+  Triton kernel over NHWC tiles with the epilogue fused (``depthwise.py``).
 
 Asymmetric pads, other ranks and dtypes, or a residual not of the output's shape run the
 PyTorch kernel. Under ``TRITON_INTERPRET=1`` CPU tensors of any float dtype take the Triton
@@ -37,7 +39,7 @@ import triton.language as tl
 
 from kiln.kernels.registry import register
 from kiln.kernels.torch import fused_conv as torch_fused
-from kiln.kernels.triton import implicit_gemm
+from kiln.kernels.triton import depthwise, implicit_gemm
 from kiln.kernels.triton.common import (
     ACT_CODE,
     FLOATS,
@@ -155,9 +157,11 @@ def tactics(n, inputs) -> list[dict]:
         m = x.shape[0] * len(range(0, x.shape[2], s)) * len(range(0, x.shape[3], s))
         out += [dict(t, impl="gemm") for t in gemm_tactics(m, w.shape[0], w.shape[1])]
         out.append({"impl": "cublas"})
+    _, _, _, (oh, ow) = _geometry(n, x, w)
     if (n.a.group or 1) == 1 and s != 1:
-        _, _, _, (oh, ow) = _geometry(n, x, w)
         out += implicit_gemm.tactics(x.shape[0], x.shape[1], w.shape[0], *w.shape[2:], oh, ow)
+    if depthwise.is_depthwise(n.a.group or 1, x, w):
+        out += depthwise.tactics(w.shape[0], x.shape[0] * oh * ow)
     if b is None and r is None and not n.a.activation:
         return [dict(DEFAULT)] + out  # nothing to fuse: the conv alone
     out += [{"epilogue": "triton", "BLOCK": blk, "num_warps": w} for blk, w in _CONFIGS]
@@ -184,8 +188,9 @@ def _conv1x1(n, t, x, w, b, r, stride: int):
 
 
 def makes_plan(t) -> bool:
-    """Every tactic but the GEMM ones (Triton, cuBLAS) and the implicit GEMM runs cuDNN."""
-    return not t or t.get("impl") not in ("gemm", "cublas", "igemm")
+    """Every tactic but the GEMM ones (Triton, cuBLAS), the implicit GEMM and the depthwise
+    kernel runs cuDNN."""
+    return not t or t.get("impl") not in ("gemm", "cublas", "igemm", "depthwise")
 
 
 @register(FC.FusedConv, backend="cuda", name="TritonFusedConv", tactics=tactics,
@@ -210,6 +215,9 @@ def fused_conv(n, x, w, b=None, r=None):
     if t.get("impl") == "igemm" and groups == 1:
         return implicit_gemm.conv2d(t, x, wc, b, r, _geometry(n, x, w), a.activation,
                                     a.alpha or 0.0, a.beta or 0.0)
+    if t.get("impl") == "depthwise" and depthwise.is_depthwise(groups, x, w):
+        return depthwise.conv2d(t, x, wc, b, r, _geometry(n, x, w), a.activation,
+                                a.alpha or 0.0, a.beta or 0.0)
     if t["epilogue"] == "cudnn" and _cudnn_fuses(n, x):
         if r is None:
             return torch.cudnn_convolution_relu(x, wc, b, stride, pad, dil, groups)
