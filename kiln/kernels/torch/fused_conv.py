@@ -56,8 +56,8 @@ _TORCH_ACT = {
     "Sigmoid": lambda y, a: y.sigmoid_(),
     "Tanh": lambda y, a: y.tanh_(),
     "Silu": lambda y, a: F.silu(y, inplace=True),
-    "Gelu": lambda y, a: F.gelu(y),
-    "GeluTanh": lambda y, a: F.gelu(y, approximate="tanh"),
+    "Gelu": lambda y, a: torch.ops.aten.gelu_(y),
+    "GeluTanh": lambda y, a: torch.ops.aten.gelu_(y, approximate="tanh"),
     "HardSwish": lambda y, a: F.hardswish(y, inplace=True),
     "LeakyRelu": lambda y, a: F.leaky_relu(y, a.alpha, inplace=True),
 }
