@@ -121,6 +121,30 @@ def test_builder_cuda_picks_kernel_and_tactic_by_timer(fake_gpu, fake_matmul, tm
     assert clock2.calls == 0 and fake_gpu["tactics"]["fc1"] == {"BLOCK": 32}
 
 
+@pytest.mark.parametrize("margin,kept", [(0.25, 64), (0.0, 32)])
+def test_builder_plan_margin_keeps_kernels_without_a_first_run_plan(fake_gpu, monkeypatch,
+                                                                    margin, kept):
+    """BLOCK 32 is fastest but (as cuDNN would) makes a plan at its first call; BLOCK 64 is 20%
+    slower: within the default 25% margin the build keeps 64, with margin 0 the fastest."""
+    seen: list = []
+    planning = dataclasses.replace(_fake_matmul(seen, "cuda"),
+                                   makes_plan=lambda t: t["BLOCK"] == 32)
+    monkeypatch.setitem(registry._KERNELS, (MATMUL, "cuda"), [planning])
+    monkeypatch.setitem(registry._KERNELS, (MATMUL, "cpu"),
+                        kernels_for(MATMUL, "cpu") + [_fake_matmul(seen, "cpu")])
+    clock = FakeClock(seen, {16: 0.30, 32: 0.05, 64: 0.06}, torch_ms=0.20)
+    lines: list[str] = []
+    cfg = BuilderConfig(device="cuda", optimize=False, plan_margin=margin)
+    Builder(cfg, log=lines.append, timer=clock).build(mlp())
+    assert fake_gpu["tactics"] == {"fc1": {"BLOCK": kept}, "fc2": {"BLOCK": kept}}
+    kept_lines = [ln for ln in lines if "layers keep a kernel within 25%" in ln]
+    assert len(kept_lines) == (1 if kept == 64 else 0)
+    if kept == 64:
+        assert "2 layers" in kept_lines[0]
+        assert any("runner-up FakeMatMul[BLOCK=32] 0.0500 ms, which makes a cuDNN plan" in ln
+                   for ln in lines)
+
+
 def test_each_profile_runs_the_tactics_tuned_at_its_opt_shapes(fake_gpu, monkeypatch,
                                                                tmp_path):
     """Two profiles: batch 2 is fastest with BLOCK 16, batch 64 with BLOCK 64; each input runs
