@@ -101,3 +101,33 @@ def act(x, ACT: tl.constexpr, alpha, beta):
         x = tl.where(x >= 0, x, x * alpha)
     return x
 
+
+
+def channels_last_out(x, channels: int, oh: int, ow: int):
+    """An empty channels-last [N, channels, oh, ow] output like ``x`` (dtype, device)."""
+    return torch.empty((x.shape[0], channels, oh, ow), dtype=x.dtype, device=x.device,
+                       memory_format=torch.channels_last)
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """(row block, column block) of program ``pid`` over an [M, N] output in grouped order:
+    GROUP_M row blocks in a row share the column (weight) tiles they read while in L2."""
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_m = min(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return first_m + (pid % width) % group_m, (pid % width) // group_m
+
+
+@triton.jit
+def epilogue(acc, Bias, cols, n_cols, r_ptrs, mask, act_a, act_b,
+             HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr):
+    """``act(acc + bias[cols] + residual)`` over a [rows, cols] fp32 tile: the fused epilogue
+    (``r_ptrs``: the residual's pointers for the tile, read where ``mask``)."""
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        acc += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return act(acc, ACT, act_a, act_b)

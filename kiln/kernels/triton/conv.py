@@ -44,7 +44,7 @@ from kiln.kernels.triton.common import (
     ACT_CODE,
     FLOATS,
     HALF,
-    act,
+    epilogue,
     launch,
     next_pow2,
     on_device,
@@ -73,11 +73,7 @@ def _bias_act_kernel(Y, Bias, R, P, C, alpha, beta,
     offs = rows[:, None] * C + cols[None, :]
     mask = (rows[:, None] < P) & (cols[None, :] < C)
     y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        y += tl.load(Bias + cols, mask=cols < C, other=0.0).to(tl.float32)[None, :]
-    if HAS_RES:
-        y += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
-    y = act(y, ACT, alpha, beta)
+    y = epilogue(y, Bias, cols, C, R + offs, mask, alpha, beta, HAS_BIAS, HAS_RES, ACT)
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 

@@ -15,11 +15,16 @@ at the first run.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton.common import ACT_CODE, act, launch, next_pow2
+from kiln.kernels.triton.common import (
+    ACT_CODE,
+    channels_last_out,
+    epilogue,
+    launch,
+    next_pow2,
+)
 
 _KEYS = ("BLOCK_P", "BLOCK_C", "num_warps")
 # (pixels, channels, warps): wide channel tiles for coalesced loads, taller ones for few channels
@@ -54,14 +59,10 @@ def _dw_kernel(X, Wt, Y, Bias, R, P, H, W, C, OH, OW, CO, MULT,
                         other=0.0)
             wv = tl.load(Wt + rc * (KH * KW) + (kh * KW + kw), mask=c_ok, other=0.0)
             acc += x.to(tl.float32) * wv.to(tl.float32)[None, :]
-    mask = p_ok[:, None] & c_ok[None, :]
     offs = rp[:, None].to(tl.int64) * CO + rc[None, :]
-    if HAS_BIAS:
-        acc += tl.load(Bias + rc, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_RES:
-        acc += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
-    acc = act(acc, ACT, act_a, act_b)
-    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
+    mask = p_ok[:, None] & c_ok[None, :]
+    y = epilogue(acc, Bias, rc, CO, R + offs, mask, act_a, act_b, HAS_BIAS, HAS_RES, ACT)
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
 def is_depthwise(groups: int, x, w) -> bool:
@@ -87,8 +88,7 @@ def conv2d(t: dict, x, w, bias, res, geometry, activation: str = "", act_a: floa
     nb, c, h, wd = x.shape
     co, _, kh, kw = w.shape
     p = nb * oh * ow
-    y = torch.empty((nb, co, oh, ow), dtype=x.dtype, device=x.device,
-                    memory_format=torch.channels_last)
+    y = channels_last_out(x, co, oh, ow)
     w = w.reshape(co, kh * kw)  # [co, 1, kh, kw] in either layout holds kh*kw values per o
     grid = (triton.cdiv(p, t["BLOCK_P"]), triton.cdiv(co, t["BLOCK_C"]))
     launch(_dw_kernel, grid, x, w, y, y if bias is None else bias, y if res is None else res,

@@ -17,7 +17,16 @@ import triton.language as tl
 from kiln.kernels.registry import register
 from kiln.kernels.torch import fused_conv as torch_fused
 from kiln.kernels.torch import nn_norm as torch_nn
-from kiln.kernels.triton.common import ACT_CODE, HALF, act, launch, on_device, tactic_of
+from kiln.kernels.triton.common import (
+    ACT_CODE,
+    HALF,
+    act,
+    epilogue,
+    grouped_tile,
+    launch,
+    on_device,
+    tactic_of,
+)
 from kiln.ops import fused_conv as FC
 from kiln.ops import nn as N
 
@@ -28,14 +37,8 @@ def _gemm_kernel(A, B, C, Bias, R, P, M, N, K,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
-    pid, pid_k = tl.program_id(0), tl.program_id(1)
-    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    # grouped order: GROUP_M row-blocks share the B tiles they read while in L2
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    group_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_m
-    pid_n = (pid % width) // group_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -55,15 +58,11 @@ def _gemm_kernel(A, B, C, Bias, R, P, M, N, K,
         b_ptrs += step * s_bk
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1:
-        acc = acc * alpha
-        if HAS_BIAS:
-            acc += tl.load(Bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        if HAS_RES:
-            r_ptrs = R + rm[:, None].to(tl.int64) * s_rm + rn[None, :] * s_rn
-            acc += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
-        acc = act(acc, ACT, act_a, act_b)
+        y = epilogue(acc * alpha, Bias, rn, N,
+                     R + rm[:, None].to(tl.int64) * s_rm + rn[None, :] * s_rn, mask, act_a,
+                     act_b, HAS_BIAS, HAS_RES, ACT)
         c_ptrs = C + rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn
-        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask)
+        tl.store(c_ptrs, y.to(C.dtype.element_ty), mask=mask)
     else:
         p_ptrs = P + pid_k * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
         tl.store(p_ptrs, acc, mask=mask)
@@ -88,7 +87,7 @@ def splitk_epilogue(P, C, Bias, R, M, N, s_cm, s_cn, s_rm, s_rn, alpha, act_a, a
     tl.store(C + m * s_cm + n * s_cn, acc.to(C.dtype.element_ty), mask=mask)
 
 
-_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages")
+KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages")
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, num_warps, num_stages): the configs Triton's
 # tutorial and inductor's mm templates start from, plus small-M and split-K shapes
 _CONFIGS = (
@@ -99,22 +98,29 @@ _CONFIGS = (
     (64, 64, 64, 8, 2, 4, 4), (64, 64, 64, 8, 4, 4, 4), (32, 64, 128, 8, 4, 4, 3),
     (128, 128, 64, 8, 2, 8, 3),
 )
-DEFAULT = dict(zip(_KEYS, (64, 64, 32, 8, 1, 4, 3)))
+DEFAULT = dict(zip(KEYS, (64, 64, 32, 8, 1, 4, 3)))
 
 
 def gemm_tactics(m: int, n: int, k: int) -> list[dict]:
     """The configs worth timing for an M x N x K product: no tile more than twice the
     problem, split-K only when K is long and the output tiles too few to fill the GPU."""
     out = []
-    for c in _CONFIGS:
-        t = dict(zip(_KEYS, c))
-        if t["BLOCK_M"] > max(16, 2 * m) or t["BLOCK_N"] > max(16, 2 * n):
-            continue
-        tiles = -(-m // t["BLOCK_M"]) * -(-n // t["BLOCK_N"])
-        if t["SPLIT_K"] > 1 and (k < 1024 or tiles >= 128):
+    for t in fitting_tiles(_CONFIGS, m, n):
+        if t["SPLIT_K"] > 1 and (k < 1024 or tile_count(t, m, n) >= 128):
             continue
         out.append(t)
     return out or [dict(DEFAULT)]
+
+
+def fitting_tiles(configs, m: int, n: int) -> list[dict]:
+    """``configs`` (tuples in KEYS order) as tactics, less those with a tile more than twice
+    the [m, n] output's extent."""
+    return [t for t in (dict(zip(KEYS, c)) for c in configs)
+            if t["BLOCK_M"] <= max(16, 2 * m) and t["BLOCK_N"] <= max(16, 2 * n)]
+
+
+def tile_count(t: dict, m: int, n: int) -> int:
+    return -(-m // t["BLOCK_M"]) * -(-n // t["BLOCK_N"])
 
 
 def gemm2d(n, a, b, bias=None, res=None, activation: str = "", alpha: float = 1.0,

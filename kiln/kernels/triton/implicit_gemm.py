@@ -25,12 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton.common import ACT_CODE, act, launch
-from kiln.kernels.triton.gemm import splitk_epilogue
+from kiln.kernels.triton.common import (
+    ACT_CODE,
+    channels_last_out,
+    epilogue,
+    grouped_tile,
+    launch,
+)
+from kiln.kernels.triton.gemm import KEYS, fitting_tiles, splitk_epilogue, tile_count
 
 # input channels below which K is walked flat (a BLOCK_K step of one tap would be mostly mask)
 FLAT_BELOW = 16
-_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "num_warps", "num_stages")
 # the GEMM template's usual tiles, smaller ones for batch-1 feature maps, and split-K ones for
 # outputs of a few tiles (ResNet-50's 7x7 and 14x14 stages at small batch)
 _CONFIGS = (
@@ -40,7 +45,7 @@ _CONFIGS = (
     (32, 64, 64, 8, 2, 4, 4), (64, 64, 64, 8, 4, 4, 3), (32, 64, 64, 8, 4, 4, 3),
     (32, 64, 64, 8, 8, 4, 3), (16, 64, 128, 8, 8, 4, 3),
 )
-DEFAULT = dict(zip(_KEYS, (64, 64, 32, 8, 1, 4, 3)), impl="igemm")
+DEFAULT = dict(zip(KEYS, (64, 64, 32, 8, 1, 4, 3)), impl="igemm")
 _SMS = 132  # an H100/H200's SM count: split-K only where the plain tiles leave most idle
 
 
@@ -51,13 +56,8 @@ def _conv_kernel(X, Wt, Y, Bias, R, P, H, W, C, OH, OW, CO, M,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
-    pid, pid_k = tl.program_id(0), tl.program_id(1)
-    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(CO, BLOCK_N)
-    width = GROUP_M * grid_n  # grouped order, as in the GEMM: neighbours share weight tiles
-    first_m = (pid // width) * GROUP_M
-    group_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_m
-    pid_n = (pid % width) // group_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, CO, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -104,12 +104,8 @@ def _conv_kernel(X, Wt, Y, Bias, R, P, H, W, C, OH, OW, CO, M,
     mask = m_ok[:, None] & (rn[None, :] < CO)
     offs = rm[:, None].to(tl.int64) * CO + rn[None, :]
     if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(Bias + rn, mask=rn < CO, other=0.0).to(tl.float32)[None, :]
-        if HAS_RES:
-            acc += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
-        acc = act(acc, ACT, act_a, act_b)
-        tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
+        y = epilogue(acc, Bias, rn, CO, R + offs, mask, act_a, act_b, HAS_BIAS, HAS_RES, ACT)
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
     else:
         tl.store(P + pid_k * M * CO + offs, acc, mask=mask)
 
@@ -119,16 +115,12 @@ def tactics(nb: int, c: int, co: int, kh: int, kw: int, oh: int, ow: int) -> lis
     only where the plain tiles are too few to fill the GPU and every split has two K steps."""
     m = nb * oh * ow
     out = []
-    for cfg in _CONFIGS:
-        t = dict(zip(_KEYS, cfg), impl="igemm")
-        if t["BLOCK_M"] > max(16, 2 * m) or t["BLOCK_N"] > max(16, 2 * co):
-            continue
+    for t in fitting_tiles(_CONFIGS, m, co):
         bk = t["BLOCK_K"]
         steps = -(-kh * kw * c // bk) if c < FLAT_BELOW else kh * kw * -(-c // bk)
-        tiles = -(-m // t["BLOCK_M"]) * -(-co // t["BLOCK_N"])
-        if t["SPLIT_K"] > 1 and (tiles * 2 > _SMS or steps < 2 * t["SPLIT_K"]):
+        if t["SPLIT_K"] > 1 and (tile_count(t, m, co) * 2 > _SMS or steps < 2 * t["SPLIT_K"]):
             continue
-        out.append(t)
+        out.append(dict(t, impl="igemm"))
     return out or [dict(DEFAULT)]
 
 
@@ -142,8 +134,7 @@ def conv2d(t: dict, x, w, bias, res, geometry, activation: str = "", act_a: floa
     nb, c, h, wd = x.shape
     co, _, kh, kw = w.shape
     m = nb * oh * ow
-    y = torch.empty((nb, co, oh, ow), dtype=x.dtype, device=x.device,
-                    memory_format=torch.channels_last)
+    y = channels_last_out(x, co, oh, ow)
     split = t["SPLIT_K"]
     p = torch.empty((split, m, co), dtype=torch.float32, device=x.device) if split > 1 else y
     codes = dict(HAS_BIAS=bias is not None, HAS_RES=res is not None, ACT=ACT_CODE[activation])
