@@ -194,24 +194,10 @@ def fused_conv(n, x, w, b=None, r=None):
     return epilogue(conv_reference(n, x, w, b), n.a, r)
 
 
-def _transposed(n, w):
-    """W^T, contiguous, made once per node: F.linear reads the weight as [out, in]. Made under
-    the node's lock, so that contexts running the node at once all get the same tensor (the
-    packed weights are keyed by its identity)."""
-    pair = n.cache.get("wt")
-    if pair is None or pair[0] is not w:
-        with _lock(n):
-            pair = n.cache.get("wt")
-            if pair is None or pair[0] is not w:
-                pair = n.cache["wt"] = (w, w.t().contiguous())
-    return pair[1]
-
-
-def _weight_t(n, w):
-    """``W^T`` for F.linear: on CUDA a view (cuBLAS reads the transposed layout as it is, so no
-    copy of the weight is made, per call or kept), elsewhere the contiguous copy of
-    :func:`_transposed` that the CPU tactics pack."""
-    return w.t() if _on_cuda(w) else _transposed(n, w)
+def _weight_t(w):
+    """``W^T`` for F.linear, as a view: cuBLAS and MKL read the transposed layout as it is, and
+    the CPU tactics pack from it, so no transposed copy of the weight is made or kept."""
+    return w.t()
 
 
 # ---------------------------------------------------------------- CPU linear tactics
@@ -235,7 +221,7 @@ _choices_lock = threading.Lock()
 def _linear_ok(x, wt, b, r) -> bool:
     return (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.dim() >= 2
             and x.device.type == "cpu" and x.numel() > 0
-            and wt.dtype == torch.float32 and wt.dim() == 2 and wt.is_contiguous()
+            and wt.dtype == torch.float32 and wt.dim() == 2
             and x.shape[-1] == wt.shape[1]
             and (b is None or (b.dtype == torch.float32 and b.shape == wt.shape[:1]))
             and (r is None or r.dtype == torch.float32))
@@ -252,7 +238,7 @@ def _build(name, x, wt, b, a, r):
     if name == "mkl":
         if not _HAVE_MKL:
             return None
-        pk = torch.ops.mkl._mkl_reorder_linear_weight(wt, m)
+        pk = torch.ops.mkl._mkl_reorder_linear_weight(wt.contiguous(), m)
 
         def mkl(x, r):
             y = torch.ops.mkl._mkl_linear(x.contiguous().view(m, k), pk, wt, b, m)
@@ -261,14 +247,14 @@ def _build(name, x, wt, b, a, r):
     if not _HAVE_ONEDNN:
         return None
     if name == "onednn":
-        pd = torch.ops.mkldnn._reorder_linear_weight(wt, m)
+        pd = torch.ops.mkldnn._reorder_linear_weight(wt.contiguous(), m)
         return lambda x, r: epilogue(
             torch.ops.mkldnn._linear_pointwise(x.contiguous(), pd, b, "none", [], ""), a, r)
     # onednn_fused: the residual add (a binary post-op), else the activation (a unary one)
     if r is not None:
         if tuple(r.shape) != out_shape:
             return None
-        pd = torch.ops.mkldnn._reorder_linear_weight(wt, m)
+        pd = torch.ops.mkldnn._reorder_linear_weight(wt.contiguous(), m)
 
         def binary(x, r):
             y = torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), r.contiguous(), pd,
@@ -278,7 +264,7 @@ def _build(name, x, wt, b, a, r):
     if not a.activation:
         return None
     attr, scalars, algo = _ONEDNN_ACT[a.activation]
-    pd = torch.ops.mkldnn._reorder_linear_weight(wt, m)
+    pd = torch.ops.mkldnn._reorder_linear_weight(wt.contiguous(), m)
     sc = scalars(a)
     return lambda x, r: torch.ops.mkldnn._linear_pointwise(x.contiguous(), pd, b, attr, sc, algo)
 
@@ -321,27 +307,30 @@ def _lock(n):
     return lock
 
 
-def linear(n, x, wt, b, a, r=None):
+def linear(n, x, wt, b, a, r=None, src=None):
     """``act(x @ wt^T + b + r)`` (``a``: the fused-op attributes with the epilogue; ``wt``:
-    [out, in], constant across runs), by this node's tactic for the shape of ``x``. The first
-    run per shape picks the tactic (or reads the process-wide pick for the signature) and packs
-    the weight for it; both stay in ``n.cache`` (a few shapes per node)."""
+    [out, in], possibly a transposed view of ``src``, the node's weight input, which must be
+    the same tensor object on every run for the weight to count as constant), by this node's
+    tactic for the shape of ``x``. The first run per shape picks the tactic (or reads the
+    process-wide pick for the signature) and packs the weight for it; both stay in
+    ``n.cache`` (a few shapes per node)."""
     if not PACKED_LINEAR or n.cache.get("lin_dynamic") or not _linear_ok(x, wt, b, r):
         return epilogue(F.linear(x, wt, b), a, r)
+    src_in = wt if src is None else src
     key = (tuple(x.shape), None if r is None else tuple(r.shape))
     plans = n.cache.get("lin_plans")
-    if plans is not None and n.cache.get("lin_src") is wt:
+    if plans is not None and n.cache.get("lin_src") is src_in:
         fn = plans.get(key)
         if fn is not None:
             return fn(x, r)
     with _lock(n):
-        src = n.cache.get("lin_src")
-        if src is not None and src is not wt:  # not a constant: packing would not pay
+        seen = n.cache.get("lin_src")
+        if seen is not None and seen is not src_in:  # not a constant: packing would not pay
             n.cache["lin_dynamic"] = True
             n.cache.pop("lin_plans", None)
             return epilogue(F.linear(x, wt, b), a, r)
-        if src is None:
-            n.cache["lin_plans"], n.cache["lin_src"] = {}, wt
+        if seen is None:
+            n.cache["lin_plans"], n.cache["lin_src"] = {}, src_in
         plans = n.cache["lin_plans"]
         fn = plans.get(key)
         if fn is not None:
@@ -382,7 +371,7 @@ def _plan(x, wt, b, a, r):
 @register(FC.FusedMatMul)
 def fused_matmul(n, x, w, b=None, r=None):
     if w.dim() == 2 and x.dim() >= 2 and x.dtype.is_floating_point:
-        return linear(n, x, _weight_t(n, w), b, n.a, r)
+        return linear(n, x, _weight_t(w), b, n.a, r, src=w)
     y = torch.matmul(x, w)
     if b is not None:
         y = y.add_(b) if y.shape == torch.broadcast_shapes(y.shape, b.shape) else y + b
@@ -394,8 +383,8 @@ def fused_gemm(n, a_in, b_in, c=None, r=None):
     a = n.a
     x = a_in.t() if a.transA else a_in
     if c is not None and c.dim() == 1 and x.dtype.is_floating_point:
-        wt = b_in if a.transB else _weight_t(n, b_in)
-        return linear(n, x, wt, c, a, r)
+        wt = b_in if a.transB else _weight_t(b_in)
+        return linear(n, x, wt, c, a, r, src=b_in)
     y = torch.matmul(x, b_in.t() if a.transB else b_in)
     if c is not None:
         y = y + c
