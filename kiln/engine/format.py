@@ -22,6 +22,7 @@ import mmap
 import os
 import struct
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ import xxhash
 
 from kiln.errors import EngineFileError
 from kiln.ir import DType
+from kiln.runtime import host
 
 MAGIC = b"KILNENG\x00"
 END = b"KILNEND\x00"
@@ -108,6 +110,7 @@ def read_engine(path: str | os.PathLike, verify: bool = True) -> EngineFile:
             _check_prefix(head, path)
             raise EngineFileError(f"'{path}' is truncated ({size} bytes); rebuild the engine")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    _register(mm, size)
     version, hlen = _check_prefix(mm[:_PREFIX.size], path)
     digest, end = _TRAILER.unpack(mm[size - _TRAILER.size:])
     if end != END:
@@ -127,6 +130,14 @@ def read_engine(path: str | os.PathLike, verify: bool = True) -> EngineFile:
         arr = np.frombuffer(mm, dtype=dt, count=count, offset=blob + t["offset"])
         tensors[name] = arr.reshape(t["shape"])
     return EngineFile(header, tensors, size)
+
+
+def _register(mm: mmap.mmap, size: int) -> None:
+    """Tell kiln.runtime.host that this private file mapping holds weights it may hand pages
+    of back once kernels have packed them, until the mapping is closed."""
+    start = np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data
+    host.register_file_mapping(start, size)
+    weakref.finalize(mm, host.unregister_file_mapping, start)
 
 
 def _existing(path) -> Path:

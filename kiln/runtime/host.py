@@ -1,4 +1,5 @@
-"""Host memory for CPU engines: keep freed activation memory in the process for reuse.
+"""Host memory for CPU engines: keep freed activation memory in the process for reuse, and give
+back the pages of engine-file weights that kernels have packed into their own layout.
 
 PyTorch's CPU tensors come from ``malloc``. glibc serves blocks above its mmap threshold (128
 KiB at first, raised up to 32 MiB as such blocks are freed) with fresh ``mmap``s and hands the
@@ -13,12 +14,21 @@ gets its own ``mmap``.
 The cost is that the process keeps the peak of its heap (what the largest run needed) instead
 of returning it between runs, as an arena does. ``KILN_CPU_KEEP_MEMORY=0`` leaves malloc as it
 is. Elsewhere than glibc (macOS, musl) this does nothing.
+
+An engine's weights are views of its memory-mapped file (``kiln.engine.format``), and loading
+reads all of it (the checksum), so every weight's pages are resident. A GEMM or conv weight that
+a CPU kernel has packed into oneDNN's or MKL's layout is not read again, yet its pages would stay
+resident for the engine's life: :func:`release_pages` hands them back (``madvise`` with
+``MADV_DONTNEED``; a later read faults them in again from the file, unchanged). Only ranges of
+file mappings registered with :func:`register_file_mapping` are touched, never other memory.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
+import mmap
 import threading
 
 from kiln.settings import SETTINGS
@@ -26,8 +36,11 @@ from kiln.settings import SETTINGS
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)  # glibc's upper limit
+MADV_DONTNEED = 4  # Linux
 _lock = threading.Lock()
 _done: bool | None = None  # None: not tried yet; then whether glibc took the settings
+_mappings: list[tuple[int, int]] = []  # sorted (start, end) addresses of engine-file mappings
+_madvise = None
 
 
 def keep_freed_memory() -> bool:
@@ -53,3 +66,48 @@ def _mallopt() -> bool:
     # a fixed mmap threshold (which also stops glibc adjusting it), and no trim: both return 1
     return (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
             and mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1)
+
+
+def register_file_mapping(start: int, length: int) -> None:
+    """``[start, start + length)`` is a private mapping of an engine file, never written:
+    :func:`release_pages` may drop its pages."""
+    with _lock:
+        bisect.insort(_mappings, (start, start + length))
+
+
+def unregister_file_mapping(start: int) -> None:
+    with _lock:
+        _mappings[:] = [m for m in _mappings if m[0] != start]
+
+
+def release_pages(t) -> int:
+    """Drop the resident pages wholly inside CPU tensor ``t``'s memory when that memory lies in
+    a registered engine-file mapping; returns the bytes released (0 when it is not one)."""
+    if _madvise_fn() is None or t.device.type != "cpu" or t.numel() == 0:
+        return 0
+    if any(st < 0 for st in t.stride()):
+        return 0
+    lo = t.data_ptr()  # with no negative strides, the lowest address; then t's whole extent
+    hi = lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+    with _lock:
+        k = bisect.bisect_right(_mappings, (lo, float("inf"))) - 1
+        if k < 0 or not (_mappings[k][0] <= lo and hi <= _mappings[k][1]):
+            return 0
+    page = mmap.PAGESIZE
+    first, last = -(-lo // page) * page, hi // page * page  # whole pages inside t only
+    if last <= first or _madvise_fn()(first, last - first, MADV_DONTNEED) != 0:
+        return 0
+    return last - first
+
+
+def _madvise_fn():
+    global _madvise
+    if _madvise is None:
+        try:
+            fn = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).madvise
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            _madvise = fn
+        except (OSError, AttributeError, TypeError):
+            _madvise = False
+    return _madvise or None

@@ -66,3 +66,80 @@ def test_malloc_is_left_alone_without_a_cpu_context_or_when_turned_off(mode, env
     plain = _rounds(mode, **env)
     assert plain["kept"] is (None if mode == "none" else False), plain
     assert not plain["from_heap"], plain  # glibc's default: a block this large is its own mmap
+
+
+# ---------------------------------------------------------------- engine-file weight pages
+
+def _mapping_rss_kib(addr: int) -> int:
+    """Resident KiB of the mapping that holds ``addr`` (from /proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+            lo, hi = (int(v, 16) for v in head[0].split("-"))
+            inside = lo <= addr < hi
+        elif inside and head[0] == "Rss:":
+            return int(head[1])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise, /proc/self/smaps")
+def test_release_pages_of_an_engine_weight_keeps_its_values(tmp_path):
+    import gc
+
+    import numpy as np
+    import torch
+
+    from kiln.engine import format as fmt
+    from kiln.runtime import host
+
+    w = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
+    path = tmp_path / "w.kiln"
+    fmt.write_engine(path, {"plan": {}}, {"w": w, "small": np.ones(3, np.float32)})
+    ef = fmt.read_engine(path)  # the checksum read every page: all resident
+    t = torch.from_numpy(ef.tensors["w"])
+    before = _mapping_rss_kib(t.data_ptr())
+    assert before >= w.nbytes // 1024
+    released = host.release_pages(t)
+    assert released >= w.nbytes - 2 * 4096  # every page wholly inside the weight
+    assert _mapping_rss_kib(t.data_ptr()) <= before - released // 1024 + 8
+    np.testing.assert_array_equal(t.numpy(), w)  # read again, from the file, unchanged
+    np.testing.assert_array_equal(ef.tensors["small"], np.ones(3, np.float32))
+
+    # memory that is not an engine-file mapping is never touched
+    anon = torch.randn(512, 1024)
+    copy = anon.clone()
+    assert host.release_pages(anon) == 0 and torch.equal(anon, copy)
+
+    # once the mapping is gone (its last array dropped), its range is forgotten
+    start = next(lo for lo, hi in host._mappings if lo <= t.data_ptr() < hi)
+    del t, ef
+    gc.collect()
+    assert all(lo != start for lo, _ in host._mappings)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise, /proc/self/smaps")
+def test_cpu_engine_gives_back_the_file_pages_of_packed_weights(tmp_path, monkeypatch):
+    import numpy as np
+    import torch
+
+    import kiln
+    from kiln.kernels.torch import fused_conv as FCK
+    from tests.engine.models import mlp, mlp_reference
+
+    if not FCK._HAVE_ONEDNN:
+        pytest.skip("needs oneDNN's packed linear")
+    monkeypatch.setattr(FCK, "_FORCED", "onednn")  # a packed tactic, not plain F.linear
+    model = mlp(hidden=65536)  # w1: 8 x 65536 floats, 2 MiB
+    path = tmp_path / "m.kiln"
+    kiln.Builder(kiln.BuilderConfig()).build(model).save(path)
+    eng = kiln.load(path)
+    ctx = eng.create_context()
+    w1 = next(c for _, c in eng._executor.consts if tuple(c.shape) == (8, 65536))
+    before = _mapping_rss_kib(w1.data_ptr())
+    x = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float32)
+    for _ in range(2):
+        y = ctx.run({"x": x})["y"]
+        np.testing.assert_allclose(y, mlp_reference(x, model), rtol=1e-4, atol=1e-3)
+    assert _mapping_rss_kib(w1.data_ptr()) <= before - 1900  # w1's ~2 MiB went
+    assert isinstance(w1, torch.Tensor)

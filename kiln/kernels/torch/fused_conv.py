@@ -39,6 +39,7 @@ from kiln.kernels.registry import cudnn, register
 from kiln.kernels.torch.nn import conv as conv_reference
 from kiln.ops import fused_conv as FC
 from kiln.ops import nn as N
+from kiln.runtime import host
 from kiln.settings import SETTINGS
 
 _MAX_PACKED = 4  # packed weights kept per node, one per input shape
@@ -120,6 +121,7 @@ def _packed(n, x, w, geo):
         pad, stride, dil = geo
         packed[key] = torch.ops.mkldnn._reorder_convolution_weight(
             w.contiguous(), pad, stride, dil, n.a.group or 1, list(key))
+        host.release_pages(w)  # not read again: its engine-file pages can go
     return packed[key]
 
 
@@ -340,6 +342,8 @@ def linear(n, x, wt, b, a, r=None, src=None):
             del plans[next(iter(plans))]
         plans[key] = fn
         n.cache.setdefault("lin_tactics", {})[key] = fn.tactic
+        if all(f.tactic != "linear" for f in plans.values()):
+            host.release_pages(src_in)  # packed: the weight's engine-file pages can go
     return y if y is not None else fn(x, r)
 
 
