@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import threading
 
@@ -40,7 +41,6 @@ MADV_DONTNEED = 4  # Linux
 _lock = threading.Lock()
 _done: bool | None = None  # None: not tried yet; then whether glibc took the settings
 _mappings: list[tuple[int, int]] = []  # sorted (start, end) addresses of engine-file mappings
-_madvise = None
 
 
 def keep_freed_memory() -> bool:
@@ -53,19 +53,34 @@ def keep_freed_memory() -> bool:
         return _done
 
 
-def _mallopt() -> bool:
-    name = ctypes.util.find_library("c")
+@functools.cache
+def _libc():
+    """The C library, or None where ctypes cannot load it."""
     try:
-        libc = ctypes.CDLL(name)
-        if not hasattr(libc, "gnu_get_libc_version"):  # musl and others: other parameters
-            return False
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    except (OSError, TypeError):
+        return None
+
+
+def _mallopt() -> bool:
+    libc = _libc()
+    if libc is None or not hasattr(libc, "gnu_get_libc_version"):  # musl and others differ
         return False
+    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # a fixed mmap threshold (which also stops glibc adjusting it), and no trim: both return 1
     return (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
             and mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1)
+
+
+@functools.cache
+def _madvise():
+    """libc's ``madvise``, typed, or None where there is none."""
+    fn = getattr(_libc(), "madvise", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return fn
 
 
 def register_file_mapping(start: int, length: int) -> None:
@@ -83,7 +98,8 @@ def unregister_file_mapping(start: int) -> None:
 def release_pages(t) -> int:
     """Drop the resident pages wholly inside CPU tensor ``t``'s memory when that memory lies in
     a registered engine-file mapping; returns the bytes released (0 when it is not one)."""
-    if _madvise_fn() is None or t.device.type != "cpu" or t.numel() == 0:
+    madvise = _madvise()
+    if madvise is None or t.device.type != "cpu" or t.numel() == 0:
         return 0
     if any(st < 0 for st in t.stride()):
         return 0
@@ -95,19 +111,7 @@ def release_pages(t) -> int:
             return 0
     page = mmap.PAGESIZE
     first, last = -(-lo // page) * page, hi // page * page  # whole pages inside t only
-    if last <= first or _madvise_fn()(first, last - first, MADV_DONTNEED) != 0:
+    if last <= first or madvise(first, last - first, MADV_DONTNEED) != 0:
         return 0
     return last - first
 
-
-def _madvise_fn():
-    global _madvise
-    if _madvise is None:
-        try:
-            fn = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).madvise
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _madvise = fn
-        except (OSError, AttributeError, TypeError):
-            _madvise = False
-    return _madvise or None

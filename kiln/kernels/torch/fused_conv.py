@@ -196,12 +196,6 @@ def fused_conv(n, x, w, b=None, r=None):
     return epilogue(conv_reference(n, x, w, b), n.a, r)
 
 
-def _weight_t(w):
-    """``W^T`` for F.linear, as a view: cuBLAS and MKL read the transposed layout as it is, and
-    the CPU tactics pack from it, so no transposed copy of the weight is made or kept."""
-    return w.t()
-
-
 # ---------------------------------------------------------------- CPU linear tactics
 
 PACKED_LINEAR = True  # False: plain F.linear everywhere (the switch A/B benchmarks flip)
@@ -310,12 +304,14 @@ def _lock(n):
 
 
 def linear(n, x, wt, b, a, r=None, src=None):
-    """``act(x @ wt^T + b + r)`` (``a``: the fused-op attributes with the epilogue; ``wt``:
-    [out, in], possibly a transposed view of ``src``, the node's weight input, which must be
-    the same tensor object on every run for the weight to count as constant), by this node's
-    tactic for the shape of ``x``. The first run per shape picks the tactic (or reads the
-    process-wide pick for the signature) and packs the weight for it; both stay in
-    ``n.cache`` (a few shapes per node)."""
+    """``act(x @ wt^T + b + r)`` (``a``: the fused-op attributes with the epilogue), by this
+    node's tactic for the shape of ``x``. ``wt`` is [out, in], possibly a transposed view of
+    ``src``, the node's weight input: MKL reads a transposed view as it is and the CPU tactics
+    pack from it, so no transposed copy of the weight is made or kept. ``src`` (default:
+    ``wt``) must be the same tensor object on every run for the weight to count as constant.
+    The first run per shape picks the tactic (or reads the process-wide pick for the
+    signature) and packs the weight for it; both stay in ``n.cache`` (a few shapes per
+    node)."""
     if not PACKED_LINEAR or n.cache.get("lin_dynamic") or not _linear_ok(x, wt, b, r):
         return epilogue(F.linear(x, wt, b), a, r)
     src_in = wt if src is None else src
@@ -375,7 +371,7 @@ def _plan(x, wt, b, a, r):
 @register(FC.FusedMatMul)
 def fused_matmul(n, x, w, b=None, r=None):
     if w.dim() == 2 and x.dim() >= 2 and x.dtype.is_floating_point:
-        return linear(n, x, _weight_t(w), b, n.a, r, src=w)
+        return linear(n, x, w.t(), b, n.a, r, src=w)
     y = torch.matmul(x, w)
     if b is not None:
         y = y.add_(b) if y.shape == torch.broadcast_shapes(y.shape, b.shape) else y + b
@@ -387,7 +383,7 @@ def fused_gemm(n, a_in, b_in, c=None, r=None):
     a = n.a
     x = a_in.t() if a.transA else a_in
     if c is not None and c.dim() == 1 and x.dtype.is_floating_point:
-        wt = b_in if a.transB else _weight_t(b_in)
+        wt = b_in if a.transB else b_in.t()
         return linear(n, x, wt, c, a, r, src=b_in)
     y = torch.matmul(x, b_in.t() if a.transB else b_in)
     if c is not None:

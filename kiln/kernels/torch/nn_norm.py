@@ -197,7 +197,7 @@ def gemm(n, a, b, c=None):
                                and c.numel() in (1, b.shape[0 if at.transB else 1])
                                and (c.dim() < 2 or c.shape[0] == 1)))):
         # a float32 product with a weight: the CPU linear tactics (MKL / packed oneDNN)
-        wt = b if at.transB else FCK._weight_t(b)  # a view
+        wt = b if at.transB else b.t()  # a view
         bias = None if c is None else c.reshape(-1).expand(wt.shape[0]).contiguous()
         return FCK.linear(n, a.t() if at.transA else a, wt, bias, _NO_EPILOGUE, src=b)
     if at.transA:
