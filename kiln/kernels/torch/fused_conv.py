@@ -35,6 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kiln import native
 from kiln.kernels.registry import cudnn, register
 from kiln.kernels.torch.nn import conv as conv_reference
 from kiln.ops import fused_conv as FC
@@ -199,7 +200,7 @@ def fused_conv(n, x, w, b=None, r=None):
 # ---------------------------------------------------------------- CPU linear tactics
 
 PACKED_LINEAR = True  # False: plain F.linear everywhere (the switch A/B benchmarks flip)
-TACTICS = ("linear", "mkl", "onednn", "onednn_fused")
+TACTICS = ("linear", "mkl", "onednn", "onednn_fused", "kiln")
 _FORCED = SETTINGS.cpu_linear  # a forced tactic, for repeatable measurements
 _HAVE_MKL = (torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_linear")
              and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
@@ -240,6 +241,8 @@ def _build(name, x, wt, b, a, r):
             y = torch.ops.mkl._mkl_linear(x.contiguous().view(m, k), pk, wt, b, m)
             return epilogue(y.view(out_shape), a, r)
         return mkl
+    if name == "kiln":
+        return _kiln_gemm(x, wt, b, a, r, m, k, out_shape)
     if not _HAVE_ONEDNN:
         return None
     if name == "onednn":
@@ -263,6 +266,29 @@ def _build(name, x, wt, b, a, r):
     pd = torch.ops.mkldnn._reorder_linear_weight(wt.contiguous(), m)
     sc = scalars(a)
     return lambda x, r: torch.ops.mkldnn._linear_pointwise(x.contiguous(), pd, b, attr, sc, algo)
+
+
+def _kiln_gemm(x, wt, b, a, r, m, k, out_shape):
+    """kiln's own AVX2 GEMM (:mod:`kiln.native`) on the weight packed into its panels, with the
+    bias, the residual and the activation applied to the tile in registers."""
+    if not native.available or k < 1 or (b is not None and not b.is_contiguous()):
+        return None
+    pw = native.PackedWeight(wt.t())
+    fuse_r = r is not None and tuple(r.shape) == out_shape  # else added after, then act
+    act = a.activation if r is None or fuse_r else ""
+
+    def kiln(x, r):
+        x2 = x.reshape(m, k)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        rr = None
+        if fuse_r:
+            rr = r.reshape(m, -1)
+            if rr.stride(1) != 1:
+                rr = rr.contiguous()
+        y = native.gemm(x2, pw, b, rr, act, a.alpha, a.beta).view(out_shape)
+        return y if act == a.activation else epilogue(y, a, r)
+    return kiln
 
 
 def _signature(x, wt, b, a, r):

@@ -1,0 +1,98 @@
+"""kiln's compiled CPU kernels (plain C, loaded with ctypes; no Python C API).
+
+``pip install -e .`` (or ``python setup.py build_ext --inplace``) compiles ``sgemm.c`` into
+``kiln/native/_sgemm*.so`` with the system's C compiler. The library is optional: where it was
+not built, or this CPU lacks AVX2 + FMA, :data:`sgemm` is None, :data:`why_not` says why, and
+the CPU kernels use their library tactics instead.
+
+The library links libgomp and is loaded after torch, so it shares torch's OpenMP runtime and
+its thread pool: a second pool would spin against torch's on the same cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+from pathlib import Path
+
+import torch
+
+# kiln activation name -> the kernel's code (ACT_* in sgemm.c); the kernel applies it in registers
+ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2, "GeluTanh": 3, "Sigmoid": 4, "Silu": 5, "Tanh": 6,
+               "Clip": 7, "LeakyRelu": 8, "HardSwish": 9}
+_HERE = Path(__file__).resolve().parent
+_L, _P, _I, _F = ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_ALIGN = 32  # bytes: packed panels are read with aligned 256-bit loads
+
+
+def _find() -> Path | None:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        p = _HERE / f"_sgemm{suffix}"
+        if p.exists():
+            return p
+    return None
+
+
+def _load():
+    path = _find()
+    if path is None:
+        return None, ("kiln/native/_sgemm is not built: reinstall kiln with a C compiler "
+                      "present (pip install -e .) or run python setup.py build_ext --inplace")
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return None, f"{path.name} does not load: {e}"
+    if not lib.kiln_sgemm_supported():
+        return None, "this CPU lacks AVX2 + FMA, which kiln's GEMM kernel needs"
+    lib.kiln_sgemm.argtypes = [_L, _L, _L, _P, _L, _P, _P, _P, _L, _P, _L, _I, _F, _F, _I]
+    lib.kiln_sgemm.restype = None
+    lib.kiln_sgemm_pack.argtypes = [_L, _L, _P, _L, _L, _P]
+    lib.kiln_sgemm_pack.restype = None
+    lib.kiln_sgemm_packed_size.argtypes = [_L, _L]
+    lib.kiln_sgemm_packed_size.restype = _L
+    return lib, ""
+
+
+_lib, why_not = _load()
+
+
+class PackedWeight:
+    """A [K, N] float32 weight packed into the kernel's 16-column panels (its own memory, the
+    size of the weight rounded up to 16 columns)."""
+
+    def __init__(self, w: torch.Tensor):
+        if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
+            raise ValueError(f"PackedWeight: expected a 2-D float32 CPU tensor, got "
+                             f"{tuple(w.shape)} {w.dtype} on {w.device}")
+        self.k, self.n = w.shape
+        size = _lib.kiln_sgemm_packed_size(self.k, self.n)
+        buf = torch.empty(size + _ALIGN // 4, dtype=torch.float32)
+        off = (-buf.data_ptr() % _ALIGN) // 4
+        self.data = buf[off:off + size]
+        _lib.kiln_sgemm_pack(self.k, self.n, w.data_ptr(), w.stride(0), w.stride(1),
+                             self.data.data_ptr())
+
+
+def gemm(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
+         residual: torch.Tensor | None = None, activation: str = "", alpha: float | None = None,
+         beta: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(x @ W + bias + residual)`` for a 2-D float32 ``x`` [M, K] (K >= 1) whose rows are
+    contiguous, a contiguous ``bias`` [N] and a ``residual`` [M, N] with contiguous rows, on
+    ``torch.get_num_threads()`` threads. ``activation`` is a key of :data:`ACTIVATIONS`;
+    ``alpha``/``beta`` are Clip's bounds (None: unbounded) or LeakyRelu's slope (``alpha``)."""
+    m, k = x.shape
+    if k != w.k or k < 1 or x.stride(1) != 1:
+        raise ValueError(f"gemm: x {tuple(x.shape)} (strides {x.stride()}) does not fit a "
+                         f"[{w.k}, {w.n}] weight with contiguous rows")
+    if out is None:
+        out = torch.empty((m, w.n), dtype=torch.float32)
+    rp, rs = (None, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
+    lo = float("-inf") if alpha is None else alpha
+    hi = float("inf") if beta is None else beta
+    _lib.kiln_sgemm(m, w.n, k, x.data_ptr(), x.stride(0), w.data.data_ptr(),
+                    None if bias is None else bias.data_ptr(), rp, rs, out.data_ptr(),
+                    out.stride(0), ACTIVATIONS[activation], lo, hi, torch.get_num_threads())
+    return out
+
+
+available = _lib is not None

@@ -1,0 +1,15 @@
+"""Builds kiln's optional C kernels (kiln/native); everything else is in pyproject.toml."""
+
+import sys
+
+from setuptools import Extension, setup
+
+native = []
+if sys.platform.startswith("linux"):
+    # Plain C loaded with ctypes. optional: without a compiler kiln installs all the same and
+    # its CPU kernels fall back to the library tactics (kiln.native.why_not says so).
+    native.append(Extension("kiln.native._sgemm", ["kiln/native/sgemm.c"],
+                            extra_compile_args=["-O3", "-fopenmp", "-std=gnu11"],
+                            extra_link_args=["-fopenmp"], optional=True))
+
+setup(ext_modules=native)
