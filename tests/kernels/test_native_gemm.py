@@ -1,0 +1,400 @@
+"""kiln.native: the compiled AVX2 + FMA SGEMM (kiln/native/sgemm.c) against torch in float64:
+every tile, panel and K-block edge (the kernel's tile is 6 rows by 16 columns, K is blocked by
+KC = 384), bias and residual in registers, strided operands, every activation it applies in
+registers, bad input, and the "kiln" tactic of the CPU linear in fused_conv.
+
+Without the library (no C compiler at install, or a CPU without AVX2 + FMA) everything here
+skips, except the check that it was built where it could have been."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln import native
+from kiln.kernels.registry import Call
+from kiln.kernels.torch import fused_conv as FCK
+from kiln.ops import fused_conv as FC
+
+RTOL = 1e-5  # of max |reference|
+F32_EPS = 2.0 ** -23
+F32_MAX = 3.4028234663852886e38
+
+needs_native = pytest.mark.skipif(not native.available, reason=native.why_not or "no kiln.native")
+
+
+# ---------------------------------------------------------------- the library is there
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _could_build() -> bool:
+    """Linux on x86-64, a CPU with AVX2 + FMA and a C compiler: ``pip install -e .`` builds it."""
+    return (sys.platform.startswith("linux")
+            and platform.machine().lower() in ("x86_64", "amd64")
+            and {"avx2", "fma"} <= _cpu_flags()
+            and bool(shutil.which("cc") or shutil.which("gcc")))
+
+
+def test_library_built_where_it_can_be():
+    if not _could_build():
+        pytest.skip("not Linux x86-64 with AVX2 + FMA and a C compiler")
+    assert native.available, native.why_not
+    assert native.why_not == ""
+
+
+# ---------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count (the kernel's) for the test; restored afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _act_ref(y, act, alpha=None, beta=None):
+    """The torch reference of each kernel activation (on float64 ``y``)."""
+    return {
+        "": lambda y: y,
+        "Relu": F.relu,
+        "Gelu": F.gelu,
+        "GeluTanh": lambda y: F.gelu(y, approximate="tanh"),
+        "Sigmoid": torch.sigmoid,
+        "Silu": F.silu,
+        "Tanh": torch.tanh,
+        "Clip": lambda y: y if alpha is None and beta is None else y.clamp(alpha, beta),
+        "LeakyRelu": lambda y: F.leaky_relu(y, alpha),
+        "HardSwish": F.hardswish,
+    }[act](y)
+
+
+def _reference(x, w, b=None, r=None, act="", alpha=None, beta=None):
+    y = x.double() @ w.double()
+    if b is not None:
+        y = y + b.double()
+    if r is not None:
+        y = y + r.double()
+    return _act_ref(y, act, alpha, beta)
+
+
+def _close(got, want, rtol=RTOL):
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert got.dtype == torch.float32
+    err = float((got.double() - want).abs().max())
+    scale = float(want.abs().max())
+    assert err <= rtol * scale, f"max error {err:.3g} > {rtol} * {scale:.3g}"
+
+
+def _data(m, n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(k, n, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g)
+    r = torch.randn(m, n, generator=g)
+    return x, w, b, r
+
+
+# ---------------------------------------------------------------- numerics: shapes
+
+
+# (M, N, K): each M in {1, 5, 6, 7, 13, 128, 200} (tile of 6 rows: partial, full, full + 1, two
+# and a bit, many), N in {1, 8, 15, 16, 17, 33, 100} (panel of 16 columns: masked lo / hi
+# halves, full, full + 1, several), K in {1, 3, 383, 384, 385, 1000} (K block of 384: one row,
+# one block short / exact / one over, three blocks)
+SHAPES = [
+    (1, 1, 1), (1, 8, 3), (1, 100, 1000), (5, 15, 383), (5, 16, 384), (5, 17, 385),
+    (5, 100, 3), (6, 1, 3), (6, 16, 383), (6, 33, 1000), (6, 8, 1000), (7, 8, 1),
+    (7, 17, 384), (7, 100, 385), (13, 15, 1000), (13, 33, 3), (13, 1, 385), (128, 16, 1),
+    (128, 100, 384), (128, 17, 1000), (128, 33, 383), (200, 15, 385), (200, 100, 1000),
+    (200, 8, 384), (200, 1, 1000),
+]
+
+
+@needs_native
+def test_shapes_cover_every_edge():
+    ms, ns, ks = (set(v) for v in zip(*SHAPES, strict=True))
+    assert ms == {1, 5, 6, 7, 13, 128, 200}
+    assert ns == {1, 8, 15, 16, 17, 33, 100}
+    assert ks == {1, 3, 383, 384, 385, 1000}
+
+
+@needs_native
+@pytest.mark.parametrize("epi", ["plain", "bias", "residual", "bias+residual"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gemm_matches_torch(threads, shape, epi):
+    m, n, k = shape
+    x, w, b, r = _data(m, n, k)
+    b = b if "bias" in epi else None
+    r = r if "residual" in epi else None
+    r_copy = None if r is None else r.clone()
+    pw = native.PackedWeight(w)
+    assert (pw.k, pw.n) == (k, n)
+    want = _reference(x, w, b, r)
+    outs = []
+    # the large shapes split over threads (by panels, or by rows where panels are few); the
+    # split never changes what one element's sum is, so every thread count gives the same bits
+    for t in (1, 2, 3):
+        threads(t)
+        y = native.gemm(x, pw, b, r)
+        _close(y, want)
+        outs.append(y)
+    assert all(torch.equal(y, outs[0]) for y in outs[1:])
+    if r is not None:
+        assert torch.equal(r, r_copy)  # the residual is read, never written
+
+
+# ---------------------------------------------------------------- numerics: layouts
+
+
+LAYOUT_SHAPES = [(7, 17, 385), (13, 33, 1000), (200, 15, 3), (128, 100, 384), (1, 1, 1)]
+
+
+@needs_native
+@pytest.mark.parametrize("nthreads", [1, 2])
+@pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_strided_operands_and_out(threads, shape, nthreads):
+    threads(nthreads)
+    m, n, k = shape
+    x, w, b, r = _data(m, n, k, seed=1)
+    want = _reference(x, w, b, r, "Relu")
+    # weight: a transposed view ([N, K] contiguous, read as [K, N]: strides (1, K))
+    wt = w.t().contiguous().t()
+    assert wt.stride() == (1, k)
+    # a strided slice of a bigger tensor, neither dim unit stride
+    big = torch.zeros(2 * k, 3 * n + 1)
+    big[::2, 1::3] = w
+    ws = big[::2, 1::3]
+    assert ws.stride() == (2 * (3 * n + 1), 3)
+    # x: rows of a wider tensor (row stride > K); residual likewise (row stride > N)
+    xw = torch.full((m, k + 5), float("nan"))
+    xw[:, 2:k + 2] = x
+    xs = xw[:, 2:k + 2]
+    assert xs.stride() == (k + 5, 1)
+    rw = torch.full((m, n + 3), float("nan"))
+    rw[:, 1:n + 1] = r
+    rs = rw[:, 1:n + 1]
+    for wv in (w, wt, ws):
+        pw = native.PackedWeight(wv)
+        _close(native.gemm(x, pw, b, r, "Relu"), want)
+        _close(native.gemm(xs, pw, b, rs, "Relu"), want)
+    # out= a column slice of a wider buffer (row stride > N): written in place, its
+    # neighbours left alone
+    pw = native.PackedWeight(wt)
+    buf = torch.full((m, n + 9), -7.0)
+    out = buf[:, 4:n + 4]
+    got = native.gemm(xs, pw, b, rs, "Relu", out=out)
+    assert got.data_ptr() == out.data_ptr()
+    _close(out, want)
+    assert bool((buf[:, :4] == -7.0).all()) and bool((buf[:, n + 4:] == -7.0).all())
+    # out= a plain contiguous tensor: overwritten whatever it held (K > KC accumulates into it
+    # across K blocks, so stale contents would show)
+    out2 = torch.full((m, n), 1e3)
+    native.gemm(x, pw, b, r, "Relu", out=out2)
+    _close(out2, want)
+
+
+@needs_native
+def test_packed_weight_owns_its_memory():
+    x, w, b, _ = _data(6, 17, 385)
+    want = _reference(x, w, b)
+    pw = native.PackedWeight(w)
+    w.fill_(float("nan"))  # the source may go (engine pages are released after packing)
+    del w
+    _close(native.gemm(x, pw, b), want)
+    assert pw.data.data_ptr() % 32 == 0  # panels are read with aligned loads
+
+
+# ---------------------------------------------------------------- activations
+
+
+# (activation, alpha, beta)
+ACTS = [
+    ("", None, None), ("Relu", None, None), ("Gelu", None, None), ("GeluTanh", None, None),
+    ("Sigmoid", None, None), ("Silu", None, None), ("Tanh", None, None),
+    ("Clip", -0.5, 0.7), ("Clip", None, None), ("Clip", None, 0.3), ("Clip", -0.3, None),
+    ("LeakyRelu", 0.1, None), ("HardSwish", None, None),
+]
+
+
+def _act_id(a):
+    act, alpha, beta = a
+    return f"{act or 'none'}({alpha},{beta})" if act in ("Clip", "LeakyRelu") else act or "none"
+
+
+@needs_native
+def test_every_activation_is_tested():
+    assert {a for a, _, _ in ACTS} == set(native.ACTIVATIONS) == set(FC.ACTIVATIONS)
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(13, 33, 385), (7, 15, 3), (128, 100, 384)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("act", ACTS, ids=_act_id)
+def test_activation_after_bias_and_residual(threads, act, shape):
+    threads(2)
+    name, alpha, beta = act
+    m, n, k = shape
+    x, w, b, r = _data(m, n, k, seed=2)
+    x = x * 2  # spread the pre-activations over the activations' curved parts
+    pw = native.PackedWeight(w)
+    want = _reference(x, w, b, r, name, alpha, beta)
+    # K = 385 runs two K blocks: the activation applies once, to the whole sum
+    _close(native.gemm(x, pw, b, r, name, alpha, beta), want)
+
+
+def _wide_tolerance(want):
+    """1e-6 absolute, plus one float32 ulp of the value: the output is a float32, and where
+    |y| > 8 its own rounding alone is worth up to 1e-6 (half an ulp above 16 is 9.5e-7). torch's
+    float32 silu is 1.3e-6 off float64 near y = 14; the kernel is no worse."""
+    return 1e-6 + F32_EPS * want.abs()
+
+
+@needs_native
+@pytest.mark.parametrize("width", [1, 16])  # a masked 1-column tile and a full 16-column one
+@pytest.mark.parametrize("act", ACTS, ids=_act_id)
+def test_activation_wide_range(act, width):
+    name, alpha, beta = act
+    if name == "Clip" and alpha is not None and beta is not None:
+        alpha, beta = -12.5, 20.25
+    # every 1/1024 over [-30, 30] (exact in float32), the ends, and a few tiny ones
+    x = torch.cat([torch.arange(-30 * 1024, 30 * 1024 + 1, dtype=torch.float32) / 1024,
+                   torch.tensor([1e-7, -1e-7, 1e-30, -1e-30, 0.0, -0.0])])
+    x = x[: x.numel() // width * width].reshape(-1, width)
+    pw = native.PackedWeight(torch.eye(width))  # x @ I = x exactly
+    got = native.gemm(x, pw, activation=name, alpha=alpha, beta=beta).double()
+    want = _act_ref(x.double(), name, alpha, beta)
+    err = (got - want).abs()
+    bad = err > _wide_tolerance(want)
+    assert not bool(bad.any()), (
+        f"{name}: {int(bad.sum())} values off, worst {float(err.max()):.3g} at "
+        f"x={float(x.reshape(-1)[int(err.argmax())]):.6g}")
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@needs_native
+def test_wrong_k_raises_naming_the_shapes():
+    pw = native.PackedWeight(torch.randn(8, 3))
+    with pytest.raises(ValueError, match=r"x \(4, 7\).*\[8, 3\]"):
+        native.gemm(torch.randn(4, 7), pw)
+    with pytest.raises(ValueError, match=r"\(4, 8\)"):
+        native.gemm(torch.randn(8, 4).t(), pw)  # K right but its elements not contiguous
+
+
+@needs_native
+@pytest.mark.parametrize("w", [torch.randn(4, 3, dtype=torch.float64), torch.randn(2, 4, 3),
+                               torch.randn(4)], ids=["float64", "3-D", "1-D"])
+def test_packed_weight_rejects(w):
+    with pytest.raises(ValueError, match="PackedWeight"):
+        native.PackedWeight(w)
+
+
+# ---------------------------------------------------------------- the "kiln" tactic
+
+
+# _kiln_gemm (fused_conv.py) adds a residual it cannot fuse (one that broadcasts) after the GEMM,
+# in epilogue(), only when there is an activation: `return y if act == a.activation else
+# epilogue(y, a, r)` is true for activation "" too, so the residual is silently dropped.
+KNOWN_DROPPED_RESIDUAL = ("kiln tactic drops a broadcast residual when there is no activation "
+                          "(_kiln_gemm returns y without epilogue(y, a, r))")
+
+
+def _call(op, **attrs):
+    return Call(op.Attrs(**attrs), n_out=1, n_in=4)
+
+
+@pytest.fixture
+def kiln_tactic(monkeypatch):
+    """A clean choice table, the tactics on, "kiln" pinned (as KILN_CPU_LINEAR=kiln does)."""
+    monkeypatch.setattr(FCK, "_choices", {})
+    monkeypatch.setattr(FCK, "PACKED_LINEAR", True)
+    monkeypatch.setattr(FCK, "_FORCED", "kiln")
+    return monkeypatch
+
+
+def _fused_attrs(act):
+    name, alpha, beta = act
+    if name == "Clip":  # the fusion pass writes absent bounds as -/+ FLT_MAX
+        return name, -F32_MAX if alpha is None else alpha, F32_MAX if beta is None else beta
+    return name, 0.0 if alpha is None else alpha, 0.0 if beta is None else beta
+
+
+@needs_native
+@pytest.mark.parametrize("res", ["none", "[N]", "[1,N]", "[S,N]", "full"])
+@pytest.mark.parametrize("act", ACTS, ids=_act_id)
+def test_kiln_tactic_fused_matmul(request, kiln_tactic, threads, act, res):
+    threads(2)
+    name, alpha, beta = _fused_attrs(act)
+    if not name and res in ("[N]", "[1,N]", "[S,N]"):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_DROPPED_RESIDUAL))
+    bsz, s, k, n_out = 2, 7, 40, 17
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(bsz, s, k, generator=g) * 2
+    w = torch.randn(k, n_out, generator=g) / k ** 0.5
+    b = torch.randn(n_out, generator=g)
+    r = {"none": None, "[N]": torch.randn(n_out, generator=g),
+         "[1,N]": torch.randn(1, n_out, generator=g),
+         "[S,N]": torch.randn(s, n_out, generator=g),  # broadcasts over the batch
+         "full": torch.randn(bsz, s, n_out, generator=g)}[res]
+    r_copy = None if r is None else r.clone()
+    n = _call(FC.FusedMatMul, activation=name, alpha=alpha, beta=beta,
+              has_residual=int(r is not None))
+    want = _reference(x, w, b, r, name, alpha, beta)
+    first = FCK.fused_matmul(n, x, w, b, r)
+    second = FCK.fused_matmul(n, x, w, b, r)  # the cached plan
+    _close(first, want)
+    assert torch.equal(first, second)
+    assert list(n.cache["lin_tactics"].values()) == ["kiln"]
+    if r is not None:
+        assert torch.equal(r, r_copy)  # the residual input is never written
+
+
+@needs_native
+@pytest.mark.parametrize("trans_b", [0, 1])
+@pytest.mark.parametrize("res", ["none", "row", "full"])
+def test_kiln_tactic_fused_gemm(kiln_tactic, trans_b, res):
+    g = torch.Generator().manual_seed(4)
+    m, k, n_out = 13, 385, 33
+    a_in = torch.randn(m, k, generator=g)
+    w = torch.randn(k, n_out, generator=g) / k ** 0.5
+    c = torch.randn(n_out, generator=g)
+    r = {"none": None, "row": torch.randn(1, n_out, generator=g),
+         "full": torch.randn(m, n_out, generator=g)}[res]
+    b_in = w.t().contiguous() if trans_b else w
+    n = _call(FC.FusedGemm, transB=trans_b, activation="Gelu", has_residual=int(r is not None))
+    want = _reference(a_in, w, c, r, "Gelu")
+    for _ in range(2):
+        _close(FCK.fused_gemm(n, a_in, b_in, c, r), want)
+    assert list(n.cache["lin_tactics"].values()) == ["kiln"]
+
+
+@needs_native
+def test_kiln_tactic_noncontiguous_input(kiln_tactic):
+    """x whose last dim is not contiguous, and a residual of the output's shape that is not."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 24, 5, generator=g).transpose(1, 2)  # [2, 5, 24], stride(2) != 1
+    w = torch.randn(24, 16, generator=g)
+    b = torch.randn(16, generator=g)
+    r = torch.randn(2, 16, 5, generator=g).transpose(1, 2)  # [2, 5, 16], stride(2) != 1
+    n = _call(FC.FusedMatMul, activation="Silu", has_residual=1)
+    want = _reference(x, w, b, r, "Silu")
+    for _ in range(2):
+        _close(FCK.fused_matmul(n, x, w, b, r), want)
+    assert list(n.cache["lin_tactics"].values()) == ["kiln"]
