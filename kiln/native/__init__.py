@@ -79,7 +79,8 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
     """``act(x @ W + bias + residual)`` for a 2-D float32 ``x`` [M, K] (K >= 1) whose rows are
     contiguous, a contiguous ``bias`` [N] and a ``residual`` [M, N] with contiguous rows, on
     ``torch.get_num_threads()`` threads. ``activation`` is a key of :data:`ACTIVATIONS`;
-    ``alpha``/``beta`` are Clip's bounds (None: unbounded) or LeakyRelu's slope (``alpha``)."""
+    ``alpha``/``beta`` are Clip's bounds (None: unbounded) or LeakyRelu's slope (``alpha``,
+    default 0.01). NaN propagates through every activation."""
     m, k = x.shape
     if k != w.k or k < 1 or x.stride(1) != 1:
         raise ValueError(f"gemm: x {tuple(x.shape)} (strides {x.stride()}) does not fit a "
@@ -87,8 +88,11 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
     if out is None:
         out = torch.empty((m, w.n), dtype=torch.float32)
     rp, rs = (None, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
-    lo = float("-inf") if alpha is None else alpha
-    hi = float("inf") if beta is None else beta
+    if activation == "LeakyRelu":
+        lo, hi = (0.01 if alpha is None else alpha), 0.0  # ONNX's default slope
+    else:
+        lo = float("-inf") if alpha is None else alpha
+        hi = float("inf") if beta is None else beta
     _lib.kiln_sgemm(m, w.n, k, x.data_ptr(), x.stride(0), w.data.data_ptr(),
                     None if bias is None else bias.data_ptr(), rp, rs, out.data_ptr(),
                     out.stride(0), ACTIVATIONS[activation], lo, hi, torch.get_num_threads())

@@ -22,6 +22,9 @@
 #ifndef PF
 #define PF 8 /* B rows prefetched ahead */
 #endif
+#ifndef A_IN_L2
+#define A_IN_L2 (400L * 1024) /* bytes of A rows that stay in a core's L2 */
+#endif
 #ifndef MC
 #define MC 192
 #endif
@@ -66,10 +69,11 @@ enum { ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SIGMOID, ACT_SILU, ACT_T
 
 /* e^x: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for exactness), e^r by a degree-7
  * polynomial (the Cephes expf coefficients), 2^n by building the exponent bits; about 1 ulp.
- * x is clamped to [-87, 88] so the result is a normal float. */
+ * x is clamped to [-87, 88] so the result is a normal float; NaN stays NaN (the clamps and the
+ * activations' max/min take v as their second operand, which they return when either is NaN). */
 TGT static inline __m256 exp256(__m256 x)
 {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -118,7 +122,7 @@ TGT static inline __m256 act256(__m256 v, int act, float alpha, float beta)
 {
     __m256 zero = _mm256_setzero_ps();
     switch (act) {
-    case ACT_RELU: return _mm256_max_ps(v, zero);
+    case ACT_RELU: return _mm256_max_ps(zero, v);
     case ACT_GELU: return gelu256(v);
     case ACT_GELU_TANH: {  /* x/2 (1 + tanh u) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3) */
         __m256 u = _mm256_mul_ps(v, _mm256_fmadd_ps(_mm256_mul_ps(v, v),
@@ -132,13 +136,13 @@ TGT static inline __m256 act256(__m256 v, int act, float alpha, float beta)
         return _mm256_fmsub_ps(_mm256_set1_ps(2.0f), sigmoid256(_mm256_add_ps(v, v)),
                                _mm256_set1_ps(1.0f));
     case ACT_CLIP:
-        return _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(alpha)), _mm256_set1_ps(beta));
+        return _mm256_min_ps(_mm256_set1_ps(beta), _mm256_max_ps(_mm256_set1_ps(alpha), v));
     case ACT_LEAKY_RELU:
         return _mm256_blendv_ps(v, _mm256_mul_ps(v, _mm256_set1_ps(alpha)),
                                 _mm256_cmp_ps(v, zero, _CMP_LT_OQ));
     case ACT_HARD_SWISH: {  /* x min(max(x / 6 + 1/2, 0), 1) */
         __m256 g = _mm256_fmadd_ps(v, _mm256_set1_ps(1.0f / 6.0f), _mm256_set1_ps(0.5f));
-        g = _mm256_min_ps(_mm256_max_ps(g, zero), _mm256_set1_ps(1.0f));
+        g = _mm256_min_ps(_mm256_set1_ps(1.0f), _mm256_max_ps(zero, g));
         return _mm256_mul_ps(v, g);
     }
     default: return v;
@@ -205,30 +209,42 @@ TGT static void tile(long kc, const float *A, long lda, const float *Bp, float *
 #undef LD
 }
 
-/* Rows [m0, m1) and panels [p0, p1) of the product. */
+/* Rows [m0, m1) and panels [p0, p1) of the product. Where these rows of A fit in L2 (small
+ * batches), each panel runs all its k blocks before the next panel, so its C tiles are finished
+ * while they are in L1 (16 columns of C) and A is read from L2 throughout; else the k blocks are
+ * outermost and a block of MC rows of A stays in L2 for all the panels. */
 TGT static void block(long m0, long m1, long p0, long p1, long N, long K, const float *A,
                       long lda, const float *Bp, const float *bias, const float *R, long ldr,
                       float *C, long ldc, int act, float alpha, float beta)
 {
     long panels = (N + NR - 1) / NR;
+#define PANEL(k0, kc, i0, i1, p)                                                                \
+    do {                                                                                      \
+        long n0 = (p) * NR;                                                                   \
+        int nr = N - n0 < NR ? (int)(N - n0) : NR, first = (k0) == 0, last = (k0) + (kc) == K;\
+        const float *bp = Bp + (k0) * panels * NR + (p) * (kc) * NR;                          \
+        const float *bb = bias ? bias + n0 : NULL;                                            \
+        for (long i = (i0); i < (i1); i += MR) {                                              \
+            int mr = (i1) - i < MR ? (int)((i1) - i) : MR;                                    \
+            tile((kc), A + i * lda + (k0), lda, bp, C + i * ldc + n0, ldc, mr, nr, first,     \
+                 last, bb, R ? R + i * ldr + n0 : NULL, ldr, act, alpha, beta);               \
+        }                                                                                     \
+    } while (0)
+    if ((m1 - m0) * K * (long)sizeof(float) <= A_IN_L2) {
+        for (long p = p0; p < p1; p++)
+            for (long k0 = 0; k0 < K; k0 += KC)
+                PANEL(k0, K - k0 < KC ? K - k0 : KC, m0, m1, p);
+        return;
+    }
     for (long k0 = 0; k0 < K; k0 += KC) {
         long kc = K - k0 < KC ? K - k0 : KC;
-        int first = k0 == 0, last = k0 + kc == K;
         for (long i0 = m0; i0 < m1; i0 += MC) {
             long i1 = i0 + MC < m1 ? i0 + MC : m1;
-            for (long p = p0; p < p1; p++) {
-                long n0 = p * NR;
-                int nr = N - n0 < NR ? (int)(N - n0) : NR;
-                const float *bp = Bp + k0 * panels * NR + p * kc * NR;
-                const float *bb = bias ? bias + n0 : NULL;
-                for (long i = i0; i < i1; i += MR) {
-                    int mr = i1 - i < MR ? (int)(i1 - i) : MR;
-                    tile(kc, A + i * lda + k0, lda, bp, C + i * ldc + n0, ldc, mr, nr, first,
-                              last, bb, R ? R + i * ldr + n0 : NULL, ldr, act, alpha, beta);
-                }
-            }
+            for (long p = p0; p < p1; p++)
+                PANEL(k0, kc, i0, i1, p);
         }
     }
+#undef PANEL
 }
 
 /* C[M, N] (row stride ldc) = act(A[M, K] (row stride lda) @ B + bias[N] + R[M, N] (row stride

@@ -287,7 +287,7 @@ def _kiln_gemm(x, wt, b, a, r, m, k, out_shape):
             if rr.stride(1) != 1:
                 rr = rr.contiguous()
         y = native.gemm(x2, pw, b, rr, act, a.alpha, a.beta).view(out_shape)
-        return y if act == a.activation else epilogue(y, a, r)
+        return y if r is None or fuse_r else epilogue(y, a, r)  # else r, then act, in torch
     return kiln
 
 
