@@ -53,7 +53,16 @@ def _load():
     return lib, ""
 
 
+def _tile(lib) -> tuple[int, int, int] | None:
+    if lib is None:
+        return None
+    mr, nr, kc = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    lib.kiln_sgemm_tile(ctypes.byref(mr), ctypes.byref(nr), ctypes.byref(kc))
+    return mr.value, nr.value, kc.value
+
+
 _lib, why_not = _load()
+TILE = _tile(_lib)  # (rows, columns of the register tile, K block); None without the library
 
 
 class PackedWeight:

@@ -14,10 +14,16 @@
 #include <string.h>
 #include <omp.h>
 
-#define NR 16
-#define MR 6
+#ifdef TILE_6X16
+#define MR 6 /* rows of the register tile */
+#define NV 2 /* 8-float vectors across it */
+#else
+#define MR 4
+#define NV 3
+#endif
+#define NR (8 * NV) /* columns of the tile and of a packed panel */
 #ifndef KC
-#define KC 384
+#define KC 768
 #endif
 #ifndef PF
 #define PF 8 /* B rows prefetched ahead */
@@ -35,6 +41,14 @@ int kiln_sgemm_supported(void)
 {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* The register tile's rows and columns and the K block, for tests that aim at their edges. */
+void kiln_sgemm_tile(int *mr, int *nr, int *kc)
+{
+    *mr = MR;
+    *nr = NR;
+    *kc = KC;
 }
 
 long kiln_sgemm_packed_size(long K, long N)
@@ -149,22 +163,46 @@ TGT static inline __m256 act256(__m256 v, int act, float alpha, float beta)
     }
 }
 
-/* One tile of mr <= 6 rows and nr <= 16 columns over k in [0, kc): the 12 accumulators live in
- * named registers for the whole k loop (an array of them is spilled to the stack by gcc). Rows
+/* One tile of mr <= MR rows and nr <= NR columns over k in [0, kc): the MR x NV accumulators
+ * live in named registers for the whole k loop (gcc spills an array of them to the stack). Rows
  * past mr re-read the last row and are not stored. first: add bias and R (else C); last: apply
  * the activation. */
 TGT static void tile(long kc, const float *A, long lda, const float *Bp, float *C, long ldc,
                      int mr, int nr, int first, int last, const float *bias, const float *R,
                      long ldr, int act, float alpha, float beta)
 {
-    const float *a0 = A, *a1 = A + (mr > 1 ? 1 : 0) * lda, *a2 = A + (mr > 2 ? 2 : mr - 1) * lda,
-                *a3 = A + (mr > 3 ? 3 : mr - 1) * lda, *a4 = A + (mr > 4 ? 4 : mr - 1) * lda,
-                *a5 = A + (mr > 5 ? 5 : mr - 1) * lda;
+    const float *a[MR];
+    for (int r = 0; r < MR; r++) a[r] = A + (r < mr ? r : mr - 1) * lda;
     for (int r = 0; r < mr; r++) {
         const float *pr = first ? (R ? R + r * ldr : NULL) : C + r * ldc;
         if (pr) { _mm_prefetch((const char *)pr, _MM_HINT_T0);
-                  _mm_prefetch((const char *)(pr + 15), _MM_HINT_T0); }
+                  _mm_prefetch((const char *)(pr + NR - 1), _MM_HINT_T0); }
     }
+    __m256 acc[MR][NV];
+#if MR == 4 && NV == 3
+    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3];
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00,
+           c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+#pragma GCC unroll 4
+    for (long k = 0; k < kc; k++) {
+        _mm_prefetch((const char *)(Bp + (k + PF) * NR), _MM_HINT_T0);
+        const float *bk = Bp + k * NR;
+        __m256 w0 = _mm256_load_ps(bk), w1 = _mm256_load_ps(bk + 8), w2 = _mm256_load_ps(bk + 16);
+        __m256 x;
+        x = _mm256_broadcast_ss(a0 + k); c00 = _mm256_fmadd_ps(x, w0, c00);
+        c01 = _mm256_fmadd_ps(x, w1, c01); c02 = _mm256_fmadd_ps(x, w2, c02);
+        x = _mm256_broadcast_ss(a1 + k); c10 = _mm256_fmadd_ps(x, w0, c10);
+        c11 = _mm256_fmadd_ps(x, w1, c11); c12 = _mm256_fmadd_ps(x, w2, c12);
+        x = _mm256_broadcast_ss(a2 + k); c20 = _mm256_fmadd_ps(x, w0, c20);
+        c21 = _mm256_fmadd_ps(x, w1, c21); c22 = _mm256_fmadd_ps(x, w2, c22);
+        x = _mm256_broadcast_ss(a3 + k); c30 = _mm256_fmadd_ps(x, w0, c30);
+        c31 = _mm256_fmadd_ps(x, w1, c31); c32 = _mm256_fmadd_ps(x, w2, c32);
+    }
+    acc[0][0] = c00; acc[0][1] = c01; acc[0][2] = c02; acc[1][0] = c10; acc[1][1] = c11;
+    acc[1][2] = c12; acc[2][0] = c20; acc[2][1] = c21; acc[2][2] = c22; acc[3][0] = c30;
+    acc[3][1] = c31; acc[3][2] = c32;
+#elif MR == 6 && NV == 2
+    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5];
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
 #pragma GCC unroll 4
@@ -184,27 +222,38 @@ TGT static void tile(long kc, const float *A, long lda, const float *Bp, float *
         x = _mm256_broadcast_ss(a5 + k); c50 = _mm256_fmadd_ps(x, w0, c50);
         c51 = _mm256_fmadd_ps(x, w1, c51);
     }
-    __m256 lo[MR] = {c00, c10, c20, c30, c40, c50}, hi[MR] = {c01, c11, c21, c31, c41, c51};
+    acc[0][0] = c00; acc[0][1] = c01; acc[1][0] = c10; acc[1][1] = c11; acc[2][0] = c20;
+    acc[2][1] = c21; acc[3][0] = c30; acc[3][1] = c31; acc[4][0] = c40; acc[4][1] = c41;
+    acc[5][0] = c50; acc[5][1] = c51;
+#else
+#error "tile: no k loop for this MR x NV"
+#endif
     int full = nr == NR;
     const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256i mlo = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), idx);
-    __m256i mhi = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr - 8), idx);
-#define LD(p, m) (full ? _mm256_loadu_ps(p) : _mm256_maskload_ps((p), (m)))
-    __m256 b0 = _mm256_setzero_ps(), b1 = b0;
-    if (first && bias) { b0 = LD(bias, mlo); b1 = LD(bias + 8, mhi); }
+    __m256i m[NV];
+    __m256 bv[NV];
+    for (int v = 0; v < NV; v++) {
+        m[v] = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr - 8 * v), idx);
+        bv[v] = _mm256_setzero_ps();
+    }
+#define LD(p, v) (full ? _mm256_loadu_ps(p) : _mm256_maskload_ps((p), m[v]))
+    if (first && bias)
+        for (int v = 0; v < NV; v++) bv[v] = LD(bias + 8 * v, v);
     for (int r = 0; r < mr; r++) {
         float *cr = C + r * ldc;
-        __m256 l = lo[r], h = hi[r];
-        if (first) {
-            l = _mm256_add_ps(l, b0); h = _mm256_add_ps(h, b1);
-            if (R) { const float *rr = R + r * ldr;
-                     l = _mm256_add_ps(l, LD(rr, mlo)); h = _mm256_add_ps(h, LD(rr + 8, mhi)); }
-        } else {
-            l = _mm256_add_ps(l, LD(cr, mlo)); h = _mm256_add_ps(h, LD(cr + 8, mhi));
+        const float *rr = R ? R + r * ldr : NULL;
+        for (int v = 0; v < NV; v++) {
+            __m256 y = acc[r][v];
+            if (first) {
+                y = _mm256_add_ps(y, bv[v]);
+                if (rr) y = _mm256_add_ps(y, LD(rr + 8 * v, v));
+            } else {
+                y = _mm256_add_ps(y, LD(cr + 8 * v, v));
+            }
+            if (last && act) y = act256(y, act, alpha, beta);
+            if (full) _mm256_storeu_ps(cr + 8 * v, y);
+            else _mm256_maskstore_ps(cr + 8 * v, m[v], y);
         }
-        if (last && act) { l = act256(l, act, alpha, beta); h = act256(h, act, alpha, beta); }
-        if (full) { _mm256_storeu_ps(cr, l); _mm256_storeu_ps(cr + 8, h); }
-        else { _mm256_maskstore_ps(cr, mlo, l); _mm256_maskstore_ps(cr + 8, mhi, h); }
     }
 #undef LD
 }

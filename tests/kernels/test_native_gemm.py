@@ -1,7 +1,7 @@
 """kiln.native: the compiled AVX2 + FMA SGEMM (kiln/native/sgemm.c) against torch in float64:
-every tile, panel and K-block edge (the kernel's tile is 6 rows by 16 columns, K is blocked by
-KC = 384), bias and residual in registers, strided operands, every activation it applies in
-registers, bad input, and the "kiln" tactic of the CPU linear in fused_conv.
+every tile, panel and K-block edge (``kiln.native.TILE``: the register tile's rows MR and
+columns NR, the K block KC), bias and residual in registers, strided operands, every activation
+it applies in registers, bad input, and the "kiln" tactic of the CPU linear in fused_conv.
 
 Without the library (no C compiler at install, or a CPU without AVX2 + FMA) everything here
 skips, except the check that it was built where it could have been."""
@@ -113,25 +113,22 @@ def _data(m, n, k, seed=0):
 # ---------------------------------------------------------------- numerics: shapes
 
 
-# (M, N, K): each M in {1, 5, 6, 7, 13, 128, 200} (tile of 6 rows: partial, full, full + 1, two
-# and a bit, many), N in {1, 8, 15, 16, 17, 33, 100} (panel of 16 columns: masked lo / hi
-# halves, full, full + 1, several), K in {1, 3, 383, 384, 385, 1000} (K block of 384: one row,
-# one block short / exact / one over, three blocks)
-SHAPES = [
-    (1, 1, 1), (1, 8, 3), (1, 100, 1000), (5, 15, 383), (5, 16, 384), (5, 17, 385),
-    (5, 100, 3), (6, 1, 3), (6, 16, 383), (6, 33, 1000), (6, 8, 1000), (7, 8, 1),
-    (7, 17, 384), (7, 100, 385), (13, 15, 1000), (13, 33, 3), (13, 1, 385), (128, 16, 1),
-    (128, 100, 384), (128, 17, 1000), (128, 33, 383), (200, 15, 385), (200, 100, 1000),
-    (200, 8, 384), (200, 1, 1000),
-]
+# The kernel's tile and K block (defaults where the library is missing: everything skips then)
+MR, NR, KC = native.TILE or (4, 24, 768)
+# (M, N, K): each M in MS (a partial tile, full, full + 1, two and a bit, many), N in NS (a
+# panel's masked first vector, a partial panel, full, full + 1, two and a bit, several), K in KS
+# (one row, a few, one K block short / exact / one over, three blocks); 25 shapes stepping
+# through the three lists at coprime strides, so that every value of each comes up
+MS = (1, MR - 1, MR, MR + 1, 2 * MR + 1, 128, 200)
+NS = (1, 7, NR - 1, NR, NR + 1, 2 * NR + 1, 100)
+KS = (1, 3, KC - 1, KC, KC + 1, 2 * KC + 5)
+SHAPES = [(MS[i % 7], NS[3 * i % 7], KS[5 * i % 6]) for i in range(25)]
 
 
 @needs_native
 def test_shapes_cover_every_edge():
     ms, ns, ks = (set(v) for v in zip(*SHAPES, strict=True))
-    assert ms == {1, 5, 6, 7, 13, 128, 200}
-    assert ns == {1, 8, 15, 16, 17, 33, 100}
-    assert ks == {1, 3, 383, 384, 385, 1000}
+    assert ms == set(MS) and ns == set(NS) and ks == set(KS)
 
 
 @needs_native
@@ -162,7 +159,7 @@ def test_gemm_matches_torch(threads, shape, epi):
 # ---------------------------------------------------------------- numerics: layouts
 
 
-LAYOUT_SHAPES = [(7, 17, 385), (13, 33, 1000), (200, 15, 3), (128, 100, 384), (1, 1, 1)]
+LAYOUT_SHAPES = [(7, 17, KC + 1), (13, 33, 2 * KC + 5), (200, 15, 3), (128, 100, KC), (1, 1, 1)]
 
 
 @needs_native
@@ -211,7 +208,7 @@ def test_strided_operands_and_out(threads, shape, nthreads):
 
 @needs_native
 def test_packed_weight_owns_its_memory():
-    x, w, b, _ = _data(6, 17, 385)
+    x, w, b, _ = _data(6, 17, KC + 1)
     want = _reference(x, w, b)
     pw = native.PackedWeight(w)
     w.fill_(float("nan"))  # the source may go (engine pages are released after packing)
@@ -243,7 +240,7 @@ def test_every_activation_is_tested():
 
 
 @needs_native
-@pytest.mark.parametrize("shape", [(13, 33, 385), (7, 15, 3), (128, 100, 384)],
+@pytest.mark.parametrize("shape", [(13, 33, KC + 1), (7, 15, 3), (128, 100, KC)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("act", ACTS, ids=_act_id)
 def test_activation_after_bias_and_residual(threads, act, shape):
@@ -254,7 +251,7 @@ def test_activation_after_bias_and_residual(threads, act, shape):
     x = x * 2  # spread the pre-activations over the activations' curved parts
     pw = native.PackedWeight(w)
     want = _reference(x, w, b, r, name, alpha, beta)
-    # K = 385 runs two K blocks: the activation applies once, to the whole sum
+    # K = KC + 1 runs two K blocks: the activation applies once, to the whole sum
     _close(native.gemm(x, pw, b, r, name, alpha, beta), want)
 
 
@@ -266,7 +263,7 @@ def _wide_tolerance(want):
 
 
 @needs_native
-@pytest.mark.parametrize("width", [1, 16])  # a masked 1-column tile and a full 16-column one
+@pytest.mark.parametrize("width", [1, NR])  # a masked 1-column tile and a full one
 @pytest.mark.parametrize("act", ACTS, ids=_act_id)
 def test_activation_wide_range(act, width):
     name, alpha, beta = act
@@ -290,14 +287,15 @@ def test_activation_wide_range(act, width):
 @pytest.mark.parametrize("act", ACTS, ids=_act_id)
 def test_nan_propagates(act):
     """A NaN sum stays NaN through every activation (as in torch): row 3's NaN reaches all of
-    its 20 outputs (NaN * 0 is NaN), over a full 16-column tile and a masked one."""
+    its NR + 5 outputs (NaN * 0 is NaN), over a full panel and a masked one."""
     name, alpha, beta = act
-    x = torch.zeros(7, 20)
+    n = NR + 5
+    x = torch.zeros(7, n)
     x[3, 5] = float("nan")
-    w = torch.eye(20)
+    w = torch.eye(n)
     got = native.gemm(x, native.PackedWeight(w), activation=name, alpha=alpha, beta=beta)
     assert bool(got[3].isnan().all())
-    assert int(got.isnan().sum()) == 20  # and no other row
+    assert int(got.isnan().sum()) == n  # and no other row
 
 
 # ---------------------------------------------------------------- bad input
@@ -376,7 +374,7 @@ def test_kiln_tactic_fused_matmul(kiln_tactic, threads, act, res):
 @pytest.mark.parametrize("res", ["none", "row", "full"])
 def test_kiln_tactic_fused_gemm(kiln_tactic, trans_b, res):
     g = torch.Generator().manual_seed(4)
-    m, k, n_out = 13, 385, 33
+    m, k, n_out = 13, KC + 1, 33
     a_in = torch.randn(m, k, generator=g)
     w = torch.randn(k, n_out, generator=g) / k ** 0.5
     c = torch.randn(n_out, generator=g)
