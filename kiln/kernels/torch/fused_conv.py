@@ -17,13 +17,14 @@ transposed *view* of the weight (cuBLAS reads either layout), never a transposed
 
 Float32 matrix products with a constant 2-D weight (FusedMatMul, FusedGemm, and plain Gemm
 through :func:`linear`) pick a *tactic* per input shape on their first run: plain ``F.linear``
-(MKL sgemm), MKL's packed GEMM (``torch.ops.mkl._mkl_linear``), or oneDNN's inner product on a
-weight reordered for it (``torch.ops.mkldnn._linear_pointwise``), that last one also with the
-activation or the residual add fused as a post-op. The candidates are timed against each other
+(MKL sgemm), MKL's packed GEMM (``torch.ops.mkl._mkl_linear``), oneDNN's inner product on a
+weight reordered for it (``torch.ops.mkldnn._linear_pointwise``), that one also with the
+activation or the residual add fused as a post-op, or kiln's own AVX2 GEMM (:mod:`kiln.native`)
+with the bias, residual and activation applied to each tile in registers. The candidates are timed against each other
 (interleaved, the fastest of several runs) and checked against ``F.linear``; the choice is kept
 per signature (input shape, weight shape, epilogue) for the whole process, so the twelve
 identical layers of a transformer time once, and the packed weight per node and input shape in
-the node's ``cache``. ``KILN_CPU_LINEAR=linear|mkl|onednn|onednn_fused`` pins one tactic.
+the node's ``cache``. ``KILN_CPU_LINEAR=linear|mkl|onednn|onednn_fused|kiln`` pins one tactic.
 """
 
 
