@@ -54,7 +54,7 @@ class Builder:
             validate_profile(p, [TensorInfo.of(v) for v in graph.inputs])
         before = graph.op_counts()
         if cfg.optimize:
-            graph = optimize(graph, log=self.log)
+            graph = optimize(graph, log=self.log, device=cfg.device)
         if cfg.fp16 or cfg.bf16:  # FP16 when both are allowed: more mantissa, same speed
             lower_precision(graph, "fp16" if cfg.fp16 else "bf16", log=self.log,
                             io=cfg.low_precision_io)

@@ -50,6 +50,8 @@ def _load():
     lib.kiln_sgemm_pack.restype = None
     lib.kiln_sgemm_packed_size.argtypes = [_L, _L]
     lib.kiln_sgemm_packed_size.restype = _L
+    lib.kiln_layernorm.argtypes = [_L, _L, _P, _L, _P, _P, _F, _I]
+    lib.kiln_layernorm.restype = None
     return lib, ""
 
 
@@ -106,6 +108,25 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
                     None if bias is None else bias.data_ptr(), rp, rs, out.data_ptr(),
                     out.stride(0), ACTIVATIONS[activation], lo, hi, torch.get_num_threads())
     return out
+
+
+def layer_norm_(y: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                eps: float) -> torch.Tensor:
+    """LayerNormalization of a contiguous float32 ``y`` over its last dim, in place:
+    ``(y - mean) / sqrt(var + eps) * scale + bias`` per row (the mean and the biased variance in
+    float32, two passes), rows split over ``torch.get_num_threads()`` threads. ``scale`` and
+    ``bias`` are contiguous float32 vectors as long as the last dim. Returns ``y``."""
+    n = y.shape[-1]
+    if (not y.is_contiguous() or y.dtype != torch.float32 or y.dim() < 1 or n < 1
+            or scale.shape != (n,) or not scale.is_contiguous() or scale.dtype != torch.float32
+            or (bias is not None and (bias.shape != (n,) or not bias.is_contiguous()
+                                      or bias.dtype != torch.float32))):
+        raise ValueError(f"layer_norm_: y {tuple(y.shape)} {y.dtype} (contiguous: "
+                         f"{y.is_contiguous()}) with scale {tuple(scale.shape)}: expected a "
+                         f"contiguous float32 y and float32 vectors of its last dim")
+    _lib.kiln_layernorm(y.numel() // n, n, y.data_ptr(), n, scale.data_ptr(),
+                        None if bias is None else bias.data_ptr(), eps, torch.get_num_threads())
+    return y
 
 
 available = _lib is not None

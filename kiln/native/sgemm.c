@@ -11,6 +11,7 @@
  * whether this CPU has them, and callers must not call anything else when it says no. */
 #include <immintrin.h>
 #include <stddef.h>
+#include <math.h>
 #include <string.h>
 #include <omp.h>
 
@@ -75,6 +76,14 @@ void kiln_sgemm_pack(long K, long N, const float *B, long sk, long sn, float *ou
             }
         }
     }
+}
+
+TGT static inline float hsum256(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
 }
 
 /* Activations, applied to the tile in registers (codes as in kiln/native/__init__.py). */
@@ -327,5 +336,49 @@ void kiln_sgemm(long M, long N, long K, const float *A, long lda, const float *B
             if (a < b)
                 block(0, M, a, b, N, K, A, lda, Bp, bias, R, ldr, C, ldc, act, alpha, beta);
         }
+    }
+}
+
+/* Rows [m0, m1) of Y (row stride ldy, N columns) normalized in place: (y - mean) / sqrt(var + eps)
+ * * gamma + beta, the mean and the (biased) variance in float32 over each row, two passes. */
+TGT static void layernorm_rows(long m0, long m1, long N, float *Y, long ldy, const float *gamma,
+                               const float *beta, float eps)
+{
+    for (long i = m0; i < m1; i++) {
+        float *y = Y + i * ldy;
+        __m256 acc = _mm256_setzero_ps();
+        long j = 0;
+        for (; j + 8 <= N; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(y + j));
+        float sum = hsum256(acc);
+        for (; j < N; j++) sum += y[j];
+        float mean = sum / (float)N;
+        __m256 mv = _mm256_set1_ps(mean);
+        acc = _mm256_setzero_ps();
+        for (j = 0; j + 8 <= N; j += 8) {
+            __m256 d = _mm256_sub_ps(_mm256_loadu_ps(y + j), mv);
+            acc = _mm256_fmadd_ps(d, d, acc);
+        }
+        float sq = hsum256(acc);
+        for (; j < N; j++) sq += (y[j] - mean) * (y[j] - mean);
+        float inv = 1.0f / sqrtf(sq / (float)N + eps);
+        __m256 iv = _mm256_set1_ps(inv);
+        for (j = 0; j + 8 <= N; j += 8) {
+            __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(y + j), mv), iv);
+            d = _mm256_fmadd_ps(d, _mm256_loadu_ps(gamma + j), beta ? _mm256_loadu_ps(beta + j)
+                                                                    : _mm256_setzero_ps());
+            _mm256_storeu_ps(y + j, d);
+        }
+        for (; j < N; j++) y[j] = (y[j] - mean) * inv * gamma[j] + (beta ? beta[j] : 0.0f);
+    }
+}
+
+void kiln_layernorm(long M, long N, float *Y, long ldy, const float *gamma, const float *beta,
+                    float eps, int nthreads)
+{
+    if (nthreads < 2 || M < 2) { layernorm_rows(0, M, N, Y, ldy, gamma, beta, eps); return; }
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        layernorm_rows(M * t / nt, M * (t + 1) / nt, N, Y, ldy, gamma, beta, eps);
     }
 }

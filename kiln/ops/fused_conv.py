@@ -47,3 +47,9 @@ FusedGemm = kiln_op(
 FusedMatMul = kiln_op(
     "FusedMatMul", dict(_EPILOGUE), _matmul_rule,
     doc="act(X @ W + bias + R) for N-D X and 2-D constant W; bias (optional) on the last dim")
+
+
+FusedMatMulLayerNorm = kiln_op(
+    "FusedMatMulLayerNorm", {**_EPILOGUE, "epsilon": Attr("float", 1e-5)}, _matmul_rule,
+    doc="LayerNormalization over the last dim of act(X @ W + bias + R); inputs X, W, B "
+        "(optional), R (optional), Scale, LnBias (optional); CPU builds only")

@@ -13,7 +13,7 @@ from kiln.passes.verifier import verify
 Pass = Callable[[Graph, Callable[[str], None]], int]  # (graph, log) -> rewrites made
 
 
-def _passes() -> list[tuple[str, Pass]]:
+def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     # The one ordered list. Each module exposes PASSES: list of (name, fn) in its order.
     from kiln.passes import eliminate, fold
     from kiln.passes.fusion import (
@@ -24,22 +24,27 @@ def _passes() -> list[tuple[str, Pass]]:
         layernorm,
         layout,
         matmul_add,
+        matmul_norm,
         pointwise,
         qkv,
         rmsnorm,
     )
 
+    # matmul_norm only where its kernel is worth having: on the CPU it saves a PyTorch call per
+    # block; the CUDA backend tunes FusedMatMul's Triton kernels and its own norm kernels instead
+    cpu_only = [matmul_norm] if device == "cpu" else []
     order = [fold, eliminate, conv_bn, layernorm, rmsnorm, gelu, attention, qkv, matmul_add,
-             conv_bias_act, pointwise, layout, eliminate]
+             conv_bias_act, *cpu_only, pointwise, layout, eliminate]
     return [p for m in order for p in getattr(m, "PASSES", [])]
 
 
 def optimize(graph: Graph, log: Callable[[str], None] = lambda m: None,
-             check: bool = True, only: set[str] | None = None) -> Graph:
-    """Run the pipeline (or the passes named in ``only``) over ``graph`` in place."""
+             check: bool = True, only: set[str] | None = None, device: str = "cpu") -> Graph:
+    """Run the pipeline (or the passes named in ``only``) for ``device`` over ``graph`` in
+    place."""
     if check:
         verify(graph)
-    for name, fn in _passes():
+    for name, fn in _passes(device):
         if only is not None and name not in only:
             continue
         n = fn(graph, log)

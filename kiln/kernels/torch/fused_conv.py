@@ -20,11 +20,11 @@ through :func:`linear`) pick a *tactic* per input shape on their first run: plai
 (MKL sgemm), MKL's packed GEMM (``torch.ops.mkl._mkl_linear``), oneDNN's inner product on a
 weight reordered for it (``torch.ops.mkldnn._linear_pointwise``), that one also with the
 activation or the residual add fused as a post-op, or kiln's own AVX2 GEMM (:mod:`kiln.native`)
-with the bias, residual and activation applied to each tile in registers. The candidates are timed against each other
-(interleaved, the fastest of several runs) and checked against ``F.linear``; the choice is kept
-per signature (input shape, weight shape, epilogue) for the whole process, so the twelve
-identical layers of a transformer time once, and the packed weight per node and input shape in
-the node's ``cache``. ``KILN_CPU_LINEAR=linear|mkl|onednn|onednn_fused|kiln`` pins one tactic.
+with the bias, residual and activation applied to each tile in registers. The candidates are
+timed against each other (interleaved, the fastest of several runs) and checked against
+``F.linear``; the choice is kept per signature (input shape, weight shape, epilogue) for the
+whole process, so the twelve identical layers of a transformer time once, and the packed weight
+per node and input shape in the node's ``cache``. ``KILN_CPU_LINEAR=linear|mkl|onednn|onednn_fused|kiln`` pins one tactic.
 """
 
 
@@ -393,6 +393,25 @@ def _plan(x, wt, b, a, r):
             fn = _build(name, x, wt, b, a, r)
     fn.tactic = name
     return y, fn
+
+
+def _native_ln_ok(y, scale, bias) -> bool:
+    f32 = torch.float32
+    return (native.available and y.device.type == "cpu" and y.dtype == f32 and y.is_contiguous()
+            and scale.dtype == f32 and scale.is_contiguous() and scale.shape == y.shape[-1:]
+            and (bias is None or (bias.dtype == f32 and bias.is_contiguous()
+                                  and bias.shape == scale.shape)))
+
+
+@register(FC.FusedMatMulLayerNorm)
+def fused_matmul_layernorm(n, x, w, b=None, r=None, scale=None, ln_bias=None):
+    """LayerNorm(FusedMatMul(x, w, b, r)) over the last dim: the product by its tactic, then the
+    norm in place on that fresh output (kiln's C library on the CPU, F.layer_norm elsewhere)."""
+    y = fused_matmul(n, x, w, b, r)
+    eps = n.a.epsilon
+    if _native_ln_ok(y, scale, ln_bias):
+        return native.layer_norm_(y, scale, ln_bias, eps)
+    return F.layer_norm(y, y.shape[-1:], scale, ln_bias, eps)
 
 
 @register(FC.FusedMatMul)
