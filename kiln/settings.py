@@ -1,7 +1,8 @@
 """Process-wide settings read from ``KILN_*`` environment variables, in this one place.
 
 - ``KILN_CPU_LINEAR``: force one CPU GEMM tactic (``linear``, ``mkl``, ``onednn``,
-  ``onednn_fused``) instead of timing them at the first run; for repeatable A/B measurements.
+  ``onednn_fused``, ``kiln``) instead of timing them at the first run; for repeatable A/B
+  measurements.
 - ``KILN_CUDNN_BENCHMARK``: ``1`` turns cuDNN's per-shape autotuning on for CUDA engines. Off by
   default: the builder times convolutions with cuDNN's heuristic algorithm choice (what an engine
   then runs), and autotuning at the first run of each shape costs about a second on ResNet-50
