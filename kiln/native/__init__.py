@@ -99,11 +99,7 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
     if out is None:
         out = torch.empty((m, w.n), dtype=torch.float32)
     rp, rs = (None, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
-    if activation == "LeakyRelu":
-        lo, hi = (0.01 if alpha is None else alpha), 0.0  # ONNX's default slope
-    else:
-        lo = float("-inf") if alpha is None else alpha
-        hi = float("inf") if beta is None else beta
+    lo, hi = _epilogue_params(activation, alpha, beta)
     _lib.kiln_sgemm(m, w.n, k, x.data_ptr(), x.stride(0), w.data.data_ptr(),
                     None if bias is None else bias.data_ptr(), rp, rs, out.data_ptr(),
                     out.stride(0), ACTIVATIONS[activation], lo, hi, torch.get_num_threads())
@@ -127,6 +123,40 @@ def layer_norm_(y: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
     _lib.kiln_layernorm(y.numel() // n, n, y.data_ptr(), n, scale.data_ptr(),
                         None if bias is None else bias.data_ptr(), eps, torch.get_num_threads())
     return y
+
+
+def gemm_fn(w: PackedWeight, bias: torch.Tensor | None = None, activation: str = "",
+            alpha: float | None = None, beta: float | None = None):
+    """:func:`gemm` with its weight, bias and epilogue bound once: a function
+    ``(x, residual, out) -> out`` for the per-run path of a kernel, which checks only what can
+    change between runs (x's and the residual's shapes and row strides). ``bias`` (kept alive by
+    the function) must be a contiguous float32 [N]."""
+    if bias is not None and (bias.shape != (w.n,) or not bias.is_contiguous()
+                             or bias.dtype != torch.float32):
+        raise ValueError(f"gemm_fn: bias {tuple(bias.shape)} {bias.dtype}: expected a "
+                         f"contiguous float32 [{w.n}]")
+    lo, hi = _epilogue_params(activation, alpha, beta)
+    code, call, k, n = ACTIVATIONS[activation], _lib.kiln_sgemm, w.k, w.n
+    wp, bp = w.data.data_ptr(), None if bias is None else bias.data_ptr()
+
+    def run(x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if x.shape[1] != k or x.stride(1) != 1 or out.shape != (m, n) or out.stride(1) != 1 or (
+                residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1)):
+            raise ValueError(f"gemm_fn: x {tuple(x.shape)}, out {tuple(out.shape)} do not fit "
+                             f"a [{k}, {n}] weight with contiguous rows")
+        rp, rs = (None, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
+        call(m, n, k, x.data_ptr(), x.stride(0), wp, bp, rp, rs, out.data_ptr(), out.stride(0),
+             code, lo, hi, torch.get_num_threads())
+        return out
+    run.keep = (w, bias)  # the packed weight and the bias stay alive with the function
+    return run
+
+
+def _epilogue_params(activation: str, alpha, beta) -> tuple[float, float]:
+    if activation == "LeakyRelu":
+        return (0.01 if alpha is None else alpha), 0.0  # ONNX's default slope
+    return (float("-inf") if alpha is None else alpha), (float("inf") if beta is None else beta)
 
 
 available = _lib is not None

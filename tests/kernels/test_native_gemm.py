@@ -401,3 +401,21 @@ def test_kiln_tactic_noncontiguous_input(kiln_tactic):
     for _ in range(2):
         _close(FCK.fused_matmul(n, x, w, b, r), want)
     assert list(n.cache["lin_tactics"].values()) == ["kiln"]
+
+
+@needs_native
+def test_gemm_fn_binds_the_epilogue_and_checks_each_run():
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(10, 7, generator=g), torch.randn(7, generator=g)
+    x, r = torch.randn(5, 10, generator=g), torch.randn(5, 7, generator=g)
+    run = native.gemm_fn(native.PackedWeight(w), b, "Relu")
+    out = torch.empty(5, 7)
+    assert run(x, r, out) is out
+    want = (x.double() @ w.double() + b.double() + r.double()).relu()
+    assert float((out.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    with pytest.raises(ValueError, match=r"x \(5, 9\)"):
+        run(torch.randn(5, 9), None, out)
+    with pytest.raises(ValueError, match=r"out \(5, 6\)"):
+        run(x, None, torch.empty(5, 6))
+    with pytest.raises(ValueError, match=r"bias \(6,\)"):
+        native.gemm_fn(native.PackedWeight(w), torch.randn(6))

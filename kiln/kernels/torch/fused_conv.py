@@ -275,9 +275,10 @@ def _kiln_gemm(x, wt, b, a, r, m, k, out_shape):
     bias, the residual and the activation applied to the tile in registers."""
     if not native.available or k < 1 or (b is not None and not b.is_contiguous()):
         return None
-    pw = native.PackedWeight(wt.t())
     fuse_r = r is not None and tuple(r.shape) == out_shape  # else added after, then act
     act = a.activation if r is None or fuse_r else ""
+    run = native.gemm_fn(native.PackedWeight(wt.t()), b, act, a.alpha, a.beta)
+    n_out = wt.shape[0]
 
     def kiln(x, r):
         x2 = x.reshape(m, k)
@@ -285,10 +286,10 @@ def _kiln_gemm(x, wt, b, a, r, m, k, out_shape):
             x2 = x2.contiguous()
         rr = None
         if fuse_r:
-            rr = r.reshape(m, -1)
+            rr = r.reshape(m, n_out)
             if rr.stride(1) != 1:
                 rr = rr.contiguous()
-        y = native.gemm(x2, pw, b, rr, act, a.alpha, a.beta).view(out_shape)
+        y = run(x2, rr, torch.empty((m, n_out), dtype=torch.float32)).view(out_shape)
         return y if r is None or fuse_r else epilogue(y, a, r)  # else r, then act, in torch
     return kiln
 
