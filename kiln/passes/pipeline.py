@@ -25,6 +25,7 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
         layout,
         matmul_add,
         matmul_norm,
+        packed_qkv,
         pointwise,
         qkv,
         rmsnorm,
@@ -32,7 +33,7 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
 
     # matmul_norm only where its kernel is worth having: on the CPU it saves a PyTorch call per
     # block; the CUDA backend tunes FusedMatMul's Triton kernels and its own norm kernels instead
-    cpu_only = [matmul_norm] if device == "cpu" else []
+    cpu_only = [matmul_norm, packed_qkv] if device == "cpu" else []
     order = [fold, eliminate, conv_bn, layernorm, rmsnorm, gelu, attention, qkv, matmul_add,
              conv_bias_act, *cpu_only, pointwise, layout, eliminate]
     return [p for m in order for p in getattr(m, "PASSES", [])]

@@ -25,8 +25,10 @@ def _causal_mask(sq: int, sk: int, like: torch.Tensor) -> torch.Tensor:
 
 
 @register(FT.Attention)
-def attention(n, q, k, v, mask=None):
+def attention(n, q, k=None, v=None, mask=None):
     a = n.a
+    if a.qkv_split:  # one merged projection's output: q, k and v as views of it
+        q, k, v = q.split(list(a.qkv_split), dim=-1)
     if a.num_heads:
         q, k, v = _heads(q, a.num_heads), _heads(k, a.num_heads), _heads(v, a.num_heads)
     else:
