@@ -69,7 +69,7 @@ TILE = _tile(_lib)  # (rows, columns of the register tile, K block); None withou
 
 class PackedWeight:
     """A [K, N] float32 weight packed into the kernel's 16-column panels (its own memory, the
-    size of the weight rounded up to 16 columns)."""
+    size of the weight rounded up to whole panels of ``TILE[1]`` columns)."""
 
     def __init__(self, w: torch.Tensor):
         if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
@@ -92,18 +92,20 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
     ``torch.get_num_threads()`` threads. ``activation`` is a key of :data:`ACTIVATIONS`;
     ``alpha``/``beta`` are Clip's bounds (None: unbounded) or LeakyRelu's slope (``alpha``,
     default 0.01). NaN propagates through every activation."""
-    m, k = x.shape
-    if k != w.k or k < 1 or x.stride(1) != 1:
-        raise ValueError(f"gemm: x {tuple(x.shape)} (strides {x.stride()}) does not fit a "
-                         f"[{w.k}, {w.n}] weight with contiguous rows")
     if out is None:
-        out = torch.empty((m, w.n), dtype=torch.float32)
-    rp, rs = (None, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
-    lo, hi = _epilogue_params(activation, alpha, beta)
-    _lib.kiln_sgemm(m, w.n, k, x.data_ptr(), x.stride(0), w.data.data_ptr(),
-                    None if bias is None else bias.data_ptr(), rp, rs, out.data_ptr(),
-                    out.stride(0), ACTIVATIONS[activation], lo, hi, torch.get_num_threads())
-    return out
+        out = torch.empty((x.shape[0], w.n), dtype=torch.float32)
+    return gemm_fn(w, bias, activation, alpha, beta)(x, residual, out)
+
+
+def layer_norm_fits(y: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether :func:`layer_norm_` takes these tensors."""
+    f32 = torch.float32
+
+    def vector(t) -> bool:
+        return t.shape == y.shape[-1:] and t.is_contiguous() and t.dtype == f32
+
+    return (y.dim() >= 1 and y.shape[-1] >= 1 and y.device.type == "cpu" and y.dtype == f32
+            and y.is_contiguous() and vector(scale) and (bias is None or vector(bias)))
 
 
 def layer_norm_(y: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -112,14 +114,11 @@ def layer_norm_(y: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
     ``(y - mean) / sqrt(var + eps) * scale + bias`` per row (the mean and the biased variance in
     float32, two passes), rows split over ``torch.get_num_threads()`` threads. ``scale`` and
     ``bias`` are contiguous float32 vectors as long as the last dim. Returns ``y``."""
-    n = y.shape[-1]
-    if (not y.is_contiguous() or y.dtype != torch.float32 or y.dim() < 1 or n < 1
-            or scale.shape != (n,) or not scale.is_contiguous() or scale.dtype != torch.float32
-            or (bias is not None and (bias.shape != (n,) or not bias.is_contiguous()
-                                      or bias.dtype != torch.float32))):
-        raise ValueError(f"layer_norm_: y {tuple(y.shape)} {y.dtype} (contiguous: "
+    if not layer_norm_fits(y, scale, bias):
+        raise ValueError(f"layer_norm_: y {tuple(y.shape)} {y.dtype} on {y.device} (contiguous: "
                          f"{y.is_contiguous()}) with scale {tuple(scale.shape)}: expected a "
-                         f"contiguous float32 y and float32 vectors of its last dim")
+                         f"contiguous float32 CPU y and float32 vectors of its last dim")
+    n = y.shape[-1]
     _lib.kiln_layernorm(y.numel() // n, n, y.data_ptr(), n, scale.data_ptr(),
                         None if bias is None else bias.data_ptr(), eps, torch.get_num_threads())
     return y
@@ -133,7 +132,7 @@ def gemm_fn(w: PackedWeight, bias: torch.Tensor | None = None, activation: str =
     the function) must be a contiguous float32 [N]."""
     if bias is not None and (bias.shape != (w.n,) or not bias.is_contiguous()
                              or bias.dtype != torch.float32):
-        raise ValueError(f"gemm_fn: bias {tuple(bias.shape)} {bias.dtype}: expected a "
+        raise ValueError(f"gemm: bias {tuple(bias.shape)} {bias.dtype}: expected a "
                          f"contiguous float32 [{w.n}]")
     lo, hi = _epilogue_params(activation, alpha, beta)
     code, call, k, n = ACTIVATIONS[activation], _lib.kiln_sgemm, w.k, w.n
@@ -141,10 +140,12 @@ def gemm_fn(w: PackedWeight, bias: torch.Tensor | None = None, activation: str =
 
     def run(x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if x.shape[1] != k or x.stride(1) != 1 or out.shape != (m, n) or out.stride(1) != 1 or (
-                residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1)):
-            raise ValueError(f"gemm_fn: x {tuple(x.shape)}, out {tuple(out.shape)} do not fit "
-                             f"a [{k}, {n}] weight with contiguous rows")
+        if x.dim() != 2 or x.shape[1] != k or k < 1 or x.stride(1) != 1 or out.shape != (m, n) \
+                or out.stride(1) != 1 or (residual is not None and (
+                    residual.shape != (m, n) or residual.stride(1) != 1)):
+            raise ValueError(f"gemm: x {tuple(x.shape)} (strides {x.stride()}), out "
+                             f"{tuple(out.shape)} do not fit a [{k}, {n}] weight with "
+                             f"contiguous rows")
         rp, rs = (None, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
         call(m, n, k, x.data_ptr(), x.stride(0), wp, bp, rp, rs, out.data_ptr(), out.stride(0),
              code, lo, hi, torch.get_num_threads())

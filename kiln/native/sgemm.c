@@ -1,10 +1,10 @@
 /* kiln's CPU single-precision GEMM for inference: C = act(A @ B + bias + R).
  *
- * B is a constant (a layer's weight), packed once into 16-column panels; A is read in place.
- * The 6x16 register tile (12 ymm accumulators, one broadcast register, two B registers) is the
- * layout of BLIS's Haswell kernel and of onnxruntime's MLAS: on AVX2 + FMA it keeps both FMA
- * pipes busy with a load to FMA ratio of 8:12. K is blocked so a B panel block stays in L1
- * while a block of A rows stays in L2. Threads (OpenMP; loaded after torch, this library shares
+ * B is a constant (a layer's weight), packed once into 24-column panels; A is read in place.
+ * The 4 x 24 register tile (12 ymm accumulators, three B registers, one broadcast register)
+ * keeps both FMA pipes busy on AVX2 + FMA with a load to FMA ratio of 7:12, and a batch of
+ * 128 rows is whole tiles. K is blocked so a panel's k block stays near the core while a block
+ * of A rows stays in L2. Threads (OpenMP; loaded after torch, this library shares
  * torch's libgomp and so its thread pool) split the panels, or the rows where panels are few.
  *
  * The code is compiled for AVX2 + FMA by function attribute; kiln_sgemm_supported() says
@@ -15,22 +15,14 @@
 #include <string.h>
 #include <omp.h>
 
-#ifdef TILE_6X16
-#define MR 6 /* rows of the register tile */
-#define NV 2 /* 8-float vectors across it */
-#else
-#define MR 4
-#define NV 3
-#endif
+#define MR 4 /* rows of the register tile */
+#define NV 3 /* 8-float vectors across it */
 #define NR (8 * NV) /* columns of the tile and of a packed panel */
 #ifndef KC
 #define KC 768
 #endif
 #ifndef PF
 #define PF 8 /* B rows prefetched ahead */
-#endif
-#ifndef A_IN_L2
-#define A_IN_L2 (400L * 1024) /* bytes of A rows that stay in a core's L2 */
 #endif
 #ifndef MC
 #define MC 192
@@ -188,7 +180,6 @@ TGT static void tile(long kc, const float *A, long lda, const float *Bp, float *
                   _mm_prefetch((const char *)(pr + NR - 1), _MM_HINT_T0); }
     }
     __m256 acc[MR][NV];
-#if MR == 4 && NV == 3
     const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3];
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00,
            c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
@@ -210,33 +201,6 @@ TGT static void tile(long kc, const float *A, long lda, const float *Bp, float *
     acc[0][0] = c00; acc[0][1] = c01; acc[0][2] = c02; acc[1][0] = c10; acc[1][1] = c11;
     acc[1][2] = c12; acc[2][0] = c20; acc[2][1] = c21; acc[2][2] = c22; acc[3][0] = c30;
     acc[3][1] = c31; acc[3][2] = c32;
-#elif MR == 6 && NV == 2
-    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5];
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
-           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-#pragma GCC unroll 4
-    for (long k = 0; k < kc; k++) {
-        _mm_prefetch((const char *)(Bp + (k + PF) * NR), _MM_HINT_T0);
-        __m256 w0 = _mm256_load_ps(Bp + k * NR), w1 = _mm256_load_ps(Bp + k * NR + 8), x;
-        x = _mm256_broadcast_ss(a0 + k); c00 = _mm256_fmadd_ps(x, w0, c00);
-        c01 = _mm256_fmadd_ps(x, w1, c01);
-        x = _mm256_broadcast_ss(a1 + k); c10 = _mm256_fmadd_ps(x, w0, c10);
-        c11 = _mm256_fmadd_ps(x, w1, c11);
-        x = _mm256_broadcast_ss(a2 + k); c20 = _mm256_fmadd_ps(x, w0, c20);
-        c21 = _mm256_fmadd_ps(x, w1, c21);
-        x = _mm256_broadcast_ss(a3 + k); c30 = _mm256_fmadd_ps(x, w0, c30);
-        c31 = _mm256_fmadd_ps(x, w1, c31);
-        x = _mm256_broadcast_ss(a4 + k); c40 = _mm256_fmadd_ps(x, w0, c40);
-        c41 = _mm256_fmadd_ps(x, w1, c41);
-        x = _mm256_broadcast_ss(a5 + k); c50 = _mm256_fmadd_ps(x, w0, c50);
-        c51 = _mm256_fmadd_ps(x, w1, c51);
-    }
-    acc[0][0] = c00; acc[0][1] = c01; acc[1][0] = c10; acc[1][1] = c11; acc[2][0] = c20;
-    acc[2][1] = c21; acc[3][0] = c30; acc[3][1] = c31; acc[4][0] = c40; acc[4][1] = c41;
-    acc[5][0] = c50; acc[5][1] = c51;
-#else
-#error "tile: no k loop for this MR x NV"
-#endif
     int full = nr == NR;
     const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256i m[NV];
@@ -267,43 +231,34 @@ TGT static void tile(long kc, const float *A, long lda, const float *Bp, float *
 #undef LD
 }
 
-/* Rows [m0, m1) and panels [p0, p1) of the product. Where these rows of A fit in L2 (small
- * batches), each panel runs all its k blocks before the next panel, so its C tiles are finished
- * while they are in L1 (16 columns of C) and A is read from L2 throughout; else the k blocks are
- * outermost and a block of MC rows of A stays in L2 for all the panels. */
+/* Rows [m0, m1) and panels [p0, p1) of the product: k blocks outermost, then blocks of MC rows
+ * of A (which stay in L2 while every panel passes over them), then the panels, then the row
+ * tiles (which reuse the panel's k block from L1/L2). */
 TGT static void block(long m0, long m1, long p0, long p1, long N, long K, const float *A,
                       long lda, const float *Bp, const float *bias, const float *R, long ldr,
                       float *C, long ldc, int act, float alpha, float beta)
 {
     long panels = (N + NR - 1) / NR;
-#define PANEL(k0, kc, i0, i1, p)                                                                \
-    do {                                                                                      \
-        long n0 = (p) * NR;                                                                   \
-        int nr = N - n0 < NR ? (int)(N - n0) : NR, first = (k0) == 0, last = (k0) + (kc) == K;\
-        const float *bp = Bp + (k0) * panels * NR + (p) * (kc) * NR;                          \
-        const float *bb = bias ? bias + n0 : NULL;                                            \
-        for (long i = (i0); i < (i1); i += MR) {                                              \
-            int mr = (i1) - i < MR ? (int)((i1) - i) : MR;                                    \
-            tile((kc), A + i * lda + (k0), lda, bp, C + i * ldc + n0, ldc, mr, nr, first,     \
-                 last, bb, R ? R + i * ldr + n0 : NULL, ldr, act, alpha, beta);               \
-        }                                                                                     \
-    } while (0)
-    if ((m1 - m0) * K * (long)sizeof(float) <= A_IN_L2) {
-        for (long p = p0; p < p1; p++)
-            for (long k0 = 0; k0 < K; k0 += KC)
-                PANEL(k0, K - k0 < KC ? K - k0 : KC, m0, m1, p);
-        return;
-    }
     for (long k0 = 0; k0 < K; k0 += KC) {
         long kc = K - k0 < KC ? K - k0 : KC;
+        int first = k0 == 0, last = k0 + kc == K;
         for (long i0 = m0; i0 < m1; i0 += MC) {
             long i1 = i0 + MC < m1 ? i0 + MC : m1;
-            for (long p = p0; p < p1; p++)
-                PANEL(k0, kc, i0, i1, p);
+            for (long p = p0; p < p1; p++) {
+                long n0 = p * NR;
+                int nr = N - n0 < NR ? (int)(N - n0) : NR;
+                const float *bp = Bp + k0 * panels * NR + p * kc * NR;
+                const float *bb = bias ? bias + n0 : NULL;
+                for (long i = i0; i < i1; i += MR) {
+                    int mr = i1 - i < MR ? (int)(i1 - i) : MR;
+                    tile(kc, A + i * lda + k0, lda, bp, C + i * ldc + n0, ldc, mr, nr, first,
+                         last, bb, R ? R + i * ldr + n0 : NULL, ldr, act, alpha, beta);
+                }
+            }
         }
     }
-#undef PANEL
 }
+
 
 /* C[M, N] (row stride ldc) = act(A[M, K] (row stride lda) @ B + bias[N] + R[M, N] (row stride
  * ldr)), B packed by kiln_sgemm_pack, K >= 1; bias and R may be NULL; act: an ACT_ code, alpha and beta

@@ -1,7 +1,20 @@
 import os
 
+import pytest
 import torch
 
 # Triton reads this when its kernels are decorated: set it before any test imports them. With
 # a GPU the same small-shape tests run compiled on CUDA; without one, under the interpreter.
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """The CPU linear's clean process-wide choice table, the tactics on, nothing pinned (a test
+    pins one by setting ``_FORCED`` on the returned monkeypatch)."""
+    from kiln.kernels.torch import fused_conv as FCK
+
+    monkeypatch.setattr(FCK, "_choices", {})
+    monkeypatch.setattr(FCK, "PACKED_LINEAR", True)
+    monkeypatch.setattr(FCK, "_FORCED", "")
+    return monkeypatch

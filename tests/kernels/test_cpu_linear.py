@@ -41,15 +41,6 @@ def _reference(x, w, b, act, r, alpha=0.0, beta=0.0):
             "Clip": lambda y: y.clamp(alpha, beta), "Sigmoid": torch.sigmoid}[act](y)
 
 
-@pytest.fixture
-def fresh(monkeypatch):
-    """A clean process-wide choice table, the tactics on, nothing pinned."""
-    monkeypatch.setattr(FCK, "_choices", {})
-    monkeypatch.setattr(FCK, "PACKED_LINEAR", True)
-    monkeypatch.setattr(FCK, "_FORCED", "")
-    return monkeypatch
-
-
 CASES = [  # x shape (its last dim K), K, N, activation, residual, bias
     ((1, 16, 32), 32, 48, "", False, True),
     ((2, 16, 32), 32, 32, "", True, True),

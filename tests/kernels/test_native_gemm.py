@@ -326,12 +326,10 @@ def _call(op, **attrs):
 
 
 @pytest.fixture
-def kiln_tactic(monkeypatch):
-    """A clean choice table, the tactics on, "kiln" pinned (as KILN_CPU_LINEAR=kiln does)."""
-    monkeypatch.setattr(FCK, "_choices", {})
-    monkeypatch.setattr(FCK, "PACKED_LINEAR", True)
-    monkeypatch.setattr(FCK, "_FORCED", "kiln")
-    return monkeypatch
+def kiln_tactic(fresh):
+    """``fresh`` (conftest) with "kiln" pinned, as KILN_CPU_LINEAR=kiln does."""
+    fresh.setattr(FCK, "_FORCED", "kiln")
+    return fresh
 
 
 def _fused_attrs(act):

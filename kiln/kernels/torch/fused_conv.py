@@ -398,21 +398,13 @@ def _plan(x, wt, b, a, r):
     return y, fn
 
 
-def _native_ln_ok(y, scale, bias) -> bool:
-    f32 = torch.float32
-    return (native.available and y.device.type == "cpu" and y.dtype == f32 and y.is_contiguous()
-            and scale.dtype == f32 and scale.is_contiguous() and scale.shape == y.shape[-1:]
-            and (bias is None or (bias.dtype == f32 and bias.is_contiguous()
-                                  and bias.shape == scale.shape)))
-
-
 @register(FC.FusedMatMulLayerNorm)
 def fused_matmul_layernorm(n, x, w, b=None, r=None, scale=None, ln_bias=None):
     """LayerNorm(FusedMatMul(x, w, b, r)) over the last dim: the product by its tactic, then the
     norm in place on that fresh output (kiln's C library on the CPU, F.layer_norm elsewhere)."""
     y = fused_matmul(n, x, w, b, r)
     eps = n.a.epsilon
-    if _native_ln_ok(y, scale, ln_bias):
+    if native.available and native.layer_norm_fits(y, scale, ln_bias):
         return native.layer_norm_(y, scale, ln_bias, eps)
     return F.layer_norm(y, y.shape[-1:], scale, ln_bias, eps)
 
