@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 import kiln.kernels.torch  # noqa: F401  (registers the CPU kernels)
+from kiln.engine import chains
 from kiln.errors import KernelError, KilnError
 from kiln.ir import Graph, Node
 from kiln.kernels.registry import Call, kernels_for
@@ -75,8 +76,16 @@ class Executor:
         self.steps = [self._step(n, slot_of) for n in graph.nodes]
         self.output_slots = [slot_of(v) for v in graph.outputs]
         self.n_slots = len(slot)
-        self._plan_frees()
         self.const_slots = {s for s, _ in self.consts}
+        _plan_frees(self.steps, self.output_slots, self.const_slots)
+        # what run() walks: on the CPU, runs of steps kiln's C library can take become native
+        # chains (kiln.engine.chains); timed (profiling) runs walk the steps one by one
+        self.run_steps = self.steps
+        if backend == "cpu" and self.device is None and chains.enabled():
+            self.run_steps = chains.chain_steps(self.steps, self.output_slots,
+                                                self.const_slots, dict(self.consts))
+            if len(self.run_steps) != len(self.steps):
+                _plan_frees(self.run_steps, self.output_slots, self.const_slots)
         self._device_consts: dict[int, torch.Tensor] = {}  # host constants a kernel needed up
         if consts_from is not None:
             if consts_from.graph is not graph or consts_from.n_slots != self.n_slots:
@@ -105,20 +114,6 @@ class Executor:
         outs = tuple(slot_of(v) for v in node.outputs)
         return Step(kernel.fn, call, ins, outs, (), node)
 
-    def _plan_frees(self) -> None:
-        keep = set(self.output_slots) | {s for s, _ in self.consts}
-        last: dict[int, int] = {}
-        for i, st in enumerate(self.steps):
-            for s in st.ins + st.outs:
-                if s >= 0:
-                    last[s] = i
-        frees: dict[int, list[int]] = {}
-        for s, i in last.items():
-            if s not in keep:
-                frees.setdefault(i, []).append(s)
-        for i, st in enumerate(self.steps):
-            st.free = tuple(frees.get(i, ()))
-
     def run(self, args: list, timer=None, keep: list | None = None) -> list:
         """Run once. ``timer(step_index, seconds)``, when given, receives every step's time
         (a profiling run: slower, as each step is synchronised). ``keep`` (CUDA-graph capture)
@@ -127,7 +122,7 @@ class Executor:
             return self._run_timed(args, timer)
         env = self._env(args)
         with torch.inference_mode():
-            for st in self.steps:
+            for st in self.run_steps:
                 _store(st, env, self._call(st, env, keep))
                 for s in st.free:
                     env[s] = None
@@ -195,6 +190,23 @@ class Executor:
                 timer(k, time.perf_counter() - t0)
                 _store(st, env, out)
         return [env[s] for s in self.output_slots]
+
+
+def _plan_frees(steps: list, output_slots: list, const_slots: set) -> None:
+    """Each step's ``free``: the slots whose last reader or writer it is (not outputs or
+    constants)."""
+    keep = set(output_slots) | const_slots
+    last: dict[int, int] = {}
+    for i, st in enumerate(steps):
+        for s in st.ins + st.outs:
+            if s >= 0:
+                last[s] = i
+    frees: dict[int, list[int]] = {}
+    for s, i in last.items():
+        if s not in keep:
+            frees.setdefault(i, []).append(s)
+    for i, st in enumerate(steps):
+        st.free = tuple(frees.get(i, ()))
 
 
 def _store(st: Step, env: list, out) -> None:

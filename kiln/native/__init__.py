@@ -52,6 +52,13 @@ def _load():
     lib.kiln_sgemm_packed_size.restype = _L
     lib.kiln_layernorm.argtypes = [_L, _L, _P, _L, _P, _P, _F, _I]
     lib.kiln_layernorm.restype = None
+    lib.kiln_layernorm_to.argtypes = [_L, _L, _P, _L, _P, _L, _P, _P, _F, _I]
+    lib.kiln_layernorm_to.restype = None
+    lib.kiln_attention.argtypes = ([_L] * 7 + [_P, _L, _L, _L] * 3 + [_P, _L, _L, _L, _L]
+                                   + [_L, _F, _P, _L, _L, _L, _I])
+    lib.kiln_attention.restype = _I
+    lib.kiln_chain_run.argtypes = [_P, _L, _P, _P, _I]
+    lib.kiln_chain_run.restype = _L
     return lib, ""
 
 
@@ -68,8 +75,8 @@ TILE = _tile(_lib)  # (rows, columns of the register tile, K block); None withou
 
 
 class PackedWeight:
-    """A [K, N] float32 weight packed into the kernel's 16-column panels (its own memory, the
-    size of the weight rounded up to whole panels of ``TILE[1]`` columns)."""
+    """A [K, N] float32 weight packed into the kernel's panels (its own memory, the size of
+    the weight rounded up to whole panels of ``TILE[1]`` columns)."""
 
     def __init__(self, w: torch.Tensor):
         if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
@@ -122,6 +129,66 @@ def layer_norm_(y: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
     _lib.kiln_layernorm(y.numel() // n, n, y.data_ptr(), n, scale.data_ptr(),
                         None if bias is None else bias.data_ptr(), eps, torch.get_num_threads())
     return y
+
+
+def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   bias: torch.Tensor | None, out: torch.Tensor) -> bool:
+    """Whether :func:`attention` takes these tensors: float32 CPU, 4-D (B, H, S, D) with the
+    last dim contiguous, key and value heads dividing the query heads, and a bias that
+    broadcasts to (B, H, Sq, Skv)."""
+    t4 = (q, k, v, out)
+    if any(t.dim() != 4 or t.dtype != torch.float32 or t.device.type != "cpu"
+           or t.stride(3) != 1 for t in t4) or min(q.shape) < 1 or min(k.shape) < 1:
+        return False
+    b, h, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    if (k.shape != (b, hkv, skv, d) or v.shape[:3] != (b, hkv, skv) or h % hkv
+            or out.shape != (b, h, sq, v.shape[3])):
+        return False
+    if bias is None:
+        return True
+    if bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.dim() > 4:
+        return False
+    try:
+        torch.broadcast_shapes(bias.shape, (b, h, sq, skv))
+    except RuntimeError:
+        return False
+    return torch.broadcast_shapes(bias.shape, (b, h, sq, skv)) == (b, h, sq, skv)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+              scale: float, causal: int, out: torch.Tensor) -> torch.Tensor:
+    """``out = softmax(scale q k^T + bias, causal) v`` per (batch, head) in float32, on
+    ``torch.get_num_threads()`` threads. ``q`` (B, H, Sq, D), ``k`` (B, Hkv, Skv, D), ``v``
+    (B, Hkv, Skv, Dv) and ``out`` (B, H, Sq, Dv) may be any strided views whose last dim is
+    contiguous (``out`` is typically a (B, Sq, H, Dv) buffer seen as (B, H, Sq, Dv)); query head
+    h reads key/value head h // (H / Hkv). ``bias`` broadcasts to (B, H, Sq, Skv) (additive,
+    -inf masks a key). ``causal`` >= 0: query i sees only keys j <= i + causal; -1: no causal
+    mask. A query row with no key allowed gets zeros (ONNX's rule)."""
+    if not attention_fits(q, k, v, bias, out):
+        raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                         f"{tuple(v.shape)}, out {tuple(out.shape)}: expected float32 CPU "
+                         f"(B, H, S, D) views with contiguous rows and a bias that broadcasts")
+    b, h, sq, d = q.shape
+    hkv, skv, dv = k.shape[1], k.shape[2], v.shape[3]
+    bp, bs = None, (0, 0, 0, 0)
+    if bias is not None:
+        be = bias.expand(b, h, sq, skv)
+        bp, bs = be.data_ptr(), be.stride()
+    rc = _lib.kiln_attention(b, h, hkv, sq, skv, d, dv,
+                             q.data_ptr(), *q.stride()[:3], k.data_ptr(), *k.stride()[:3],
+                             v.data_ptr(), *v.stride()[:3], bp, *bs, causal, scale,
+                             out.data_ptr(), *out.stride()[:3], torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("attention: the kernel could not allocate its scratch memory")
+    return out
+
+
+def chain_run(prog, n: int, fparams, table) -> int:
+    """Run a chain program (ctypes arrays made by :mod:`kiln.engine.chains`) on
+    ``torch.get_num_threads()`` threads; returns ``n``, or the position of the first op the
+    library does not know (nothing from there on ran)."""
+    return _lib.kiln_chain_run(prog, n, fparams, table, torch.get_num_threads())
 
 
 def gemm_fn(w: PackedWeight, bias: torch.Tensor | None = None, activation: str = "",

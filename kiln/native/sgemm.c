@@ -13,6 +13,7 @@
 #include <stddef.h>
 #include <math.h>
 #include <string.h>
+#include <stdlib.h>
 #include <omp.h>
 
 #define MR 4 /* rows of the register tile */
@@ -49,9 +50,9 @@ long kiln_sgemm_packed_size(long K, long N)
     return ((N + NR - 1) / NR) * K * NR;
 }
 
-/* Element (k, n) of B is B[k * sk + n * sn]. The packed layout is [k block][panel][k][16]:
- * k blocks of KC rows; panel p holds columns 16p..16p+15, zero past N. The panels a thread walks
- * in one k block are thus one sequential stream. */
+/* Element (k, n) of B is B[k * sk + n * sn]. The packed layout is [k block][panel][k][NR]:
+ * k blocks of KC rows; panel p holds columns NR p .. NR p + NR - 1, zero past N. The panels a
+ * thread walks in one k block are thus one sequential stream. */
 void kiln_sgemm_pack(long K, long N, const float *B, long sk, long sn, float *out)
 {
     long panels = (N + NR - 1) / NR;
@@ -164,6 +165,42 @@ TGT static inline __m256 act256(__m256 v, int act, float alpha, float beta)
     }
 }
 
+/* The tile's epilogue: first k block: + bias + R, else + C; last: the activation; then store
+ * the mr x nr corner. */
+TGT static inline void store_tile(__m256 acc[MR][NV], float *C, long ldc, int mr, int nr,
+                                  int first, int last, const float *bias, const float *R,
+                                  long ldr, int act, float alpha, float beta)
+{
+    int full = nr == NR;
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i m[NV];
+    __m256 bv[NV];
+    for (int v = 0; v < NV; v++) {
+        m[v] = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr - 8 * v), idx);
+        bv[v] = _mm256_setzero_ps();
+    }
+#define LD(p, v) (full ? _mm256_loadu_ps(p) : _mm256_maskload_ps((p), m[v]))
+    if (first && bias)
+        for (int v = 0; v < NV; v++) bv[v] = LD(bias + 8 * v, v);
+    for (int r = 0; r < mr; r++) {
+        float *cr = C + r * ldc;
+        const float *rr = R ? R + r * ldr : NULL;
+        for (int v = 0; v < NV; v++) {
+            __m256 y = acc[r][v];
+            if (first) {
+                y = _mm256_add_ps(y, bv[v]);
+                if (rr) y = _mm256_add_ps(y, LD(rr + 8 * v, v));
+            } else {
+                y = _mm256_add_ps(y, LD(cr + 8 * v, v));
+            }
+            if (last && act) y = act256(y, act, alpha, beta);
+            if (full) _mm256_storeu_ps(cr + 8 * v, y);
+            else _mm256_maskstore_ps(cr + 8 * v, m[v], y);
+        }
+    }
+#undef LD
+}
+
 /* One tile of mr <= MR rows and nr <= NR columns over k in [0, kc): the MR x NV accumulators
  * live in named registers for the whole k loop (gcc spills an array of them to the stack). Rows
  * past mr re-read the last row and are not stored. first: add bias and R (else C); last: apply
@@ -198,38 +235,46 @@ TGT static void tile(long kc, const float *A, long lda, const float *Bp, float *
         x = _mm256_broadcast_ss(a3 + k); c30 = _mm256_fmadd_ps(x, w0, c30);
         c31 = _mm256_fmadd_ps(x, w1, c31); c32 = _mm256_fmadd_ps(x, w2, c32);
     }
+    if (mr == MR && nr == NR && first && last && !bias && !R && !act) {  /* plain: store */
+        _mm256_storeu_ps(C, c00); _mm256_storeu_ps(C + 8, c01); _mm256_storeu_ps(C + 16, c02);
+        C += ldc;
+        _mm256_storeu_ps(C, c10); _mm256_storeu_ps(C + 8, c11); _mm256_storeu_ps(C + 16, c12);
+        C += ldc;
+        _mm256_storeu_ps(C, c20); _mm256_storeu_ps(C + 8, c21); _mm256_storeu_ps(C + 16, c22);
+        C += ldc;
+        _mm256_storeu_ps(C, c30); _mm256_storeu_ps(C + 8, c31); _mm256_storeu_ps(C + 16, c32);
+        return;
+    }
     acc[0][0] = c00; acc[0][1] = c01; acc[0][2] = c02; acc[1][0] = c10; acc[1][1] = c11;
     acc[1][2] = c12; acc[2][0] = c20; acc[2][1] = c21; acc[2][2] = c22; acc[3][0] = c30;
     acc[3][1] = c31; acc[3][2] = c32;
-    int full = nr == NR;
-    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256i m[NV];
-    __m256 bv[NV];
-    for (int v = 0; v < NV; v++) {
-        m[v] = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr - 8 * v), idx);
-        bv[v] = _mm256_setzero_ps();
-    }
-#define LD(p, v) (full ? _mm256_loadu_ps(p) : _mm256_maskload_ps((p), m[v]))
-    if (first && bias)
-        for (int v = 0; v < NV; v++) bv[v] = LD(bias + 8 * v, v);
-    for (int r = 0; r < mr; r++) {
-        float *cr = C + r * ldc;
-        const float *rr = R ? R + r * ldr : NULL;
-        for (int v = 0; v < NV; v++) {
-            __m256 y = acc[r][v];
-            if (first) {
-                y = _mm256_add_ps(y, bv[v]);
-                if (rr) y = _mm256_add_ps(y, LD(rr + 8 * v, v));
-            } else {
-                y = _mm256_add_ps(y, LD(cr + 8 * v, v));
-            }
-            if (last && act) y = act256(y, act, alpha, beta);
-            if (full) _mm256_storeu_ps(cr + 8 * v, y);
-            else _mm256_maskstore_ps(cr + 8 * v, m[v], y);
-        }
-    }
-#undef LD
+    store_tile(acc, C, ldc, mr, nr, first, last, bias, R, ldr, act, alpha, beta);
 }
+
+/* A tile of at most 8 * nv columns (an edge panel): the same product on nv < NV vectors, so a
+ * panel's zero padding is not multiplied. */
+#define NARROW_TILE(nv)                                                                        \
+TGT static void tile_##nv(long kc, const float *A, long lda, const float *Bp, float *C,        \
+                          long ldc, int mr, int nr, int first, int last, const float *bias,    \
+                          const float *R, long ldr, int act, float alpha, float beta)          \
+{                                                                                              \
+    const float *a[MR];                                                                        \
+    for (int r = 0; r < MR; r++) a[r] = A + (r < mr ? r : mr - 1) * lda;                       \
+    __m256 acc[MR][NV];                                                                        \
+    for (int r = 0; r < MR; r++)                                                               \
+        for (int v = 0; v < NV; v++) acc[r][v] = _mm256_setzero_ps();                          \
+    for (long k = 0; k < kc; k++) {                                                            \
+        const float *bk = Bp + k * NR;                                                         \
+        for (int v = 0; v < nv; v++) {                                                         \
+            __m256 w = _mm256_load_ps(bk + 8 * v);                                             \
+            for (int r = 0; r < MR; r++)                                                       \
+                acc[r][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(a[r] + k), w, acc[r][v]);      \
+        }                                                                                      \
+    }                                                                                          \
+    store_tile(acc, C, ldc, mr, nr, first, last, bias, R, ldr, act, alpha, beta);              \
+}
+NARROW_TILE(1)
+NARROW_TILE(2)
 
 /* Rows [m0, m1) and panels [p0, p1) of the product: k blocks outermost, then blocks of MC rows
  * of A (which stay in L2 while every panel passes over them), then the panels, then the row
@@ -249,9 +294,12 @@ TGT static void block(long m0, long m1, long p0, long p1, long N, long K, const 
                 int nr = N - n0 < NR ? (int)(N - n0) : NR;
                 const float *bp = Bp + k0 * panels * NR + p * kc * NR;
                 const float *bb = bias ? bias + n0 : NULL;
+                void (*tf)(long, const float *, long, const float *, float *, long, int, int,
+                           int, int, const float *, const float *, long, int, float, float) =
+                    nr <= 8 ? tile_1 : nr <= 16 ? tile_2 : tile;
                 for (long i = i0; i < i1; i += MR) {
                     int mr = i1 - i < MR ? (int)(i1 - i) : MR;
-                    tile(kc, A + i * lda + k0, lda, bp, C + i * ldc + n0, ldc, mr, nr, first,
+                    tf(kc, A + i * lda + k0, lda, bp, C + i * ldc + n0, ldc, mr, nr, first,
                          last, bb, R ? R + i * ldr + n0 : NULL, ldr, act, alpha, beta);
                 }
             }
@@ -294,46 +342,239 @@ void kiln_sgemm(long M, long N, long K, const float *A, long lda, const float *B
     }
 }
 
-/* Rows [m0, m1) of Y (row stride ldy, N columns) normalized in place: (y - mean) / sqrt(var + eps)
- * * gamma + beta, the mean and the (biased) variance in float32 over each row, two passes. */
-TGT static void layernorm_rows(long m0, long m1, long N, float *Y, long ldy, const float *gamma,
-                               const float *beta, float eps)
+/* Rows [m0, m1) of X (row stride ldx, N columns) normalized into Y (row stride ldy; Y may be X):
+ * (x - mean) / sqrt(var + eps) * gamma + beta, the mean and the (biased) variance in float32 over
+ * each row, two passes. */
+TGT static void layernorm_rows(long m0, long m1, long N, const float *X, long ldx, float *Y,
+                               long ldy, const float *gamma, const float *beta, float eps)
 {
     for (long i = m0; i < m1; i++) {
+        const float *x = X + i * ldx;
         float *y = Y + i * ldy;
         __m256 acc = _mm256_setzero_ps();
         long j = 0;
-        for (; j + 8 <= N; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(y + j));
+        for (; j + 8 <= N; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + j));
         float sum = hsum256(acc);
-        for (; j < N; j++) sum += y[j];
+        for (; j < N; j++) sum += x[j];
         float mean = sum / (float)N;
         __m256 mv = _mm256_set1_ps(mean);
         acc = _mm256_setzero_ps();
         for (j = 0; j + 8 <= N; j += 8) {
-            __m256 d = _mm256_sub_ps(_mm256_loadu_ps(y + j), mv);
+            __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + j), mv);
             acc = _mm256_fmadd_ps(d, d, acc);
         }
         float sq = hsum256(acc);
-        for (; j < N; j++) sq += (y[j] - mean) * (y[j] - mean);
+        for (; j < N; j++) sq += (x[j] - mean) * (x[j] - mean);
         float inv = 1.0f / sqrtf(sq / (float)N + eps);
         __m256 iv = _mm256_set1_ps(inv);
         for (j = 0; j + 8 <= N; j += 8) {
-            __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(y + j), mv), iv);
+            __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), mv), iv);
             d = _mm256_fmadd_ps(d, _mm256_loadu_ps(gamma + j), beta ? _mm256_loadu_ps(beta + j)
                                                                     : _mm256_setzero_ps());
             _mm256_storeu_ps(y + j, d);
         }
-        for (; j < N; j++) y[j] = (y[j] - mean) * inv * gamma[j] + (beta ? beta[j] : 0.0f);
+        for (; j < N; j++) y[j] = (x[j] - mean) * inv * gamma[j] + (beta ? beta[j] : 0.0f);
+    }
+}
+
+/* LayerNorm of the M rows of X into Y (in place where Y == X). */
+void kiln_layernorm_to(long M, long N, const float *X, long ldx, float *Y, long ldy,
+                       const float *gamma, const float *beta, float eps, int nthreads)
+{
+    if (nthreads < 2 || M < 2) {
+        layernorm_rows(0, M, N, X, ldx, Y, ldy, gamma, beta, eps);
+        return;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        layernorm_rows(M * t / nt, M * (t + 1) / nt, N, X, ldx, Y, ldy, gamma, beta, eps);
     }
 }
 
 void kiln_layernorm(long M, long N, float *Y, long ldy, const float *gamma, const float *beta,
                     float eps, int nthreads)
 {
-    if (nthreads < 2 || M < 2) { layernorm_rows(0, M, N, Y, ldy, gamma, beta, eps); return; }
-#pragma omp parallel num_threads(nthreads)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        layernorm_rows(M * t / nt, M * (t + 1) / nt, N, Y, ldy, gamma, beta, eps);
+    kiln_layernorm_to(M, N, Y, ldy, Y, ldy, gamma, beta, eps, nthreads);
+}
+
+/* ---- attention ------------------------------------------------------------------------------
+ * softmax(scale Q K^T + bias, causal) V for float32, one (batch, head) per work item: K^T and V
+ * of the head are packed into panels (kiln_sgemm_pack) and both products run on the GEMM's
+ * tiles; the scores of QC query rows at a time live in a per-thread scratch row block. */
+#define QC 128
+
+/* One row of scores s[0, n) (n keys, lim of them allowed) turned into probabilities in place:
+ * x = scale s + bias (bias: NULL, or element j at bias[j * bk]); keys from lim on get 0. A row
+ * with no allowed key, or whose allowed keys are all -inf, becomes all zeros (ONNX's rule; SDPA
+ * would give NaN). */
+TGT static void softmax_row(float *s, long n, long lim, float scale, const float *bias, long bk)
+{
+    long j;
+    __m256 sc = _mm256_set1_ps(scale), mx = _mm256_set1_ps(-INFINITY);
+    float m = -INFINITY;
+    if (bias && bk != 1) {
+        for (j = 0; j < lim; j++) s[j] = s[j] * scale + bias[j * bk];
+    } else if (bias) {
+        for (j = 0; j + 8 <= lim; j += 8)
+            _mm256_storeu_ps(s + j, _mm256_fmadd_ps(_mm256_loadu_ps(s + j), sc,
+                                                    _mm256_loadu_ps(bias + j)));
+        for (; j < lim; j++) s[j] = s[j] * scale + bias[j];
+    } else {
+        for (j = 0; j + 8 <= lim; j += 8)
+            _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), sc));
+        for (; j < lim; j++) s[j] *= scale;
     }
+    __m256 nan = _mm256_setzero_ps();  /* lanes that saw a NaN (max_ps would drop it) */
+    for (j = 0; j + 8 <= lim; j += 8) {
+        __m256 x = _mm256_loadu_ps(s + j);
+        mx = _mm256_max_ps(mx, x);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    }
+    {
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        m = _mm256_movemask_ps(nan) ? NAN : _mm_cvtss_f32(h);
+    }
+    for (; j < lim; j++) m = (s[j] > m || s[j] != s[j]) ? s[j] : m;
+    if (!(m > -INFINITY)) {  /* nothing allowed (or NaN: propagate it) */
+        float fill = m != m ? m : 0.0f;
+        for (j = 0; j < n; j++) s[j] = fill;
+        return;
+    }
+    __m256 mv = _mm256_set1_ps(m), acc = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= lim; j += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        acc = _mm256_add_ps(acc, e);
+        _mm256_storeu_ps(s + j, e);
+    }
+    float sum = hsum256(acc);
+    for (; j < lim; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
+    float inv = 1.0f / sum;
+    __m256 iv = _mm256_set1_ps(inv);
+    for (j = 0; j + 8 <= lim; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), iv));
+    for (; j < lim; j++) s[j] *= inv;
+    for (; j < n; j++) s[j] = 0.0f;
+}
+
+static float *scratch(long floats)
+{
+    size_t bytes = ((size_t)floats * sizeof(float) + 63) & ~(size_t)63;
+    return (float *)aligned_alloc(64, bytes ? bytes : 64);
+}
+
+/* Y[b, i, h, :] = softmax(scale Q[b, h, i, :] . K[b, h, j, :] + bias[b, h, i, j]) V[b, h, j, :]
+ * for B batches, H heads, Sq queries, Skv keys, head size D (value size Dv). Every tensor is
+ * given by a pointer and its strides in elements for (b, h, row); the last dim is contiguous.
+ * bias may be NULL; its strides may be 0 (broadcast) and its key stride is bk. causal >= 0:
+ * query i sees keys j <= i + causal only (the absolute offset of query 0); -1: no causal mask.
+ * Query heads map to key/value heads h / (H / Hkv) (grouped-query attention). Returns 0, or -1
+ * when scratch memory could not be had (Y is then incomplete). */
+int kiln_attention(long B, long H, long Hkv, long Sq, long Skv, long D, long Dv,
+                   const float *Q, long qb, long qh, long qs,
+                   const float *K, long kb, long kh, long ks,
+                   const float *V, long vb, long vh, long vs,
+                   const float *bias, long bb, long bh, long bq, long bk,
+                   long causal, float scale, float *Y, long yb, long yh, long ys, int nthreads)
+{
+    if (B <= 0 || H <= 0 || Sq <= 0 || Skv <= 0 || D <= 0 || Dv <= 0) return 0;
+    if (nthreads < 1) nthreads = 1;
+    long items = B * H, group = H / Hkv;
+    /* both products run on whole panels (the padding columns are zeros, cheaper to multiply
+     * than to cut off with a narrow tile): scores are Skv_pad wide, the values' product lands
+     * Dv_pad wide in scratch and its Dv columns are copied out */
+    long pk = kiln_sgemm_packed_size(D, Skv), pv = kiln_sgemm_packed_size(Skv, Dv);
+    long skp = (Skv + NR - 1) / NR * NR, dvp = (Dv + NR - 1) / NR * NR;
+    long qc = Sq < QC ? Sq : QC;
+    int failed = 0;
+    if (items < nthreads) nthreads = (int)items;
+#pragma omp parallel num_threads(nthreads) reduction(|: failed)
+    {
+        float *kp = scratch(pk), *vp = scratch(pv), *sb = scratch(qc * skp),
+              *ob = scratch(qc * dvp);
+        if (!kp || !vp || !sb || !ob) failed = 1;
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (long it = items * t / nt; !failed && it < items * (t + 1) / nt; it++) {
+            long b = it / H, h = it % H, hk = h / group;
+            const float *k = K + b * kb + hk * kh, *v = V + b * vb + hk * vh;
+            const float *q = Q + b * qb + h * qh;
+            float *y = Y + b * yb + h * yh;
+            kiln_sgemm_pack(D, Skv, k, 1, ks, kp);   /* B(d, j) = K[j, d] */
+            kiln_sgemm_pack(Skv, Dv, v, vs, 1, vp);  /* B(j, e) = V[j, e] */
+            for (long i0 = 0; i0 < Sq; i0 += qc) {
+                long rows = Sq - i0 < qc ? Sq - i0 : qc;
+                long lim = Skv;  /* keys any row of this block may see */
+                if (causal >= 0) {
+                    lim = i0 + rows - 1 + causal + 1;
+                    if (lim > Skv) lim = Skv;
+                    if (lim < 0) lim = 0;
+                }
+                long panels = (lim + NR - 1) / NR;
+                if (panels > 0)
+                    block(0, rows, 0, panels, skp, D, q + i0 * qs, qs, kp, NULL, NULL, 0, sb, skp,
+                          ACT_NONE, 0.0f, 0.0f);
+                for (long r = 0; r < rows; r++) {
+                    long i = i0 + r, li = Skv;
+                    if (causal >= 0) {
+                        li = i + causal + 1;
+                        if (li > Skv) li = Skv;
+                        if (li < 0) li = 0;
+                    }
+                    const float *br = bias ? bias + b * bb + h * bh + i * bq : NULL;
+                    softmax_row(sb + r * skp, Skv, li, scale, br, bk);
+                }
+                block(0, rows, 0, dvp / NR, dvp, Skv, sb, skp, vp, NULL, NULL, 0, ob, dvp,
+                      ACT_NONE, 0.0f, 0.0f);
+                for (long r = 0; r < rows; r++)
+                    memcpy(y + (i0 + r) * ys, ob + r * dvp, (size_t)Dv * sizeof(float));
+            }
+        }
+        free(kp); free(vp); free(sb); free(ob);
+    }
+    return failed ? -1 : 0;
+}
+
+/* ---- chains ---------------------------------------------------------------------------------
+ * A straight run of GEMM and LayerNorm ops, encoded by kiln/engine/chains.py as longs, executed
+ * in one call so that no Python or PyTorch code runs between them. An operand is a buffer index
+ * (into bufs; -1: none), an element offset and a row stride; float parameters are in fp. */
+enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3 };
+#define GEMM_LEN 17 /* kind M N K a aoff lda w bias r roff ldr c coff ldc act fparam */
+#define LN_LEN 12   /* kind M N x xoff ldx y yoff ldy gamma beta fparam */
+#define ATTN_LEN 36 /* kind B H Hkv Sq Skv D Dv, (buf off b h s) for q k v, (buf off b h q k) for
+                     * the bias, causal, fparam (scale), (buf off b h s) for y */
+
+/* Returns n, or the position of the first op it does not know or could not run (nothing
+ * from there on ran). */
+long kiln_chain_run(const long *prog, long n, const float *fp, float *const *bufs, int nthreads)
+{
+#define PTR(b, off) ((b) >= 0 ? bufs[b] + (off) : NULL)
+    long i = 0;
+    while (i < n) {
+        const long *p = prog + i;
+        if (p[0] == OP_GEMM && i + GEMM_LEN <= n) {
+            kiln_sgemm(p[1], p[2], p[3], PTR(p[4], p[5]), p[6], PTR(p[7], 0), PTR(p[8], 0),
+                       PTR(p[9], p[10]), p[11], PTR(p[12], p[13]), p[14], (int)p[15],
+                       fp[p[16]], fp[p[16] + 1], nthreads);
+            i += GEMM_LEN;
+        } else if (p[0] == OP_LN && i + LN_LEN <= n) {
+            kiln_layernorm_to(p[1], p[2], PTR(p[3], p[4]), p[5], PTR(p[6], p[7]), p[8],
+                              PTR(p[9], 0), PTR(p[10], 0), fp[p[11]], nthreads);
+            i += LN_LEN;
+        } else if (p[0] == OP_ATTN && i + ATTN_LEN <= n) {
+            const long *q = p + 8, *k = q + 5, *v = k + 5, *bi = v + 5, *y = bi + 8;
+            if (kiln_attention(p[1], p[2], p[3], p[4], p[5], p[6], p[7],
+                               PTR(q[0], q[1]), q[2], q[3], q[4], PTR(k[0], k[1]), k[2], k[3], k[4],
+                               PTR(v[0], v[1]), v[2], v[3], v[4],
+                               PTR(bi[0], bi[1]), bi[2], bi[3], bi[4], bi[5], bi[6], fp[bi[7]],
+                               PTR(y[0], y[1]), y[2], y[3], y[4], nthreads) != 0)
+                return i;  /* out of memory */
+            i += ATTN_LEN;
+        } else {
+            return i;
+        }
+    }
+    return n;
+#undef PTR
 }
