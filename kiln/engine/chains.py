@@ -21,8 +21,10 @@ before. ``KILN_CPU_CHAINS=0`` turns chains off, and so does pinning another CPU 
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -49,6 +51,11 @@ def _const(v):
     return None if v is None else v.const
 
 
+def _opt(ins, i: int):
+    """Input ``i`` of a node, None where it is absent."""
+    return ins[i] if len(ins) > i else None
+
+
 def _float_vec(c, n=None) -> bool:
     return c is not None and c.ndim == 1 and str(c.dtype) == "float32" and (n is None
                                                                              or c.shape[0] == n)
@@ -63,23 +70,22 @@ def _member(node) -> bool:
             return False
         if node.attrs.activation not in native.ACTIVATIONS:
             return False
-        b = _const(ins[2]) if len(ins) > 2 and ins[2] is not None else None
-        if len(ins) > 2 and ins[2] is not None and not _float_vec(b, w.shape[1]):
+        n = w.shape[1]
+        b = _opt(ins, 2)
+        if b is not None and not _float_vec(b.const, n):
             return False
         if op is FC.FusedMatMulLayerNorm:
-            sc = _const(ins[4]) if len(ins) > 4 else None
-            lb = _const(ins[5]) if len(ins) > 5 and ins[5] is not None else None
-            if not _float_vec(sc, w.shape[1]) or (len(ins) > 5 and ins[5] is not None
-                                                  and not _float_vec(lb, w.shape[1])):
+            lb = _opt(ins, 5)
+            if not _float_vec(_const(_opt(ins, 4)), n) or (lb is not None
+                                                            and not _float_vec(lb.const, n)):
                 return False
         return True
     if op is NN.LayerNormalization:
         a = node.attrs
         if len(node.outputs) != 1 or (a.axis is not None and a.axis != -1):
             return False
-        sc = _const(ins[1])
-        b = _const(ins[2]) if len(ins) > 2 and ins[2] is not None else None
-        return _float_vec(sc) and (len(ins) < 3 or ins[2] is None or _float_vec(b, sc.shape[0]))
+        sc, b = _const(ins[1]), _opt(ins, 2)
+        return _float_vec(sc) and (b is None or _float_vec(b.const, sc.shape[0]))
     if op is FT.Attention:  # the [B, S, H*D] form; the mask, if any, must not be a constant
         return bool(node.attrs.num_heads) and all(v is None or v.const is None for v in ins)
     if op is T.Slice:
@@ -155,6 +161,19 @@ class _Unsupported(Exception):
     pass
 
 
+class _Val(NamedTuple):
+    """A planned value: torch ``shape``; a view of slot ``base`` (None: its own memory)
+    starting ``off`` elements into each row; rows ``ld`` elements apart."""
+    shape: tuple
+    base: int | None
+    off: int
+    ld: int
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.shape[:-1])
+
+
 def _rows_view(t: torch.Tensor):
     """(rows, cols, row stride) when ``t``'s leading dims collapse to one row stride and its last
     dim is contiguous, else None."""
@@ -175,7 +194,7 @@ def _rows_view(t: torch.Tensor):
 class _Plan:
     """The program for one input signature."""
 
-    def __init__(self, prog, fparams, table, n_fixed, ext, owns, views, arena_floats):
+    def __init__(self, prog, fparams, table, n_fixed, ext, owns, views, arena_floats, keep):
         self.prog = (ctypes.c_long * len(prog))(*prog)
         self.n = len(prog)
         self.fp = (ctypes.c_float * max(1, len(fparams)))(*fparams)
@@ -183,8 +202,9 @@ class _Plan:
         self.n_fixed = n_fixed
         self.ext = ext  # buffer index per external input
         self.owns = owns  # (slot, shape, buffer index): values that get their own tensor
-        self.views = views  # (slot, shape, base slot, offset, strides): escaping views of them
+        self.views = views  # (slot, base slot, first column, columns): escaping views of them
         self.arena_floats = arena_floats
+        self.keep = keep  # the tensors whose pointers the table holds
         self.pool: list[torch.Tensor] = []
         self.lock = threading.Lock()
 
@@ -199,7 +219,6 @@ class Chain:
         self.node_name = f"{names[0]} .. {names[-1]} ({len(names)} steps)"
         self.node = _ChainNode(self.node_name)
         self.consts = consts
-        self.cache: dict = {}  # executor code reads call.cache (device caches): none here
         self.plans: dict = {}
         self._lock = threading.Lock()
         self._packed: dict[int, native.PackedWeight] = {}
@@ -229,19 +248,15 @@ class Chain:
         from kiln.engine.executor import _kernel_error, _store
 
         env = dict(zip(self.ins, xs))
-        env.update(self.consts)
         for st in self.members:
-            args = [env.get(i) if i >= 0 else None for i in st.ins]
+            args = [None if i < 0 else env[i] if i in env else self.consts[i] for i in st.ins]
             try:
                 out = st.fn(st.call, *args)
             except KilnError:
                 raise
             except Exception as e:
                 raise _kernel_error(st, e) from e
-            tmp: list = [None] * (max(st.outs) + 1)
-            _store(st, tmp, out)
-            for s in st.outs:
-                env[s] = tmp[s]
+            _store(st, env, out)
         return tuple(env[s] for s in self.outs)
 
     def _run(self, plan: _Plan, xs):
@@ -259,8 +274,8 @@ class Chain:
         for slot, shape, b in plan.owns:
             t = made[slot] = torch.empty(shape, dtype=torch.float32)
             table[b] = t.data_ptr()
-        for slot, shape, base, off, strides in plan.views:
-            made[slot] = made[base].as_strided(shape, strides, off)
+        for slot, base, start, width in plan.views:
+            made[slot] = made[base].narrow(-1, start, width)
         rc = native.chain_run(plan.prog, plan.n, plan.fp, table)
         if arena is not None:
             with plan.lock:
@@ -295,21 +310,16 @@ class Chain:
                 const_buf[slot] = fixed(c)
             return const_buf[slot]
 
-        # external inputs: buffers after the constants and the arena
-        ext_views, ext_tensor = {}, dict(zip(self.ins, xs))
-        for s, x in zip(self.ins, xs):
-            if not isinstance(x, torch.Tensor):
-                raise _Unsupported
-            rv = _rows_view(x)
+        # pass 1: shapes, views and who is produced where
+        ext_tensor = dict(zip(self.ins, xs))
+        values: dict[int, _Val] = {}
+        for s, x in ext_tensor.items():
+            rv = _rows_view(x) if isinstance(x, torch.Tensor) else None
             if rv is None:
                 raise _Unsupported
-            ext_views[s] = (rv, tuple(x.shape))
+            values[s] = _Val(tuple(x.shape), None, 0, rv[2])
         prog: list[int] = []
         fparams: list[float] = []
-        # pass 1: shapes, views and who is produced where
-        values: dict[int, tuple] = {}  # slot -> (shape, base slot or None, offset, ld)
-        for s, (rv, shape) in ext_views.items():
-            values[s] = (shape, None, 0, rv[2])
         order = []
         for st in self.members:
             node = st.node
@@ -318,28 +328,27 @@ class Chain:
                 if xs_ is None:
                     raise _Unsupported
                 w = self.consts[st.ins[1]]
-                shape = xs_[0][:-1] + (w.shape[1],)
-                if xs_[0][-1] != w.shape[0] or len(xs_[0]) < 2:
+                if xs_.shape[-1] != w.shape[0] or len(xs_.shape) < 2:
                     raise _Unsupported
-                values[st.outs[0]] = (shape, None, 0, w.shape[1])
+                values[st.outs[0]] = _Val(xs_.shape[:-1] + (w.shape[1],), None, 0, w.shape[1])
             elif node.op is FT.Attention:
                 qv = values.get(st.ins[0])
-                if qv is None or len(qv[0]) != 3:
+                if qv is None or len(qv.shape) != 3:
                     raise _Unsupported
                 a = node.attrs
                 if a.qkv_split:
                     dv = a.qkv_split[2]
                 else:
                     kv = [values.get(i) for i in st.ins[1:3]]
-                    if any(v_ is None or len(v_[0]) != 3 for v_ in kv):
+                    if any(v_ is None or len(v_.shape) != 3 for v_ in kv):
                         raise _Unsupported
-                    dv = kv[1][0][-1]
-                values[st.outs[0]] = (qv[0][:-1] + (dv,), None, 0, dv)
+                    dv = kv[1].shape[-1]
+                values[st.outs[0]] = _Val(qv.shape[:-1] + (dv,), None, 0, dv)
             elif node.op is NN.LayerNormalization:
                 xs_ = values.get(st.ins[0])
-                if xs_ is None or xs_[0][-1] != self.consts[st.ins[1]].shape[0]:
+                if xs_ is None or xs_.shape[-1] != self.consts[st.ins[1]].shape[0]:
                     raise _Unsupported
-                values[st.outs[0]] = (xs_[0], None, 0, xs_[0][-1])
+                values[st.outs[0]] = _Val(xs_.shape, None, 0, xs_.shape[-1])
             else:  # Slice along the last axis: a view
                 src = values.get(st.ins[0])
                 if src is None:
@@ -352,27 +361,22 @@ class Chain:
                 if end <= start:
                     raise _Unsupported
                 root = st.ins[0] if base is None else base
-                values[st.outs[0]] = (shape[:-1] + (end - start,), root, off + start, ld)
+                values[st.outs[0]] = _Val(shape[:-1] + (end - start,), root, off + start, ld)
             order.append(st)
         # escaping values, and the values escaping views are views of, get their own tensors
-        own = set(s for s in self.outs if values[s][1] is None)
-        own |= {values[s][1] for s in self.outs if values[s][1] is not None}
-        if any(s in ext_views for s in own):  # a view of an input escapes: leave it to torch
+        own = {s if values[s].base is None else values[s].base for s in self.outs}
+        if any(s in ext_tensor for s in own):  # a view of an input escapes: leave it to torch
             raise _Unsupported
         # arena offsets for the rest (no reuse within a chain: chains are a few values long)
         n_fixed = len(table)
         table.append(0)  # the arena
         arena_off, arena_floats = {}, 0
-        produced = [s for st in order for s in st.outs if values[s][1] is None]
-        for s in produced:
-            if s not in own:
-                n = 1
-                for d in values[s][0]:
-                    n *= d
+        for s in (s for st in order for s in st.outs):
+            if values[s].base is None and s not in own:
                 arena_off[s] = arena_floats
-                arena_floats += (n + 15) // 16 * 16  # 64-byte aligned starts
+                arena_floats += (math.prod(values[s].shape) + 15) // 16 * 16  # 64-byte starts
         ext_buf = {}
-        for s in ext_views:
+        for s in ext_tensor:
             table.append(0)
             ext_buf[s] = len(table) - 1
         out_buf = {}
@@ -382,16 +386,13 @@ class Chain:
 
         def operand(s: int):
             """(buffer, offset, row stride, rows) of value s."""
-            shape, base, off, ld = values[s]
-            root = s if base is None else base
-            rows = 1
-            for d in shape[:-1]:
-                rows *= d
+            v = values[s]
+            root = s if v.base is None else v.base
             if root in ext_buf:
-                return ext_buf[root], off, ext_views[root][0][2], rows
+                return ext_buf[root], v.off, v.ld, v.rows
             if root in out_buf:
-                return out_buf[root], off, ld, rows
-            return n_fixed, arena_off[root] + off, ld, rows
+                return out_buf[root], v.off, v.ld, v.rows
+            return n_fixed, arena_off[root] + v.off, v.ld, v.rows
 
         for st in order:
             node, a = st.node, st.node.attrs
@@ -403,7 +404,7 @@ class Chain:
             if node.op is NN.LayerNormalization:
                 xb, xo, xl, rows = operand(st.ins[0])
                 yb, yo, yl, _ = operand(st.outs[0])
-                n = values[st.ins[0]][0][-1]
+                n = values[st.ins[0]].shape[-1]
                 g = const(st.ins[1], n)
                 b = const(st.ins[2], n) if len(st.ins) > 2 else -1
                 fparams.append(1e-5 if a.epsilon is None else float(a.epsilon))
@@ -423,7 +424,8 @@ class Chain:
             rb, ro, rl = -1, 0, 0
             if len(st.ins) > 3 and st.ins[3] >= 0:
                 r = st.ins[3]
-                if r in self.consts or values.get(r, ((),))[0] != values[st.outs[0]][0]:
+                rv = values.get(r)
+                if r in self.consts or rv is None or rv.shape != values[st.outs[0]].shape:
                     raise _Unsupported  # a constant or broadcasting residual
                 rb, ro, rl, _ = operand(r)
             cb, co, cl, _ = operand(st.outs[0])
@@ -437,30 +439,26 @@ class Chain:
                 fparams.append(a.epsilon)
                 prog += [_OP_LN, rows, n, cb, co, cl, cb, co, cl, g, lb, len(fparams) - 1]
         tab = (ctypes.c_void_p * len(table))(*table)
-        owns = [(s, values[s][0], out_buf[s]) for s in own]
-        views = [(s, values[s][0], values[s][1], values[s][2],
-                  _view_strides(values[values[s][1]][0], values[s][0]))
-                 for s in self.outs if values[s][1] is not None]
-        plan = _Plan(prog, fparams, tab, n_fixed, [ext_buf[s] for s in self.ins], owns, views,
-                     arena_floats)
-        plan.keep = keep
-        return plan
-
+        owns = [(s, values[s].shape, out_buf[s]) for s in own]
+        views = [(s, values[s].base, values[s].off, values[s].shape[-1])
+                 for s in self.outs if values[s].base is not None]
+        return _Plan(prog, fparams, tab, n_fixed, [ext_buf[s] for s in self.ins], owns, views,
+                     arena_floats, keep)
 
     def _attention(self, st, values, operand, ext_tensor, fparams) -> list:
         """The OP_ATTN record of a fused Attention ([B, S, H*D] q, k, v; or one merged
         projection's output with qkv_split)."""
         a, ins = st.node.attrs, st.ins
         h = a.num_heads
-        qshape = values[ins[0]][0]
+        qshape = values[ins[0]].shape
         if a.qkv_split:
             dq, dk, dvt = a.qkv_split
             qb_, qo, ql, _ = operand(ins[0])
             parts = [(qb_, qo, ql, qshape), (qb_, qo + dq, ql, qshape),
                      (qb_, qo + dq + dk, ql, qshape)]
         else:
-            dq, dk, dvt = (values[i][0][-1] for i in ins[:3])
-            parts = [(*operand(i)[:3], values[i][0]) for i in ins[:3]]
+            dq, dk, dvt = (values[i].shape[-1] for i in ins[:3])
+            parts = [(*operand(i)[:3], values[i].shape) for i in ins[:3]]
         if dq != dk or dq % h or dvt % h:
             raise _Unsupported
         b, sq = qshape[0], qshape[1]
@@ -488,15 +486,3 @@ class Chain:
         yb, yo, yl, _ = operand(st.outs[0])
         rec += [yb, yo, sq * yl, dvt // h, yl]
         return rec
-
-
-def _view_strides(base_shape, shape):
-    """Strides of a last-axis slice of a contiguous tensor of ``base_shape``."""
-    strides, acc = [], 1
-    for d in reversed(base_shape):
-        strides.append(acc)
-        acc *= d
-    strides.reverse()
-    if len(shape) != len(base_shape):
-        raise _Unsupported
-    return tuple(strides)

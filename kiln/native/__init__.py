@@ -150,10 +150,9 @@ def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.dim() > 4:
         return False
     try:
-        torch.broadcast_shapes(bias.shape, (b, h, sq, skv))
+        return torch.broadcast_shapes(bias.shape, (b, h, sq, skv)) == (b, h, sq, skv)
     except RuntimeError:
         return False
-    return torch.broadcast_shapes(bias.shape, (b, h, sq, skv)) == (b, h, sq, skv)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
