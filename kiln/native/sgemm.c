@@ -50,6 +50,31 @@ long kiln_sgemm_packed_size(long K, long N)
     return ((N + NR - 1) / NR) * K * NR;
 }
 
+/* dst[c * ldd + r] = src[r * ld + c] for an 8 x 8 block. */
+TGT static void transpose8(const float *src, long ld, float *dst, long ldd)
+{
+    __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + ld),
+           r2 = _mm256_loadu_ps(src + 2 * ld), r3 = _mm256_loadu_ps(src + 3 * ld),
+           r4 = _mm256_loadu_ps(src + 4 * ld), r5 = _mm256_loadu_ps(src + 5 * ld),
+           r6 = _mm256_loadu_ps(src + 6 * ld), r7 = _mm256_loadu_ps(src + 7 * ld);
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1),
+           t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3),
+           t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+           t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+           u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+           u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+           u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(dst + ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(dst + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(dst + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(dst + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(dst + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(dst + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
 /* Element (k, n) of B is B[k * sk + n * sn]. The packed layout is [k block][panel][k][NR]:
  * k blocks of KC rows; panel p holds columns NR p .. NR p + NR - 1, zero past N. The panels a
  * thread walks in one k block are thus one sequential stream. */
@@ -61,7 +86,20 @@ void kiln_sgemm_pack(long K, long N, const float *B, long sk, long sn, float *ou
         for (long p = 0; p < panels; p++) {
             float *dst = out + k0 * panels * NR + p * kc * NR;
             long n0 = p * NR, nn = N - n0 < NR ? N - n0 : NR;
-            for (long k = 0; k < kc; k++) {
+            long k = 0;
+            /* attention packs a head's K^T and V per call: rows of B contiguous (V) are
+             * copied, columns contiguous (K^T) go through 8 x 8 transposes */
+            if (sn == 1) {
+                for (; k < kc; k++) {
+                    memcpy(dst + k * NR, B + (k0 + k) * sk + n0, (size_t)nn * sizeof(float));
+                    for (long j = nn; j < NR; j++) dst[k * NR + j] = 0.0f;
+                }
+            } else if (sk == 1 && nn == NR) {
+                for (; k + 8 <= kc; k += 8)
+                    for (long j = 0; j < NR; j += 8)
+                        transpose8(B + (n0 + j) * sn + k0 + k, sn, dst + k * NR + j, NR);
+            }
+            for (; k < kc; k++) {
                 const float *src = B + (k0 + k) * sk + n0 * sn;
                 long j = 0;
                 for (; j < nn; j++) dst[k * NR + j] = src[j * sn];
@@ -424,44 +462,42 @@ void kiln_layernorm(long M, long N, float *Y, long ldy, const float *gamma, cons
  * tiles; the scores of QC query rows at a time live in a per-thread scratch row block. */
 #define QC 128
 
-/* One row of scores s[0, n) (n keys, lim of them allowed) turned into probabilities in place:
- * x = scale s + bias (bias: NULL, or element j at bias[j * bk]); keys from lim on get 0. A row
- * with no allowed key, or whose allowed keys are all -inf, becomes all zeros (ONNX's rule; SDPA
- * would give NaN). */
-TGT static void softmax_row(float *s, long n, long lim, float scale, const float *bias, long bk)
+/* One row of scores s[0, n) (n keys, lim of them allowed) turned into unnormalized
+ * probabilities in place: x = scale s + bias (bias: NULL, or element j at bias[j * bk]), then
+ * e^(x - max); keys from lim on get 0. Returns 1 / sum, which the caller applies to the row's
+ * output (Dv values instead of n here). A row with no allowed key, or whose allowed keys are all
+ * -inf, becomes all zeros (ONNX's rule; SDPA would give NaN); a NaN score makes the row NaN. */
+TGT static float softmax_row(float *s, long n, long lim, float scale, const float *bias, long bk)
 {
     long j;
     __m256 sc = _mm256_set1_ps(scale), mx = _mm256_set1_ps(-INFINITY);
-    float m = -INFINITY;
-    if (bias && bk != 1) {
-        for (j = 0; j < lim; j++) s[j] = s[j] * scale + bias[j * bk];
-    } else if (bias) {
-        for (j = 0; j + 8 <= lim; j += 8)
-            _mm256_storeu_ps(s + j, _mm256_fmadd_ps(_mm256_loadu_ps(s + j), sc,
-                                                    _mm256_loadu_ps(bias + j)));
-        for (; j < lim; j++) s[j] = s[j] * scale + bias[j];
-    } else {
-        for (j = 0; j + 8 <= lim; j += 8)
-            _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), sc));
-        for (; j < lim; j++) s[j] *= scale;
-    }
     __m256 nan = _mm256_setzero_ps();  /* lanes that saw a NaN (max_ps would drop it) */
-    for (j = 0; j + 8 <= lim; j += 8) {
+    if (bias && bk != 1)
+        for (j = 0; j < lim; j++) s[j] = s[j] * scale + bias[j * bk];
+    for (j = 0; j + 8 <= lim; j += 8) {  /* scale (unless done above) and take the max */
         __m256 x = _mm256_loadu_ps(s + j);
+        if (!bias || bk == 1) {
+            x = bias ? _mm256_fmadd_ps(x, sc, _mm256_loadu_ps(bias + j)) : _mm256_mul_ps(x, sc);
+            _mm256_storeu_ps(s + j, x);
+        }
         mx = _mm256_max_ps(mx, x);
         nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     }
+    float m;
     {
         __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
         h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
         m = _mm256_movemask_ps(nan) ? NAN : _mm_cvtss_f32(h);
     }
-    for (; j < lim; j++) m = (s[j] > m || s[j] != s[j]) ? s[j] : m;
+    for (; j < lim; j++) {
+        if (!bias || bk == 1) s[j] = s[j] * scale + (bias ? bias[j] : 0.0f);
+        m = (s[j] > m || s[j] != s[j]) ? s[j] : m;
+    }
     if (!(m > -INFINITY)) {  /* nothing allowed (or NaN: propagate it) */
         float fill = m != m ? m : 0.0f;
         for (j = 0; j < n; j++) s[j] = fill;
-        return;
+        return 1.0f;
     }
     __m256 mv = _mm256_set1_ps(m), acc = _mm256_setzero_ps();
     for (j = 0; j + 8 <= lim; j += 8) {
@@ -471,11 +507,17 @@ TGT static void softmax_row(float *s, long n, long lim, float scale, const float
     }
     float sum = hsum256(acc);
     for (; j < lim; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
-    float inv = 1.0f / sum;
-    __m256 iv = _mm256_set1_ps(inv);
-    for (j = 0; j + 8 <= lim; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), iv));
-    for (; j < lim; j++) s[j] *= inv;
     for (; j < n; j++) s[j] = 0.0f;
+    return 1.0f / sum;
+}
+
+/* y[0, n) = f x[0, n) */
+TGT static void scaled_copy(float *y, const float *x, long n, float f)
+{
+    __m256 fv = _mm256_set1_ps(f);
+    long e = 0;
+    for (; e + 8 <= n; e += 8) _mm256_storeu_ps(y + e, _mm256_mul_ps(_mm256_loadu_ps(x + e), fv));
+    for (; e < n; e++) y[e] = x[e] * f;
 }
 
 static float *scratch(long floats)
@@ -515,6 +557,7 @@ int kiln_attention(long B, long H, long Hkv, long Sq, long Skv, long D, long Dv,
               *ob = scratch(qc * dvp);
         if (!kp || !vp || !sb || !ob) failed = 1;
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        float inv[QC];  /* each query row's 1 / sum of its softmax */
         for (long it = items * t / nt; !failed && it < items * (t + 1) / nt; it++) {
             long b = it / H, h = it % H, hk = h / group;
             const float *k = K + b * kb + hk * kh, *v = V + b * vb + hk * vh;
@@ -542,12 +585,12 @@ int kiln_attention(long B, long H, long Hkv, long Sq, long Skv, long D, long Dv,
                         if (li < 0) li = 0;
                     }
                     const float *br = bias ? bias + b * bb + h * bh + i * bq : NULL;
-                    softmax_row(sb + r * skp, Skv, li, scale, br, bk);
+                    inv[r] = softmax_row(sb + r * skp, Skv, li, scale, br, bk);
                 }
                 block(0, rows, 0, dvp / NR, dvp, Skv, sb, skp, vp, NULL, NULL, 0, ob, dvp,
                       ACT_NONE, 0.0f, 0.0f);
-                for (long r = 0; r < rows; r++)
-                    memcpy(y + (i0 + r) * ys, ob + r * dvp, (size_t)Dv * sizeof(float));
+                for (long r = 0; r < rows; r++)  /* the softmax's normalization, applied here */
+                    scaled_copy(y + (i0 + r) * ys, ob + r * dvp, Dv, inv[r]);
             }
         }
         free(kp); free(vp); free(sb); free(ob);
