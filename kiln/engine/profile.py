@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from kiln.errors import ShapeError
@@ -109,6 +110,14 @@ def check_feeds(inputs: list, feeds: dict, profiles: list[Profile], dtype_of) ->
                      f"optimization profile ({ranges}); rebuild with a profile that covers it")
 
 
+@functools.lru_cache(maxsize=1024)
+def _dim_name(m) -> str | None:
+    """A symbolic dim's name when it is a plain name (not an expression); cached, since
+    printing a sympy symbol on every run cost ~9 us a dim (timeit, str(Symbol("batch")))."""
+    s = str(m)
+    return s if s.isidentifier() else None
+
+
 def _check_dims(info, shape: tuple, bound: dict) -> None:
     if len(shape) != len(info.shape):
         raise ShapeError(f"input '{info.name}' has rank {len(shape)} (shape {_fmt(shape)}), but "
@@ -118,8 +127,8 @@ def _check_dims(info, shape: tuple, bound: dict) -> None:
             if d != m:
                 raise ShapeError(f"input '{info.name}' has shape {_fmt(shape)}, but dim {k} must "
                                  f"be {m} (expected {info.shape_str()})")
-        elif m is not None and str(m).isidentifier():
-            prev = bound.setdefault(str(m), (d, info.name))
+        elif m is not None and (name := _dim_name(m)) is not None:
+            prev = bound.setdefault(name, (d, info.name))
             if prev[0] != d:
                 raise ShapeError(
                     f"input '{info.name}' dim {k} ('{m}') is {d}, but input '{prev[1]}' set "
