@@ -10,7 +10,8 @@ of ``--pause`` seconds (so the pool that just ran goes idle), the same number of
 for ``--rounds`` rounds. Both see the same phases of the machine. Reported per workload: each
 system's median over all its runs, the ratio of the medians (kiln / peer; < 1: kiln is faster)
 and the median and range of the per-round ratios. Outputs are checked against the peer's before
-timing (the bench's FP32 tolerance).
+timing (the bench's FP32 tolerance). Every worker sets glibc's malloc as kiln's CPU contexts do
+(``kiln.runtime.host``), so large outputs reuse pages for the peer too, as in ``bench.run``.
 """
 
 from __future__ import annotations
@@ -50,9 +51,13 @@ def _worker(system: str, model: str, batch: int, tmp: str, conn) -> None:
 
     from bench.peers import peers
     from bench.workloads import workloads
+    from kiln.runtime import host
 
     try:
         torch.set_num_threads(os.cpu_count() or 1)  # as onnxruntime's intra_op_num_threads
+        # glibc keeps freed memory in every worker, as in bench.run (where all systems share
+        # one process): a peer's large outputs then reuse pages as kiln's do
+        host.keep_freed_memory()
         wl = workloads("cpu", [model], [batch])[0]
         peer = {p.name: p for p in peers("cpu")}[system]
         if peer.build is not None:
