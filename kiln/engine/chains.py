@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 import threading
 from typing import NamedTuple
 
@@ -34,6 +33,8 @@ from kiln.ops import fused_conv as FC
 from kiln.ops import fused_transformer as FT
 from kiln.ops import nn as NN
 from kiln.ops import tensor as T
+from kiln.runtime import host
+from kiln.settings import SETTINGS
 
 _MIN_STEPS = 2  # a chain of one step saves nothing
 _MAX_PLANS = 4  # input signatures planned per chain (oldest dropped first)
@@ -41,8 +42,7 @@ _OP_GEMM, _OP_LN, _OP_ATTN = 1, 2, 3
 
 
 def enabled() -> bool:
-    return (native.available and os.environ.get("KILN_CPU_CHAINS", "1") != "0"
-            and os.environ.get("KILN_CPU_LINEAR", "kiln") in ("", "kiln"))
+    return native.available and SETTINGS.cpu_chains and SETTINGS.cpu_linear in ("", "kiln")
 
 
 # ---- which steps can be members ---------------------------------------------------------------
@@ -415,8 +415,6 @@ class Chain:
             pw = self._packed.get(st.ins[1])
             if pw is None:
                 pw = self._packed[st.ins[1]] = native.PackedWeight(w)
-                from kiln.runtime import host
-
                 host.release_pages(w)  # packed: the weight's engine-file pages can go
             wb = fixed(pw.data)
             bias = const(st.ins[2], n) if len(st.ins) > 2 else -1

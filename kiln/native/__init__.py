@@ -50,8 +50,6 @@ def _load():
     lib.kiln_sgemm_pack.restype = None
     lib.kiln_sgemm_packed_size.argtypes = [_L, _L]
     lib.kiln_sgemm_packed_size.restype = _L
-    lib.kiln_layernorm.argtypes = [_L, _L, _P, _L, _P, _P, _F, _I]
-    lib.kiln_layernorm.restype = None
     lib.kiln_layernorm_to.argtypes = [_L, _L, _P, _L, _P, _L, _P, _P, _F, _I]
     lib.kiln_layernorm_to.restype = None
     lib.kiln_attention.argtypes = ([_L] * 7 + [_P, _L, _L, _L] * 3 + [_P, _L, _L, _L, _L]
@@ -126,8 +124,9 @@ def layer_norm_(y: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                          f"{y.is_contiguous()}) with scale {tuple(scale.shape)}: expected a "
                          f"contiguous float32 CPU y and float32 vectors of its last dim")
     n = y.shape[-1]
-    _lib.kiln_layernorm(y.numel() // n, n, y.data_ptr(), n, scale.data_ptr(),
-                        None if bias is None else bias.data_ptr(), eps, torch.get_num_threads())
+    _lib.kiln_layernorm_to(y.numel() // n, n, y.data_ptr(), n, y.data_ptr(), n,
+                           scale.data_ptr(), None if bias is None else bias.data_ptr(), eps,
+                           torch.get_num_threads())
     return y
 
 

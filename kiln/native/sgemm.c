@@ -3,8 +3,9 @@
  * B is a constant (a layer's weight), packed once into 24-column panels; A is read in place.
  * The 4 x 24 register tile (12 ymm accumulators, three B registers, one broadcast register)
  * keeps both FMA pipes busy on AVX2 + FMA with a load to FMA ratio of 7:12, and a batch of
- * 128 rows is whole tiles. K is blocked so a panel's k block stays near the core while a block
- * of A rows stays in L2. Threads (OpenMP; loaded after torch, this library shares
+ * 128 rows is whole tiles. K is blocked (KC) and A's rows in blocks of MC; with K up to ~500 a
+ * block of A rows stays in L2, beyond that it comes from L3 (MC from 96 to 1024 timed within
+ * +-2% at M = 1024). Threads (OpenMP; loaded after torch, this library shares
  * torch's libgomp and so its thread pool) split the panels, or the rows where panels are few.
  *
  * The code is compiled for AVX2 + FMA by function attribute; kiln_sgemm_supported() says
@@ -335,8 +336,8 @@ NARROW_TILE(1)
 NARROW_TILE(2)
 
 /* Rows [m0, m1) and panels [p0, p1) of the product: k blocks outermost, then blocks of MC rows
- * of A (which stay in L2 while every panel passes over them), then the panels, then the row
- * tiles (which reuse the panel's k block from L1/L2). */
+ * of A (which every panel passes over), then the panels, then the row tiles (which reuse the
+ * panel's k block from L1/L2). */
 TGT static void block(long m0, long m1, long p0, long p1, long N, long K, const float *A,
                       long lda, const float *Bp, const float *bias, const float *R, long ldr,
                       float *C, long ldc, int act, float alpha, float beta)
@@ -377,7 +378,7 @@ void kiln_sgemm(long M, long N, long K, const float *A, long lda, const float *B
     if (nthreads < 1) nthreads = 1;
     if (M <= 0 || N <= 0 || K <= 0)  /* callers pass K >= 1 (there is no product to take) */
         return;
-    /* Split the panels where each thread gets at least two, else the rows (in tiles of 6). */
+    /* Split the panels where each thread gets at least two, else the rows (in whole tiles). */
     int by_rows = panels < 2L * nthreads && M >= 2L * MR * nthreads;
     if (nthreads == 1 || (M * N * K) < 64L * 64 * 64) {
         block(0, M, 0, panels, N, K, A, lda, Bp, bias, R, ldr, C, ldc, act, alpha, beta);
@@ -450,12 +451,6 @@ void kiln_layernorm_to(long M, long N, const float *X, long ldx, float *Y, long 
     }
 }
 
-void kiln_layernorm(long M, long N, float *Y, long ldy, const float *gamma, const float *beta,
-                    float eps, int nthreads)
-{
-    kiln_layernorm_to(M, N, Y, ldy, Y, ldy, gamma, beta, eps, nthreads);
-}
-
 /* ---- attention ------------------------------------------------------------------------------
  * softmax(scale Q K^T + bias, causal) V for float32, one (batch, head) per work item: K^T and V
  * of the head are packed into panels (kiln_sgemm_pack) and both products run on the GEMM's
@@ -520,6 +515,15 @@ TGT static void scaled_copy(float *y, const float *x, long n, float f)
     for (; e < n; e++) y[e] = x[e] * f;
 }
 
+/* How many of Skv keys query i sees: all without a causal mask (causal < 0), else keys
+ * j <= i + causal. */
+static long visible(long i, long Skv, long causal)
+{
+    if (causal < 0) return Skv;
+    long n = i + causal + 1;
+    return n < 0 ? 0 : n > Skv ? Skv : n;
+}
+
 static float *scratch(long floats)
 {
     size_t bytes = ((size_t)floats * sizeof(float) + 63) & ~(size_t)63;
@@ -545,7 +549,7 @@ int kiln_attention(long B, long H, long Hkv, long Sq, long Skv, long D, long Dv,
     long items = B * H, group = H / Hkv;
     /* both products run on whole panels (the padding columns are zeros, cheaper to multiply
      * than to cut off with a narrow tile): scores are Skv_pad wide, the values' product lands
-     * Dv_pad wide in scratch and its Dv columns are copied out */
+     * Dv_pad wide in scratch and its Dv columns are copied out, scaled by the row's 1 / sum */
     long pk = kiln_sgemm_packed_size(D, Skv), pv = kiln_sgemm_packed_size(Skv, Dv);
     long skp = (Skv + NR - 1) / NR * NR, dvp = (Dv + NR - 1) / NR * NR;
     long qc = Sq < QC ? Sq : QC;
@@ -567,25 +571,16 @@ int kiln_attention(long B, long H, long Hkv, long Sq, long Skv, long D, long Dv,
             kiln_sgemm_pack(Skv, Dv, v, vs, 1, vp);  /* B(j, e) = V[j, e] */
             for (long i0 = 0; i0 < Sq; i0 += qc) {
                 long rows = Sq - i0 < qc ? Sq - i0 : qc;
-                long lim = Skv;  /* keys any row of this block may see */
-                if (causal >= 0) {
-                    lim = i0 + rows - 1 + causal + 1;
-                    if (lim > Skv) lim = Skv;
-                    if (lim < 0) lim = 0;
-                }
+                long lim = visible(i0 + rows - 1, Skv, causal);  /* keys any row may see */
                 long panels = (lim + NR - 1) / NR;
                 if (panels > 0)
                     block(0, rows, 0, panels, skp, D, q + i0 * qs, qs, kp, NULL, NULL, 0, sb, skp,
                           ACT_NONE, 0.0f, 0.0f);
                 for (long r = 0; r < rows; r++) {
-                    long i = i0 + r, li = Skv;
-                    if (causal >= 0) {
-                        li = i + causal + 1;
-                        if (li > Skv) li = Skv;
-                        if (li < 0) li = 0;
-                    }
+                    long i = i0 + r;
                     const float *br = bias ? bias + b * bb + h * bh + i * bq : NULL;
-                    inv[r] = softmax_row(sb + r * skp, Skv, li, scale, br, bk);
+                    inv[r] = softmax_row(sb + r * skp, Skv, visible(i, Skv, causal), scale, br,
+                                         bk);
                 }
                 block(0, rows, 0, dvp / NR, dvp, Skv, sb, skp, vp, NULL, NULL, 0, ob, dvp,
                       ACT_NONE, 0.0f, 0.0f);

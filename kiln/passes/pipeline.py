@@ -31,8 +31,9 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
         rmsnorm,
     )
 
-    # matmul_norm only where its kernel is worth having: on the CPU it saves a PyTorch call per
-    # block; the CUDA backend tunes FusedMatMul's Triton kernels and its own norm kernels instead
+    # matmul_norm and packed_qkv only where they pay: on the CPU each saves a PyTorch call per
+    # block; the CUDA backend tunes FusedMatMul's Triton kernels, its own norm kernels and its
+    # attention on separate q, k, v instead
     cpu_only = [matmul_norm, packed_qkv] if device == "cpu" else []
     order = [fold, eliminate, conv_bn, layernorm, rmsnorm, gelu, attention, qkv, matmul_add,
              conv_bias_act, *cpu_only, pointwise, layout, eliminate]

@@ -10,8 +10,8 @@ onnxruntime avoids this with its own memory arena. kiln keeps glibc's freed memo
 ``mallopt`` with no ``mmap``-served blocks at all and no trimming, set once per process when the
 first CPU execution context is made. An earlier version only raised the mmap threshold to its
 largest value (32 MiB on 64-bit), so larger tensors still got their own ``mmap``: GPT-2's 206 MB
-of logits at batch 8 were faulted in afresh on every run, and without that the run took 0.93x
-the time.
+of logits at batch 8 were faulted in afresh on every run. With every block from the heap, that
+run takes 0.93x the time (paired engines).
 
 The cost is that the process keeps the peak of its heap (what the largest run needed) instead
 of returning it between runs, as an arena does. ``KILN_CPU_KEEP_MEMORY=0`` leaves malloc as it

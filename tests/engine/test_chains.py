@@ -18,6 +18,7 @@ import torch
 import kiln
 from kiln import native
 from kiln.engine import chains
+from kiln.settings import Settings
 from kiln.zoo import build_onnx, sample_inputs
 
 pytestmark = pytest.mark.skipif(not native.available, reason=native.why_not or "no kiln.native")
@@ -62,7 +63,7 @@ def test_off_switch_and_same_results(monkeypatch):
     path, engine = _engine("bert-base", BERT)
     feeds = sample_inputs("bert-base", 1, 8, **BERT)
     chained = list(engine.create_context().run(feeds).values())
-    monkeypatch.setenv("KILN_CPU_CHAINS", "0")
+    monkeypatch.setattr(chains, "SETTINGS", Settings.from_env({"KILN_CPU_CHAINS": "0"}))
     plain_engine = kiln.Builder(kiln.BuilderConfig(device="cpu")).build(path)
     assert not _chains(plain_engine)
     plain = list(plain_engine.create_context().run(feeds).values())

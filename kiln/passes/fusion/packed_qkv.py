@@ -16,6 +16,7 @@ from kiln.ir import Graph, Node
 from kiln.ir.rewrite import remove_nodes, single_user
 from kiln.ops import fused_transformer as FT
 from kiln.ops import tensor as T
+from kiln.passes.fusion.match import made_by
 
 
 def _match(graph: Graph, att: Node, users: dict) -> Node | None:
@@ -24,8 +25,8 @@ def _match(graph: Graph, att: Node, users: dict) -> Node | None:
     q, k, v = att.inputs[:3]
     if q is None or k is None or v is None:
         return None
-    split = next((n for n in graph.nodes if any(o is q for o in n.outputs)), None)
-    if split is None or split.op is not T.Split or len(split.outputs) != 3:
+    split = made_by(q, T.Split)
+    if split is None or len(split.outputs) != 3:
         return None
     if any(a is not b for a, b in zip(split.outputs, (q, k, v))):  # q, k, v in that order
         return None
