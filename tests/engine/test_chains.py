@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 import threading
 
-import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
 
 import kiln
+from bench.peers import max_rel_err
 from kiln import native
 from kiln.engine import chains
 from kiln.settings import Settings
@@ -36,10 +36,6 @@ def _chains(engine):
     return [st.fn for st in engine._executor.run_steps if isinstance(st.fn, chains.Chain)]
 
 
-def _max_rel(got, want):
-    return max(float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(got, want))
-
-
 @pytest.mark.parametrize("model,cfg,batch,seq", [("bert-base", BERT, 2, 16),
                                                  ("gpt2", GPT2, 2, 12)])
 def test_chained_engine_matches_onnxruntime(model, cfg, batch, seq):
@@ -55,7 +51,7 @@ def test_chained_engine_matches_onnxruntime(model, cfg, batch, seq):
         feeds["attention_mask"][1, seq // 2:] = 0
     want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)
     got = list(engine.create_context().run(feeds).values())
-    assert _max_rel(got, want) <= 1e-5
+    assert max_rel_err(got, want) <= 1e-5
     assert all(isinstance(p, chains._Plan) for c in found for p in c.plans.values())
 
 
@@ -67,7 +63,7 @@ def test_off_switch_and_same_results(monkeypatch):
     plain_engine = kiln.Builder(kiln.BuilderConfig(device="cpu")).build(path)
     assert not _chains(plain_engine)
     plain = list(plain_engine.create_context().run(feeds).values())
-    assert _max_rel(chained, plain) <= 1e-5
+    assert max_rel_err(chained, plain) <= 1e-5
 
 
 def test_an_input_the_program_cannot_take_runs_step_by_step():
@@ -94,7 +90,7 @@ def test_an_input_the_program_cannot_take_runs_step_by_step():
     finally:
         chains.Chain.__call__ = orig
     assert seen and False in chain.plans.values()
-    assert _max_rel(got, want) <= 1e-5
+    assert max_rel_err(got, want) <= 1e-5
 
 
 def test_concurrent_contexts_get_their_own_results():
@@ -114,7 +110,7 @@ def test_concurrent_contexts_get_their_own_results():
     for t in ts:
         t.join()
     for i in range(4):
-        assert _max_rel(got[i], want[i]) == 0.0
+        assert max_rel_err(got[i], want[i]) == 0.0
 
 
 def _reference(q, k, v, bias, scale, causal):
