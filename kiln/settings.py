@@ -3,6 +3,8 @@
 - ``KILN_CPU_LINEAR``: force one CPU GEMM tactic (``linear``, ``mkl``, ``onednn``,
   ``onednn_fused``, ``kiln``) instead of timing them at the first run; for repeatable A/B
   measurements.
+- ``KILN_CPU_CONV``: force one CPU convolution tactic (``onednn``, or ``kiln``: kiln's own
+  kernel where one applies, oneDNN elsewhere) instead of timing them at the first run.
 - ``KILN_CUDNN_BENCHMARK``: ``1`` turns cuDNN's per-shape autotuning on for CUDA engines. Off by
   default: the builder times convolutions with cuDNN's heuristic algorithm choice (what an engine
   then runs), and autotuning at the first run of each shape costs about a second on ResNet-50
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Settings:
     cpu_linear: str = ""
+    cpu_conv: str = ""
     cudnn_benchmark: bool = False
     cpu_keep_memory: bool = True
     cpu_chains: bool = True
@@ -32,6 +35,7 @@ class Settings:
     def from_env(cls, env=None) -> Settings:
         env = os.environ if env is None else env
         return cls(cpu_linear=env.get("KILN_CPU_LINEAR", ""),
+                   cpu_conv=env.get("KILN_CPU_CONV", ""),
                    cudnn_benchmark=env.get("KILN_CUDNN_BENCHMARK", "0") == "1",
                    cpu_keep_memory=env.get("KILN_CPU_KEEP_MEMORY", "1") != "0",
                    cpu_chains=env.get("KILN_CPU_CHAINS", "1") != "0")

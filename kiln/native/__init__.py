@@ -55,6 +55,12 @@ def _load():
     lib.kiln_attention.argtypes = ([_L] * 7 + [_P, _L, _L, _L] * 3 + [_P, _L, _L, _L, _L]
                                    + [_L, _F, _P, _L, _L, _L, _I])
     lib.kiln_attention.restype = _I
+    lib.kiln_wino_packed_size.argtypes = [_L, _L]
+    lib.kiln_wino_packed_size.restype = _L
+    lib.kiln_wino_pack.argtypes = [_L, _L, _P, _P]
+    lib.kiln_wino_pack.restype = None
+    lib.kiln_wino3x3.argtypes = [_L] * 9 + [_P] * 5 + [_I, _F, _F, _L, _I]
+    lib.kiln_wino3x3.restype = _I
     lib.kiln_chain_run.argtypes = [_P, _L, _P, _P, _I]
     lib.kiln_chain_run.restype = _L
     return lib, ""
@@ -72,6 +78,13 @@ _lib, why_not = _load()
 TILE = _tile(_lib)  # (rows, columns of the register tile, K block); None without the library
 
 
+def _aligned(size: int) -> torch.Tensor:
+    """``size`` float32 elements whose first is ``_ALIGN``-byte aligned."""
+    buf = torch.empty(size + _ALIGN // 4, dtype=torch.float32)
+    off = (-buf.data_ptr() % _ALIGN) // 4
+    return buf[off:off + size]
+
+
 class PackedWeight:
     """A [K, N] float32 weight packed into the kernel's panels (its own memory, the size of
     the weight rounded up to whole panels of ``TILE[1]`` columns)."""
@@ -81,10 +94,7 @@ class PackedWeight:
             raise ValueError(f"PackedWeight: expected a 2-D float32 CPU tensor, got "
                              f"{tuple(w.shape)} {w.dtype} on {w.device}")
         self.k, self.n = w.shape
-        size = _lib.kiln_sgemm_packed_size(self.k, self.n)
-        buf = torch.empty(size + _ALIGN // 4, dtype=torch.float32)
-        off = (-buf.data_ptr() % _ALIGN) // 4
-        self.data = buf[off:off + size]
+        self.data = _aligned(_lib.kiln_sgemm_packed_size(self.k, self.n))
         _lib.kiln_sgemm_pack(self.k, self.n, w.data_ptr(), w.stride(0), w.stride(1),
                              self.data.data_ptr())
 
@@ -100,6 +110,67 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
     if out is None:
         out = torch.empty((x.shape[0], w.n), dtype=torch.float32)
     return gemm_fn(w, bias, activation, alpha, beta)(x, residual, out)
+
+
+# Winograd F(2x2, 3x3): the weight transform G (U = G g G^T for each 3x3 filter g)
+_WINO_G = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]],
+                       dtype=torch.float64)
+
+
+class WinogradWeight:
+    """A [K, C, 3, 3] float32 conv weight transformed for Winograd F(2x2, 3x3) (U = G g G^T,
+    in float64, rounded once) and packed as 16 GEMM weights [C, K], one per transform position
+    (its own memory, 16/9 of the weight's size). C and K must be multiples of 8."""
+
+    def __init__(self, w: torch.Tensor):
+        if (w.dim() != 4 or tuple(w.shape[2:]) != (3, 3) or w.dtype != torch.float32
+                or w.device.type != "cpu" or w.shape[0] % 8 or w.shape[1] % 8):
+            raise ValueError(f"WinogradWeight: expected a float32 CPU [K, C, 3, 3] weight with K "
+                             f"and C multiples of 8, got {tuple(w.shape)} {w.dtype} on "
+                             f"{w.device}")
+        self.k, self.c = w.shape[:2]
+        u = torch.einsum("ai,kcij,bj->abck", _WINO_G, w.double(), _WINO_G)
+        u = u.reshape(16, self.c, self.k).to(torch.float32).contiguous()
+        self.data = _aligned(_lib.kiln_wino_packed_size(self.c, self.k))
+        _lib.kiln_wino_pack(self.c, self.k, u.data_ptr(), self.data.data_ptr())
+
+
+def conv3x3_fn(w: WinogradWeight, bias: torch.Tensor | None = None, activation: str = "",
+               alpha: float | None = None, beta: float | None = None):
+    """A 3x3 convolution (stride 1, dilation 1, one group) by Winograd F(2x2, 3x3), its weight,
+    bias and epilogue bound once: a function ``(x, pad, residual, out) -> out`` computing
+    ``out = act(conv(x, W) + bias + residual)`` on NHWC tensors: ``x`` [N, H, W, C] and ``out``
+    (and ``residual``, or None) [N, Ho, Wo, K], all contiguous float32; ``pad`` = (top, left),
+    the bottom and right padding being what Ho and Wo imply. Runs on
+    ``torch.get_num_threads()`` threads; activations as in :func:`gemm`."""
+    if bias is not None and (bias.shape != (w.k,) or not bias.is_contiguous()
+                             or bias.dtype != torch.float32):
+        raise ValueError(f"conv3x3: bias {tuple(bias.shape)} {bias.dtype}: expected a "
+                         f"contiguous float32 [{w.k}]")
+    lo, hi = _epilogue_params(activation, alpha, beta)
+    code, call, k, c = ACTIVATIONS[activation], _lib.kiln_wino3x3, w.k, w.c
+    wp, bp = w.data.data_ptr(), None if bias is None else bias.data_ptr()
+
+    def run(x: torch.Tensor, pad: tuple[int, int], residual: torch.Tensor | None,
+            out: torch.Tensor) -> torch.Tensor:
+        n, h, wd, cx = x.shape
+        ho, wo = out.shape[1:3]
+        if (cx != c or out.shape != (n, ho, wo, k) or not x.is_contiguous()
+                or not out.is_contiguous() or x.dtype != torch.float32
+                or out.dtype != torch.float32 or min(pad) < 0 or min(ho, wo) < 1
+                or ho - h + 2 - pad[0] < 0 or wo - wd + 2 - pad[1] < 0  # bottom, right pads
+                or (residual is not None and (residual.shape != out.shape
+                                              or not residual.is_contiguous()))):
+            raise ValueError(f"conv3x3: x {tuple(x.shape)}, pad {pad}, out {tuple(out.shape)} do "
+                             f"not fit a [{k}, {c}, 3, 3] weight (contiguous NHWC float32)")
+        rc = call(n, h, wd, c, k, ho, wo, pad[0], pad[1], x.data_ptr(), wp, bp,
+                  None if residual is None else residual.data_ptr(), out.data_ptr(), code, lo,
+                  hi, 0, torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("conv3x3: the kernel could not allocate its scratch memory")
+        return out
+    run.keep = (w, bias)
+    return run
 
 
 def layer_norm_fits(y: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> bool:

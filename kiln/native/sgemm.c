@@ -310,30 +310,70 @@ TGT static void tile(long kc, const float *A, long lda, const float *Bp, float *
     store_tile(acc, C, ldc, mr, nr, first, last, bias, R, ldr, act, alpha, beta);
 }
 
-/* A tile of at most 8 * nv columns (an edge panel): the same product on nv < NV vectors, so a
- * panel's zero padding is not multiplied. */
-#define NARROW_TILE(nv)                                                                        \
-TGT static void tile_##nv(long kc, const float *A, long lda, const float *Bp, float *C,        \
-                          long ldc, int mr, int nr, int first, int last, const float *bias,    \
-                          const float *R, long ldr, int act, float alpha, float beta)          \
-{                                                                                              \
-    const float *a[MR];                                                                        \
-    for (int r = 0; r < MR; r++) a[r] = A + (r < mr ? r : mr - 1) * lda;                       \
-    __m256 acc[MR][NV];                                                                        \
-    for (int r = 0; r < MR; r++)                                                               \
-        for (int v = 0; v < NV; v++) acc[r][v] = _mm256_setzero_ps();                          \
-    for (long k = 0; k < kc; k++) {                                                            \
-        const float *bk = Bp + k * NR;                                                         \
-        for (int v = 0; v < nv; v++) {                                                         \
-            __m256 w = _mm256_load_ps(bk + 8 * v);                                             \
-            for (int r = 0; r < MR; r++)                                                       \
-                acc[r][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(a[r] + k), w, acc[r][v]);      \
-        }                                                                                      \
-    }                                                                                          \
-    store_tile(acc, C, ldc, mr, nr, first, last, bias, R, ldr, act, alpha, beta);              \
+/* The edge panels' tiles, of at most 16 and at most 8 columns: the same product on two vectors
+ * or one, so a panel's zero padding is not multiplied, with named accumulators as in tile (an
+ * array of them, indexed in loops, was spilled: a 16-column edge panel took as long as three
+ * full ones, 44% of an M = 784, K = 64, N = 256 GEMM). The 8-column tile keeps two sums per
+ * row (even and odd k) for eight independent FMA chains. */
+TGT static void tile_2(long kc, const float *A, long lda, const float *Bp, float *C, long ldc,
+                       int mr, int nr, int first, int last, const float *bias, const float *R,
+                       long ldr, int act, float alpha, float beta)
+{
+    const float *a0 = A, *a1 = A + (1 < mr ? 1 : mr - 1) * lda,
+                *a2 = A + (2 < mr ? 2 : mr - 1) * lda, *a3 = A + (3 < mr ? 3 : mr - 1) * lda;
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+           c30 = c00, c31 = c00;
+#pragma GCC unroll 4
+    for (long k = 0; k < kc; k++) {
+        const float *bk = Bp + k * NR;
+        __m256 w0 = _mm256_load_ps(bk), w1 = _mm256_load_ps(bk + 8), x;
+        x = _mm256_broadcast_ss(a0 + k); c00 = _mm256_fmadd_ps(x, w0, c00);
+        c01 = _mm256_fmadd_ps(x, w1, c01);
+        x = _mm256_broadcast_ss(a1 + k); c10 = _mm256_fmadd_ps(x, w0, c10);
+        c11 = _mm256_fmadd_ps(x, w1, c11);
+        x = _mm256_broadcast_ss(a2 + k); c20 = _mm256_fmadd_ps(x, w0, c20);
+        c21 = _mm256_fmadd_ps(x, w1, c21);
+        x = _mm256_broadcast_ss(a3 + k); c30 = _mm256_fmadd_ps(x, w0, c30);
+        c31 = _mm256_fmadd_ps(x, w1, c31);
+    }
+    __m256 z = _mm256_setzero_ps();
+    __m256 acc[MR][NV] = {{c00, c01, z}, {c10, c11, z}, {c20, c21, z}, {c30, c31, z}};
+    store_tile(acc, C, ldc, mr, nr, first, last, bias, R, ldr, act, alpha, beta);
 }
-NARROW_TILE(1)
-NARROW_TILE(2)
+
+TGT static void tile_1(long kc, const float *A, long lda, const float *Bp, float *C, long ldc,
+                       int mr, int nr, int first, int last, const float *bias, const float *R,
+                       long ldr, int act, float alpha, float beta)
+{
+    const float *a0 = A, *a1 = A + (1 < mr ? 1 : mr - 1) * lda,
+                *a2 = A + (2 < mr ? 2 : mr - 1) * lda, *a3 = A + (3 < mr ? 3 : mr - 1) * lda;
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, d0 = c0, d1 = c0, d2 = c0,
+           d3 = c0;
+    long k = 0;
+    for (; k + 2 <= kc; k += 2) {
+        const float *bk = Bp + k * NR;
+        __m256 w0 = _mm256_load_ps(bk), w1 = _mm256_load_ps(bk + NR);
+        c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(a0 + k), w0, c0);
+        c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(a1 + k), w0, c1);
+        c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(a2 + k), w0, c2);
+        c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(a3 + k), w0, c3);
+        d0 = _mm256_fmadd_ps(_mm256_broadcast_ss(a0 + k + 1), w1, d0);
+        d1 = _mm256_fmadd_ps(_mm256_broadcast_ss(a1 + k + 1), w1, d1);
+        d2 = _mm256_fmadd_ps(_mm256_broadcast_ss(a2 + k + 1), w1, d2);
+        d3 = _mm256_fmadd_ps(_mm256_broadcast_ss(a3 + k + 1), w1, d3);
+    }
+    if (k < kc) {
+        __m256 w0 = _mm256_load_ps(Bp + k * NR);
+        c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(a0 + k), w0, c0);
+        c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(a1 + k), w0, c1);
+        c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(a2 + k), w0, c2);
+        c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(a3 + k), w0, c3);
+    }
+    __m256 z = _mm256_setzero_ps();
+    __m256 acc[MR][NV] = {{_mm256_add_ps(c0, d0), z, z}, {_mm256_add_ps(c1, d1), z, z},
+                          {_mm256_add_ps(c2, d2), z, z}, {_mm256_add_ps(c3, d3), z, z}};
+    store_tile(acc, C, ldc, mr, nr, first, last, bias, R, ldr, act, alpha, beta);
+}
 
 /* Rows [m0, m1) and panels [p0, p1) of the product: k blocks outermost, then blocks of MC rows
  * of A (which every panel passes over), then the panels, then the row tiles (which reuse the
@@ -394,9 +434,24 @@ void kiln_sgemm(long M, long N, long K, const float *A, long lda, const float *B
             if (a < b)
                 block(a, b, 0, panels, N, K, A, lda, Bp, bias, R, ldr, C, ldc, act, alpha, beta);
         } else {
-            long a = panels * t / nt, b = panels * (t + 1) / nt;
-            if (a < b)
-                block(0, M, a, b, N, K, A, lda, Bp, bias, R, ldr, C, ldc, act, alpha, beta);
+            /* nt shares of (panel, row slice) items, panel-major: whole panels, and where the
+             * panels do not divide evenly the boundary panel's rows split between two threads
+             * (11 panels, N = 256, on 2 threads: 5.5 each, not 5 and 6) */
+            long tiles_m = (M + MR - 1) / MR, a = panels * t, b = panels * (t + 1);
+#define ROW(s) (tiles_m * (s) / nt * MR < M ? tiles_m * (s) / nt * MR : M)
+            if (a % nt) {  /* the tail of a panel: its row slices a % nt .. nt - 1 */
+                long p = a / nt, end = b / nt == p ? b % nt : nt;
+                block(ROW(a % nt), ROW(end), p, p + 1, N, K, A, lda, Bp, bias, R, ldr, C, ldc,
+                      act, alpha, beta);
+                a = (p + 1) * nt;
+            }
+            if (a < b / nt * nt)  /* whole panels */
+                block(0, M, a / nt, b / nt, N, K, A, lda, Bp, bias, R, ldr, C, ldc, act, alpha,
+                      beta);
+            if (b % nt && b / nt * nt >= a)  /* the head of a panel: slices 0 .. b % nt - 1 */
+                block(0, ROW(b % nt), b / nt, b / nt + 1, N, K, A, lda, Bp, bias, R, ldr, C,
+                      ldc, act, alpha, beta);
+#undef ROW
         }
     }
 }
@@ -591,6 +646,154 @@ int kiln_attention(long B, long H, long Hkv, long Sq, long Skv, long D, long Dv,
         free(kp); free(vp); free(sb); free(ob);
     }
     return failed ? -1 : 0;
+}
+
+/* ---- 3x3 convolution by Winograd F(2x2, 3x3) -----------------------------------------------
+ * Y = act(conv(X, W) + bias + R) for a 3x3 kernel, stride 1, dilation 1, one group, on NHWC
+ * tensors (channels contiguous; X [N, H, W, C], Y and R [N, Ho, Wo, K]). Each 2 x 2 block of
+ * outputs (a tile) is computed from the 4 x 4 input patch around it as A^T [(G g G^T) . (B^T d
+ * B)] A (Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks", 2015): the
+ * elementwise product over the 16 transform positions summed over C is 16 GEMMs of [tiles, C] @
+ * [C, K], 16 multiplies per tile and channel pair where the direct convolution takes 36. The
+ * transformed weight (16 matrices [C, K]) is packed once like any GEMM weight. Tiles go in
+ * blocks of tb, each block in three phases split over the threads (input transform by tiles;
+ * the 16 GEMMs by transform position and panel; output transform by tiles), so a block's
+ * transformed input and products stay in L2/L3. C and K must be multiples of 8. */
+
+/* The 16 transformed vectors of input channels c .. c + 7 of the patch whose top-left corner is
+ * (y0, x0) (rows outside [0, H), columns outside [0, W) read as zeros), stored to V + e * vs for
+ * e = 4 i + j: B^T d B with B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1]. */
+TGT static inline void wino_in(const float *X, long H, long W, long C, long y0, long x0, long c,
+                               float *V, long vs)
+{
+    __m256 d[4][4], z = _mm256_setzero_ps();
+    int inside = y0 >= 0 && x0 >= 0 && y0 + 4 <= H && x0 + 4 <= W;
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) {
+            long y = y0 + i, x = x0 + j;
+            d[i][j] = inside || (y >= 0 && y < H && x >= 0 && x < W)
+                          ? _mm256_loadu_ps(X + (y * W + x) * C + c) : z;
+        }
+    __m256 t[4][4];
+    for (int j = 0; j < 4; j++) {
+        t[0][j] = _mm256_sub_ps(d[0][j], d[2][j]);
+        t[1][j] = _mm256_add_ps(d[1][j], d[2][j]);
+        t[2][j] = _mm256_sub_ps(d[2][j], d[1][j]);
+        t[3][j] = _mm256_sub_ps(d[1][j], d[3][j]);
+    }
+    for (int i = 0; i < 4; i++) {
+        float *v = V + 4 * i * vs + c;
+        _mm256_storeu_ps(v, _mm256_sub_ps(t[i][0], t[i][2]));
+        _mm256_storeu_ps(v + vs, _mm256_add_ps(t[i][1], t[i][2]));
+        _mm256_storeu_ps(v + 2 * vs, _mm256_sub_ps(t[i][2], t[i][1]));
+        _mm256_storeu_ps(v + 3 * vs, _mm256_sub_ps(t[i][1], t[i][3]));
+    }
+}
+
+/* Output channels k .. k + 7 of the tile whose top-left output is (y0, x0) of image n, from
+ * its 16 products M + e * ms: A^T m A with A^T = [1 1 1 0; 0 1 -1 -1], then + bias + R, the
+ * activation, and stores of the outputs inside [0, Ho) x [0, Wo). */
+TGT static inline void wino_out(const float *M, long ms, long Ho, long Wo, long K, long y0,
+                                long x0, long k, const float *bias, const float *R, float *Y,
+                                int act, float alpha, float beta)
+{
+    __m256 s[2][4];
+    for (int j = 0; j < 4; j++) {
+        __m256 m0 = _mm256_loadu_ps(M + j * ms + k), m1 = _mm256_loadu_ps(M + (4 + j) * ms + k),
+               m2 = _mm256_loadu_ps(M + (8 + j) * ms + k),
+               m3 = _mm256_loadu_ps(M + (12 + j) * ms + k);
+        s[0][j] = _mm256_add_ps(_mm256_add_ps(m0, m1), m2);
+        s[1][j] = _mm256_sub_ps(_mm256_sub_ps(m1, m2), m3);
+    }
+    __m256 b = bias ? _mm256_loadu_ps(bias + k) : _mm256_setzero_ps();
+    __m256 y[2][2];
+    for (int i = 0; i < 2; i++) {
+        y[i][0] = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(s[i][0], s[i][1]), s[i][2]), b);
+        y[i][1] = _mm256_add_ps(_mm256_sub_ps(_mm256_sub_ps(s[i][1], s[i][2]), s[i][3]), b);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 2; j++) {
+            long oy = y0 + i, ox = x0 + j;
+            if (oy >= Ho || ox >= Wo) continue;
+            long at = (oy * Wo + ox) * K + k;
+            __m256 v = y[i][j];
+            if (R) v = _mm256_add_ps(v, _mm256_loadu_ps(R + at));
+            if (act) v = act256(v, act, alpha, beta);
+            _mm256_storeu_ps(Y + at, v);
+        }
+}
+
+long kiln_wino_packed_size(long C, long K)
+{
+    return 16 * kiln_sgemm_packed_size(C, K);
+}
+
+/* U [16][C][K] (the transformed weight G g G^T, position e = 4 i + j first) packed as 16 GEMM
+ * weights one after another. */
+void kiln_wino_pack(long C, long K, const float *U, float *out)
+{
+    long size = kiln_sgemm_packed_size(C, K);
+    for (int e = 0; e < 16; e++) kiln_sgemm_pack(C, K, U + e * C * K, K, 1, out + e * size);
+}
+
+/* Y = act(conv3x3(X, W) + bias + R) as above, the image padded by pt rows on top and pl columns
+ * on the left (Ho, Wo: the output's size, whatever padding that implies at the bottom and
+ * right); Up: kiln_wino_pack's result; bias, R may be NULL; tb: tiles per block (<= 0: chosen
+ * here). Returns 0, or -1 when scratch memory could not be had (Y is then incomplete). */
+int kiln_wino3x3(long N, long H, long W, long C, long K, long Ho, long Wo, long pt, long pl,
+                 const float *X, const float *Up, const float *bias, const float *R, float *Y,
+                 int act, float alpha, float beta, long tb, int nthreads)
+{
+    long th = (Ho + 1) / 2, tw = (Wo + 1) / 2, T = N * th * tw;
+    if (T <= 0 || C <= 0 || K <= 0) return 0;
+    if (nthreads < 1) nthreads = 1;
+    if (tb <= 0) {  /* the block's transformed input and products in about 1 MiB */
+        tb = (1L << 20) / (16 * (C + K) * (long)sizeof(float));
+        tb = tb < 16 ? 16 : tb / MR * MR;
+    }
+    if (tb > T) tb = T;
+    long usize = kiln_sgemm_packed_size(C, K), panels = (K + NR - 1) / NR;
+    /* the 16 matrices of a block one cache line more than their size apart: at a power-of-two
+     * distance (tb C = 8192 floats) the transforms' 16 streams fall in one L1 set */
+    long vs = tb * C + 16, ms = tb * K + 16;
+    float *V = scratch(16 * vs), *M = scratch(16 * ms);
+    if (!V || !M) {
+        free(V); free(M);
+        return -1;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (long t0 = 0; t0 < T; t0 += tb) {
+            long nb = T - t0 < tb ? T - t0 : tb;
+            for (long i = nb * t / nt; i < nb * (t + 1) / nt; i++) {
+                long g = t0 + i, n = g / (th * tw), r = g % (th * tw);
+                const float *x = X + n * H * W * C;
+                for (long c = 0; c < C; c += 8)
+                    wino_in(x, H, W, C, 2 * (r / tw) - pt, 2 * (r % tw) - pl, c, V + i * C, vs);
+            }
+#pragma omp barrier
+            long items = 16 * panels, a = items * t / nt, b = items * (t + 1) / nt;
+            while (a < b) {
+                long e = a / panels, p0 = a % panels;
+                long p1 = p0 + (b - a) < panels ? p0 + (b - a) : panels;
+                block(0, nb, p0, p1, K, C, V + e * vs, C, Up + e * usize, NULL, NULL, 0,
+                      M + e * ms, K, ACT_NONE, 0.0f, 0.0f);
+                a += p1 - p0;
+            }
+#pragma omp barrier
+            for (long i = nb * t / nt; i < nb * (t + 1) / nt; i++) {
+                long g = t0 + i, n = g / (th * tw), r = g % (th * tw);
+                long off = n * Ho * Wo * K;
+                for (long k = 0; k < K; k += 8)
+                    wino_out(M + i * K, ms, Ho, Wo, K, 2 * (r / tw), 2 * (r % tw), k, bias,
+                             R ? R + off : NULL, Y + off, act, alpha, beta);
+            }
+#pragma omp barrier
+        }
+    }
+    free(V); free(M);
+    return 0;
 }
 
 /* ---- chains ---------------------------------------------------------------------------------

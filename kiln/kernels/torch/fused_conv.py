@@ -146,6 +146,112 @@ def _conv_onednn(n, x, w, b, r, geo):
     return y if unary or not a.activation else _TORCH_ACT[a.activation](y, a)
 
 
+# ---------------------------------------------------------------- CPU conv tactics
+
+CONV_TACTICS = ("onednn", "kiln")
+_FORCED_CONV = SETTINGS.cpu_conv  # a forced conv tactic, for repeatable measurements
+
+
+def _kiln_conv(a, x, w, b, r, geo):
+    """kiln's own kernel for this conv as ``(x, r) -> y`` (NHWC in and out), or None where none
+    applies: a 1x1 convolution with stride 1 and no padding is kiln's GEMM on the activations
+    seen as an [N H W, C] matrix (channels-last makes that a view), a 3x3 one with stride 1 and
+    dilation 1 over multiples of 8 channels is Winograd F(2x2, 3x3)
+    (:func:`kiln.native.conv3x3_fn`). Both apply the bias, the residual and the activation in
+    registers."""
+    pad, stride, dil = geo
+    k_out, c, kh, kw = w.shape
+    if (not native.available or (a.group or 1) != 1 or list(stride) != [1, 1]
+            or x.shape[1] != c or (b is not None and b.dtype != torch.float32)):
+        return None
+    b = None if b is None else b.contiguous()
+    cl = torch.channels_last
+
+    def nhwc(t):
+        return t.contiguous(memory_format=cl).permute(0, 2, 3, 1)  # a contiguous view
+
+    if (kh, kw) == (1, 1) and list(pad) == [0, 0]:
+        gemm = native.gemm_fn(native.PackedWeight(w.reshape(k_out, c).t()), b, a.activation,
+                              a.alpha, a.beta)
+
+        def conv1x1(x, r):
+            nb, _, h, wd = x.shape
+            y = torch.empty((nb, h, wd, k_out), dtype=torch.float32)
+            gemm(nhwc(x).reshape(-1, c), None if r is None else nhwc(r).reshape(-1, k_out),
+                 y.view(-1, k_out))
+            return y.permute(0, 3, 1, 2)
+        return conv1x1
+    if (kh, kw) == (3, 3) and list(dil) == [1, 1] and c % 8 == 0 and k_out % 8 == 0:
+        conv = native.conv3x3_fn(native.WinogradWeight(w.contiguous()), b, a.activation,
+                                 a.alpha, a.beta)
+        pt, pl = pad
+
+        def winograd(x, r):
+            nb, _, h, wd = x.shape
+            y = torch.empty((nb, h + 2 * pt - 2, wd + 2 * pl - 2, k_out), dtype=torch.float32)
+            conv(nhwc(x), (pt, pl), None if r is None else nhwc(r), y)
+            return y.permute(0, 3, 1, 2)
+        return winograd
+    return None
+
+
+def _conv_cpu(n, x, w, b, r, geo):
+    """A float32 NHWC conv on the CPU by this node's tactic for the shapes of ``x`` and ``r``:
+    oneDNN's convolution, or kiln's own kernel where one applies (:func:`_kiln_conv`). The
+    first run per shape times the two against each other and checks kiln's against oneDNN's
+    output (as :func:`linear` does; the pick is kept per signature for the whole process);
+    the tactic's function, its packed weight with it, stays in ``n.cache``."""
+    key = (tuple(x.shape), None if r is None else tuple(r.shape))
+    plans = n.cache.get("conv_plans")
+    if plans is not None and n.cache.get("conv_src") is w:
+        fn = plans.get(key)
+        if fn is not None:
+            return fn(x, r)
+    with _lock(n):
+        if n.cache.get("conv_src") is not w:
+            n.cache["conv_src"], n.cache["conv_plans"] = w, {}
+        plans = n.cache["conv_plans"]
+        fn = plans.get(key)
+        if fn is not None:
+            return fn(x, r)
+        y, fn = _plan_conv(n, x, w, b, r, geo)
+        if len(plans) >= _MAX_PACKED:
+            del plans[next(iter(plans))]
+        plans[key] = fn
+        n.cache.setdefault("conv_tactics", {})[key] = fn.tactic
+        if fn.tactic != "onednn":  # oneDNN's packed copy for this shape is not run again
+            n.cache.get("packed", {}).pop(key[0], None)
+            host.release_pages(w)
+    return y if y is not None else fn(x, r)
+
+
+def _plan_conv(n, x, w, b, r, geo):
+    """(the output where picking the tactic made it, else None; the tactic's function, its
+    name in ``.tactic``)."""
+    a, name, y = n.a, _FORCED_CONV, None
+    if name and name not in CONV_TACTICS:
+        raise ValueError(f"KILN_CPU_CONV={name!r}: expected one of {', '.join(CONV_TACTICS)}")
+
+    def onednn(x, r):
+        return _conv_onednn(n, x, w, b, r, geo)
+
+    kiln = None if name == "onednn" else _kiln_conv(a, x, w, b, r, geo)
+    if kiln is None:
+        name = "onednn"
+    elif not name:
+        sig = ("conv", tuple(x.shape), tuple(w.shape), *map(tuple, geo), b is not None,
+               a.activation, a.alpha, a.beta, None if r is None else tuple(r.shape),
+               torch.get_num_threads())
+        with _choices_lock:
+            name = _choices.get(sig)
+            if name is None:
+                name, y = _select({"onednn": onednn, "kiln": kiln}, x, r, CONV_TACTICS)
+                _choices[sig] = name
+    fn = onednn if name == "onednn" else kiln
+    fn.tactic = name
+    return y, fn
+
+
 # ---------------------------------------------------------------- CUDA channels-last convs
 
 CUDA_CHANNELS_LAST = True  # False: CUDA convs run NCHW through F.conv2d (the A/B switch)
@@ -195,7 +301,7 @@ def fused_conv(n, x, w, b=None, r=None):
     if _onednn_ok(n.a, x, w):
         geo = symmetric_geometry(n, x, w)
         if geo is not None:  # the pass fuses only residuals of the output's own shape
-            return _conv_onednn(n, x, w, b, r, geo[:3])
+            return _conv_cpu(n, x, w, b, r, geo[:3])
     return epilogue(conv_reference(n, x, w, b), n.a, r)
 
 
@@ -299,7 +405,7 @@ def _signature(x, wt, b, a, r):
             None if r is None else tuple(r.shape), torch.get_num_threads())
 
 
-def _select(fns: dict, x, r):
+def _select(fns: dict, x, r, order=TACTICS):
     """The fastest of ``fns`` (name -> fn, "linear" first) on these inputs, and its output.
     Each runs once to warm up and is checked against F.linear's result, then all run
     interleaved for a few rounds; the fastest run of each counts (contention only adds time)."""
@@ -322,7 +428,7 @@ def _select(fns: dict, x, r):
             t0 = time.perf_counter()
             fns[name](x, r)
             best[name] = min(best[name], time.perf_counter() - t0)
-    name = min(best, key=lambda k: (best[k], TACTICS.index(k)))
+    name = min(best, key=lambda k: (best[k], order.index(k)))
     return name, ref if name == ref_name else fns[name](x, r)
 
 
