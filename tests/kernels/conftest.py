@@ -10,11 +10,13 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """The CPU linear's clean process-wide choice table, the tactics on, nothing pinned (a test
-    pins one by setting ``_FORCED`` on the returned monkeypatch)."""
+    """The CPU linear's and convolution's clean process-wide choice table, the tactics on,
+    nothing pinned (a test pins one by setting ``_FORCED`` or ``_FORCED_CONV`` on the returned
+    monkeypatch)."""
     from kiln.kernels.torch import fused_conv as FCK
 
     monkeypatch.setattr(FCK, "_choices", {})
     monkeypatch.setattr(FCK, "PACKED_LINEAR", True)
     monkeypatch.setattr(FCK, "_FORCED", "")
+    monkeypatch.setattr(FCK, "_FORCED_CONV", "")
     return monkeypatch

@@ -160,6 +160,24 @@ def test_gemm_matches_torch(threads, shape, epi):
         assert torch.equal(r, r_copy)  # the residual is read, never written
 
 
+@needs_native
+@pytest.mark.parametrize("n", [6 * NR + 16, 10 * NR + 8, 2 * NR + 16])
+def test_uneven_panel_split(threads, n):
+    """Panels that do not divide among the threads: the boundary panel's rows are split
+    between two threads (7 panels on 2 threads: 3.5 each); 11 on 3; 3 (split by rows)."""
+    m, k = 130, 64  # a partial row tile at the end
+    x, w, b, r = _data(m, n, k, seed=2)
+    pw = native.PackedWeight(w)
+    want = _reference(x, w, b, r, "Relu")
+    outs = []
+    for t in (1, 2, 3, 4):
+        threads(t)
+        y = native.gemm(x, pw, b, r, "Relu")
+        _close(y, want)
+        outs.append(y)
+    assert all(torch.equal(y, outs[0]) for y in outs[1:])
+
+
 # ---------------------------------------------------------------- numerics: layouts
 
 
