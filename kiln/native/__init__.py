@@ -58,7 +58,7 @@ def _load():
     lib.kiln_wino_packed_size.argtypes = [_L, _L]
     lib.kiln_wino_packed_size.restype = _L
     lib.kiln_wino_pack.argtypes = [_L, _L, _P, _P]
-    lib.kiln_wino_pack.restype = None
+    lib.kiln_wino_pack.restype = _I
     lib.kiln_wino3x3.argtypes = [_L] * 9 + [_P] * 5 + [_I, _F, _F, _L, _I]
     lib.kiln_wino3x3.restype = _I
     lib.kiln_chain_run.argtypes = [_P, _L, _P, _P, _I]
@@ -112,15 +112,11 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
     return gemm_fn(w, bias, activation, alpha, beta)(x, residual, out)
 
 
-# Winograd F(2x2, 3x3): the weight transform G (U = G g G^T for each 3x3 filter g)
-_WINO_G = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]],
-                       dtype=torch.float64)
-
-
 class WinogradWeight:
     """A [K, C, 3, 3] float32 conv weight transformed for Winograd F(2x2, 3x3) (U = G g G^T,
-    in float64, rounded once) and packed as 16 GEMM weights [C, K], one per transform position
-    (its own memory, 16/9 of the weight's size). C and K must be multiples of 8."""
+    in double, rounded once) and packed as 16 GEMM weights [C, K], one per transform position
+    (its own memory, 16/9 of the weight's size; the transform, in C, needs 4/9 of it besides).
+    C and K must be multiples of 8."""
 
     def __init__(self, w: torch.Tensor):
         if (w.dim() != 4 or tuple(w.shape[2:]) != (3, 3) or w.dtype != torch.float32
@@ -129,10 +125,10 @@ class WinogradWeight:
                              f"and C multiples of 8, got {tuple(w.shape)} {w.dtype} on "
                              f"{w.device}")
         self.k, self.c = w.shape[:2]
-        u = torch.einsum("ai,kcij,bj->abck", _WINO_G, w.double(), _WINO_G)
-        u = u.reshape(16, self.c, self.k).to(torch.float32).contiguous()
+        w = w.contiguous()
         self.data = _aligned(_lib.kiln_wino_packed_size(self.c, self.k))
-        _lib.kiln_wino_pack(self.c, self.k, u.data_ptr(), self.data.data_ptr())
+        if _lib.kiln_wino_pack(self.c, self.k, w.data_ptr(), self.data.data_ptr()) != 0:
+            raise MemoryError("WinogradWeight: no scratch memory for the transform")
 
 
 def conv3x3_fn(w: WinogradWeight, bias: torch.Tensor | None = None, activation: str = "",

@@ -728,12 +728,32 @@ long kiln_wino_packed_size(long C, long K)
     return 16 * kiln_sgemm_packed_size(C, K);
 }
 
-/* U [16][C][K] (the transformed weight G g G^T, position e = 4 i + j first) packed as 16 GEMM
- * weights one after another. */
-void kiln_wino_pack(long C, long K, const float *U, float *out)
+/* The conv weight Wt [K][C][3][3] transformed for Winograd, U = G g G^T for each filter g (in
+ * double, rounded once; G = [1 0 0; 1/2 1/2 1/2; 1/2 -1/2 1/2; 0 0 1]), and packed as 16 GEMM
+ * weights [C, K] one after another, for transform position e = 4 a + b. One row a of positions
+ * at a time goes through a scratch of 4 C K floats. Returns 0, or -1 without scratch memory. */
+int kiln_wino_pack(long C, long K, const float *Wt, float *out)
 {
+    static const double G[4][3] = {{1, 0, 0}, {0.5, 0.5, 0.5}, {0.5, -0.5, 0.5}, {0, 0, 1}};
     long size = kiln_sgemm_packed_size(C, K);
-    for (int e = 0; e < 16; e++) kiln_sgemm_pack(C, K, U + e * C * K, K, 1, out + e * size);
+    float *u = scratch(4 * C * K);
+    if (!u) return -1;
+    for (int a = 0; a < 4; a++) {
+        for (long k = 0; k < K; k++)
+            for (long c = 0; c < C; c++) {
+                const float *g = Wt + (k * C + c) * 9;
+                double t[3];  /* row a of G g */
+                for (int j = 0; j < 3; j++)
+                    t[j] = G[a][0] * g[j] + G[a][1] * g[3 + j] + G[a][2] * g[6 + j];
+                for (int b = 0; b < 4; b++)
+                    u[(b * C + c) * K + k] = (float)(t[0] * G[b][0] + t[1] * G[b][1] +
+                                                     t[2] * G[b][2]);
+            }
+        for (int b = 0; b < 4; b++)
+            kiln_sgemm_pack(C, K, u + b * C * K, K, 1, out + (4 * a + b) * size);
+    }
+    free(u);
+    return 0;
 }
 
 /* Y = act(conv3x3(X, W) + bias + R) as above, the image padded by pt rows on top and pl columns
