@@ -1,7 +1,8 @@
 """kiln.native's Winograd F(2x2, 3x3) convolution (``kiln_wino3x3`` in kiln/native/sgemm.c)
 against torch's in float64, and the CPU convolution tactics of FusedConv (oneDNN, or kiln's own
-kernel: the GEMM for 1x1 convs, Winograd for 3x3) against F.conv2d: every tactic agrees, kiln's
-applies only where it can, and the pick is kept per node and input shape."""
+kernel: the GEMM for unpadded 1x1 convs, Winograd for 3x3 stride-1 ones) against F.conv2d:
+every tactic agrees, kiln's applies only where it can, and the pick is kept per node and input
+shape."""
 
 from __future__ import annotations
 
@@ -140,7 +141,9 @@ CONV_CASES = [  # N, C, K, H, kernel, pad, stride, groups, residual, activation;
     ((2, 8, 16, 7, 3, 1, 1, 1, True, ""), True),         # 3x3 + residual, odd size
     ((1, 8, 8, 6, 3, 0, 1, 1, False, "Relu"), True),     # 3x3 without padding
     ((1, 16, 16, 8, 3, 1, 2, 1, False, "Relu"), False),  # stride 2: oneDNN
-    ((1, 16, 16, 8, 1, 0, 2, 1, False, ""), False),      # 1x1 stride 2: oneDNN
+    ((1, 16, 16, 8, 1, 0, 2, 1, False, ""), True),       # 1x1 stride 2: gathered, the GEMM
+    ((2, 16, 24, 7, 1, 0, 2, 1, True, "Relu"), True),    # ... odd size, residual
+    ((1, 16, 16, 8, 1, 1, 1, 1, False, ""), False),      # 1x1 with padding: oneDNN
     ((1, 12, 16, 6, 3, 1, 1, 1, False, "Relu"), False),  # 12 channels: not for Winograd
     ((1, 16, 16, 6, 3, 1, 1, 2, False, ""), False),      # grouped: oneDNN
     ((1, 3, 8, 9, 5, 2, 1, 1, False, "Relu"), False),    # 5x5: oneDNN

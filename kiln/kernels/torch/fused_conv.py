@@ -154,15 +154,16 @@ _FORCED_CONV = SETTINGS.cpu_conv  # a forced conv tactic, for repeatable measure
 
 def _kiln_conv(a, x, w, b, r, geo):
     """kiln's own kernel for this conv as ``(x, r) -> y`` (NHWC in and out), or None where none
-    applies: a 1x1 convolution with stride 1 and no padding is kiln's GEMM on the activations
-    seen as an [N H W, C] matrix (channels-last makes that a view), a 3x3 one with stride 1 and
+    applies: a 1x1 convolution without padding is kiln's GEMM on the activations seen as an
+    [N H W, C] matrix (channels-last makes that a view; with a stride, the pixels it reads are
+    first gathered into one), a 3x3 one with stride 1 and
     dilation 1 over multiples of 8 channels is Winograd F(2x2, 3x3)
     (:func:`kiln.native.conv3x3_fn`). Both apply the bias, the residual and the activation in
     registers."""
     pad, stride, dil = geo
     k_out, c, kh, kw = w.shape
-    if (not native.available or (a.group or 1) != 1 or list(stride) != [1, 1]
-            or x.shape[1] != c or (b is not None and b.dtype != torch.float32)):
+    if (not native.available or (a.group or 1) != 1 or x.shape[1] != c
+            or (b is not None and b.dtype != torch.float32)):
         return None
     b = None if b is None else b.contiguous()
     cl = torch.channels_last
@@ -173,14 +174,20 @@ def _kiln_conv(a, x, w, b, r, geo):
     if (kh, kw) == (1, 1) and list(pad) == [0, 0]:
         gemm = native.gemm_fn(native.PackedWeight(w.reshape(k_out, c).t()), b, a.activation,
                               a.alpha, a.beta)
+        sh, sw = stride
 
         def conv1x1(x, r):
-            nb, _, h, wd = x.shape
+            xs = nhwc(x)
+            if (sh, sw) != (1, 1):  # strided: the pixels it reads, gathered into rows
+                xs = xs[:, ::sh, ::sw].contiguous()
+            nb, h, wd = xs.shape[:3]
             y = torch.empty((nb, h, wd, k_out), dtype=torch.float32)
-            gemm(nhwc(x).reshape(-1, c), None if r is None else nhwc(r).reshape(-1, k_out),
+            gemm(xs.reshape(-1, c), None if r is None else nhwc(r).reshape(-1, k_out),
                  y.view(-1, k_out))
             return y.permute(0, 3, 1, 2)
         return conv1x1
+    if list(stride) != [1, 1]:
+        return None
     if (kh, kw) == (3, 3) and list(dil) == [1, 1] and c % 8 == 0 and k_out % 8 == 0:
         conv = native.conv3x3_fn(native.WinogradWeight(w.contiguous()), b, a.activation,
                                  a.alpha, a.beta)
