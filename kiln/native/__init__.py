@@ -139,13 +139,8 @@ def conv3x3_fn(w: WinogradWeight, bias: torch.Tensor | None = None, activation: 
     (and ``residual``, or None) [N, Ho, Wo, K], all contiguous float32; ``pad`` = (top, left),
     the bottom and right padding being what Ho and Wo imply. Runs on
     ``torch.get_num_threads()`` threads; activations as in :func:`gemm`."""
-    if bias is not None and (bias.shape != (w.k,) or not bias.is_contiguous()
-                             or bias.dtype != torch.float32):
-        raise ValueError(f"conv3x3: bias {tuple(bias.shape)} {bias.dtype}: expected a "
-                         f"contiguous float32 [{w.k}]")
-    lo, hi = _epilogue_params(activation, alpha, beta)
-    code, call, k, c = ACTIVATIONS[activation], _lib.kiln_wino3x3, w.k, w.c
-    wp, bp = w.data.data_ptr(), None if bias is None else bias.data_ptr()
+    code, lo, hi, bp = _epilogue("conv3x3", w.k, bias, activation, alpha, beta)
+    call, k, c, wp = _lib.kiln_wino3x3, w.k, w.c, w.data.data_ptr()
 
     def run(x: torch.Tensor, pad: tuple[int, int], residual: torch.Tensor | None,
             out: torch.Tensor) -> torch.Tensor:
@@ -262,13 +257,8 @@ def gemm_fn(w: PackedWeight, bias: torch.Tensor | None = None, activation: str =
     ``(x, residual, out) -> out`` for the per-run path of a kernel, which checks only what can
     change between runs (x's and the residual's shapes and row strides). ``bias`` (kept alive by
     the function) must be a contiguous float32 [N]."""
-    if bias is not None and (bias.shape != (w.n,) or not bias.is_contiguous()
-                             or bias.dtype != torch.float32):
-        raise ValueError(f"gemm: bias {tuple(bias.shape)} {bias.dtype}: expected a "
-                         f"contiguous float32 [{w.n}]")
-    lo, hi = _epilogue_params(activation, alpha, beta)
-    code, call, k, n = ACTIVATIONS[activation], _lib.kiln_sgemm, w.k, w.n
-    wp, bp = w.data.data_ptr(), None if bias is None else bias.data_ptr()
+    code, lo, hi, bp = _epilogue("gemm", w.n, bias, activation, alpha, beta)
+    call, k, n, wp = _lib.kiln_sgemm, w.k, w.n, w.data.data_ptr()
 
     def run(x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
@@ -284,6 +274,18 @@ def gemm_fn(w: PackedWeight, bias: torch.Tensor | None = None, activation: str =
         return out
     run.keep = (w, bias)  # the packed weight and the bias stay alive with the function
     return run
+
+
+def _epilogue(kernel: str, n: int, bias: torch.Tensor | None, activation: str, alpha,
+              beta) -> tuple[int, float, float, int | None]:
+    """A kernel's epilogue arguments: (activation code, its two parameters, the bias pointer),
+    the bias checked to be a contiguous float32 [n]."""
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()
+                             or bias.dtype != torch.float32):
+        raise ValueError(f"{kernel}: bias {tuple(bias.shape)} {bias.dtype}: expected a "
+                         f"contiguous float32 [{n}]")
+    lo, hi = _epilogue_params(activation, alpha, beta)
+    return ACTIVATIONS[activation], lo, hi, None if bias is None else bias.data_ptr()
 
 
 def _epilogue_params(activation: str, alpha, beta) -> tuple[float, float]:

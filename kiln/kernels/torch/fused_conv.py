@@ -156,10 +156,10 @@ def _kiln_conv(a, x, w, b, r, geo):
     """kiln's own kernel for this conv as ``(x, r) -> y`` (NHWC in and out), or None where none
     applies: a 1x1 convolution without padding is kiln's GEMM on the activations seen as an
     [N H W, C] matrix (channels-last makes that a view; with a stride, the pixels it reads are
-    first gathered into one), a 3x3 one with stride 1 and
-    dilation 1 over multiples of 8 channels is Winograd F(2x2, 3x3)
-    (:func:`kiln.native.conv3x3_fn`). Both apply the bias, the residual and the activation in
-    registers."""
+    first gathered into one), a 3x3 one with stride 1 and dilation 1 over multiples of 8
+    channels is Winograd F(2x2, 3x3) (:func:`kiln.native.conv3x3_fn`). Both apply the bias,
+    the residual and the activation in registers. The weight is constant (the layout pass
+    marks only those ``nhwc``), so it is packed here once."""
     pad, stride, dil = geo
     k_out, c, kh, kw = w.shape
     if (not native.available or (a.group or 1) != 1 or x.shape[1] != c
