@@ -106,6 +106,28 @@ def test_choice_shared_across_nodes_of_one_signature(fresh):
     assert len({tuple(nd.cache["lin_tactics"].values()) for nd in nodes}) == 1
 
 
+@pytest.mark.parametrize("res", [False, True])
+def test_wide_weight_is_timed_on_a_slice(fresh, res):
+    """A weight with more output features than _SLICE_N (GPT-2's LM head) is timed on its first
+    _SLICE_N: the candidates pack only those; the pick then packs the whole weight."""
+    fresh.setattr(FCK, "_SLICE_N", 16)
+    seen = []
+    real = FCK._build
+    fresh.setattr(FCK, "_build", lambda name, x, wt, *rest: seen.append((name, wt.shape[0]))
+                  or real(name, x, wt, *rest))
+    g = torch.Generator().manual_seed(5)
+    x, w, b = torch.randn(3, 8, 32, generator=g), torch.randn(32, 40, generator=g), torch.randn(40)
+    r = torch.randn(3, 8, 40, generator=g) if res else None
+    n = _call(FC.FusedMatMul, activation="Relu", has_residual=int(res))
+    y = FCK.fused_matmul(n, x, w, b, r)
+    _close(y.double(), _reference(x, w, b, "Relu", r))
+    (picked,) = n.cache["lin_tactics"].values()
+    timed = seen[:-1]
+    assert {k for _, k in timed} == {16} and len(timed) >= 2  # every candidate on the slice
+    assert seen[-1] == (picked, 40)  # then the pick, whole
+    _close(FCK.fused_matmul(n, x, w, b, r).double(), _reference(x, w, b, "Relu", r))
+
+
 def test_changing_weight_falls_back_to_plain(fresh):
     n = _call(FC.FusedGemm, transB=1)
     x = torch.randn(8, 16)

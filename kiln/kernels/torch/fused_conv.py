@@ -325,6 +325,10 @@ _HAVE_ONEDNN = (torch.backends.mkldnn.is_available()
 _TIME_BUDGET_S = 0.2  # timing per signature and candidate, at most (beyond one warm-up run)
 _MAX_ROUNDS = 10
 _RTOL = 1e-5  # a candidate further than this from F.linear (relative to max |y|) is dropped
+# A weight with more output features than this is timed on its first _SLICE_N of them: each
+# candidate packs its own copy of what it is timed on, and the heap keeps freed memory, so
+# GPT-2's LM head (50257 x 768, 154 MB) cost three packed copies plus the candidates' outputs
+_SLICE_N = 4096
 
 _choices: dict = {}  # signature -> tactic name, for the whole process
 _choices_lock = threading.Lock()
@@ -501,10 +505,18 @@ def _plan(x, wt, b, a, r):
         with _choices_lock:
             name = _choices.get(sig)
             if name is None:
-                fns = {t: f for t in TACTICS if (f := _build(t, x, wt, b, a, r)) is not None}
-                name, y = _select(fns, x, r)
+                if wt.shape[0] > _SLICE_N:  # timed on a slice; the pick then packs it whole
+                    ws, bs = wt[:_SLICE_N], None if b is None else b[:_SLICE_N]
+                    rs = r if r is None or r.shape[-1] != wt.shape[0] else r[..., :_SLICE_N]
+                    fns = {t: f for t in TACTICS
+                           if (f := _build(t, x, ws, bs, a, rs)) is not None}
+                    name, _ = _select(fns, x, rs)
+                else:
+                    fns = {t: f for t in TACTICS if (f := _build(t, x, wt, b, a, r)) is not None}
+                    name, y = _select(fns, x, r)
+                    fn = fns[name]
                 _choices[sig] = name
-                fn = fns[name]
+                del fns
         if y is None:
             fn = _build(name, x, wt, b, a, r)
     fn.tactic = name
