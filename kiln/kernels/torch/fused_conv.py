@@ -24,7 +24,8 @@ with the bias, residual and activation applied to each tile in registers. The ca
 timed against each other (interleaved, the fastest of several runs) and checked against
 ``F.linear``; the choice is kept per signature (input shape, weight shape, epilogue) for the
 whole process, so the twelve identical layers of a transformer time once, and the packed weight
-per node and input shape in the node's ``cache``.
+per node and input shape in the node's ``cache``. A weight wider than ``_SLICE_N`` output
+features is timed on that many (each candidate packs a copy of what it is timed on).
 ``KILN_CPU_LINEAR=linear|mkl|onednn|onednn_fused|kiln`` pins one tactic.
 """
 
