@@ -156,10 +156,10 @@ def print_summary(s, device: str, streams: int, feeds: dict, out=sys.stdout,
 def print_layers(rows: list[dict], out=sys.stdout, top: int | None = None) -> None:
     w = max([len(r["name"]) for r in rows] + [5])
     out.write(f"\n=== Per-layer profile (separate run) ===\n{'layer':<{w}}  {'op':<20} "
-              f"{'total ms':>10} {'avg ms':>9} {'median ms':>10} {'%':>6}\n")
+              f"{'total ms':>10} {'avg ms':>9} {'median ms':>10} {'%':>6}  tactic\n")
     for r in rows[:top] if top else rows:
         out.write(f"{r['name']:<{w}}  {r['op']:<20} {r['total_ms']:>10.3f} {r['avg_ms']:>9.4f} "
-                  f"{r['median_ms']:>10.4f} {r['percent']:>6.1f}\n")
+                  f"{r['median_ms']:>10.4f} {r['percent']:>6.1f}  {r.get('tactic', '')}\n")
 
 
 def _export(args, records, layers) -> None:

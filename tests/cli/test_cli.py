@@ -116,6 +116,7 @@ def test_cli_bench_json_and_exports(files, tmp_path):
     layers = json.loads((tmp_path / "p.json").read_text())
     assert {r["name"] for r in layers} == {"fc1", "bias1", "relu1", "fc2"}
     assert abs(sum(r["percent"] for r in layers) - 100) < 1e-6
+    assert all(isinstance(r["tactic"], str) for r in layers)  # the CPU pick, '' where none
 
 
 def test_cli_bench_text_and_profile(files):

@@ -14,6 +14,7 @@ from kiln import native
 from kiln.kernels.registry import Call
 from kiln.kernels.torch import fused_conv as FCK
 from kiln.ops import fused_conv as FC
+from kiln.perf.layers import picked_tactic
 
 needs_native = pytest.mark.skipif(not native.available, reason=native.why_not or "no kiln.native")
 CL = torch.channels_last
@@ -193,6 +194,8 @@ def test_conv_pick_is_per_shape_and_drops_onednn_weight(fresh):
     assert set(call.cache["conv_tactics"].values()) == {"kiln"}
     assert len(call.cache["conv_tactics"]) == 2
     assert not call.cache.get("packed")  # no oneDNN copy of the weight is kept for kiln's
+    assert picked_tactic(call) == "kiln"  # what kiln bench --dump-profile prints
+    assert picked_tactic(_conv_call(3, 1)) == ""  # not run yet
 
 
 def test_conv_pin_must_be_known(fresh):
