@@ -191,6 +191,53 @@ def _rows_view(t: torch.Tensor):
     return rows, t.shape[-1], ld
 
 
+def _arena_offsets(order, values, own) -> tuple[dict[int, int], int]:
+    """Arena offsets (in floats, 64-byte aligned) for the values the steps in ``order`` make
+    that are neither views nor escaping (``own``), and the arena's size. A value's space is free
+    again after the last step that reads it or a view of it; a step's outputs are placed before
+    its inputs' space is freed, so no step writes over what it reads. First fit."""
+    def root(s: int) -> int:
+        v = values.get(s)
+        return s if v is None or v.base is None else v.base
+
+    last: dict[int, int] = {}
+    for i, st in enumerate(order):
+        for s in st.ins:
+            if s in values:
+                last[root(s)] = i
+    dies: dict[int, list[int]] = {}
+    offsets: dict[int, int] = {}
+    sizes: dict[int, int] = {}
+    free: list[list[int]] = []  # [offset, size], sorted by offset
+    end = 0
+    for i, st in enumerate(order):
+        for s in st.outs:
+            if values[s].base is not None or s in own:
+                continue
+            size = sizes[s] = (math.prod(values[s].shape) + 15) // 16 * 16
+            k = next((k for k, (_, n) in enumerate(free) if n >= size), None)
+            if k is None:
+                offsets[s], end = end, end + size
+            else:
+                offsets[s] = free[k][0]
+                free[k][0] += size
+                free[k][1] -= size
+                if not free[k][1]:
+                    del free[k]
+            dies.setdefault(max(last.get(s, i), i), []).append(s)
+        for s in dies.pop(i, ()):
+            free.append([offsets[s], sizes[s]])
+            free.sort()
+            merged = [free[0]]
+            for off, n in free[1:]:
+                if merged[-1][0] + merged[-1][1] == off:
+                    merged[-1][1] += n
+                else:
+                    merged.append([off, n])
+            free = merged
+    return offsets, end
+
+
 class _Plan:
     """The program for one input signature."""
 
@@ -367,14 +414,11 @@ class Chain:
         own = {s if values[s].base is None else values[s].base for s in self.outs}
         if any(s in ext_tensor for s in own):  # a view of an input escapes: leave it to torch
             raise _Unsupported
-        # arena offsets for the rest (no reuse within a chain: chains are a few values long)
+        # arena offsets for the rest, reused once a value is dead: a chain can be a whole
+        # encoder, and without reuse BERT-base b8's arena held every layer's activations
         n_fixed = len(table)
         table.append(0)  # the arena
-        arena_off, arena_floats = {}, 0
-        for s in (s for st in order for s in st.outs):
-            if values[s].base is None and s not in own:
-                arena_off[s] = arena_floats
-                arena_floats += (math.prod(values[s].shape) + 15) // 16 * 16  # 64-byte starts
+        arena_off, arena_floats = _arena_offsets(order, values, own)
         ext_buf = {}
         for s in ext_tensor:
             table.append(0)

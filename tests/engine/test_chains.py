@@ -168,3 +168,53 @@ def test_native_attention_refuses_what_it_cannot_take():
         native.attention(q, q, q, None, 1.0, -1, torch.empty(1, 2, 4, 8).transpose(2, 3))
     with pytest.raises(ValueError, match="attention"):
         native.attention(q, q, q, torch.zeros(3, 1, 1, 4), 1.0, -1, torch.empty(1, 2, 4, 8))
+
+
+class _Step:
+    def __init__(self, ins, outs):
+        self.ins, self.outs = ins, outs
+
+
+def _overlap(a, b) -> bool:
+    return a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
+
+
+def test_arena_reuses_dead_values_and_never_overlaps_live_ones():
+    """A layer-like chain: x -> q (GEMM) -> view of q (Slice) -> a (attention, reads the view) ->
+    y (GEMM, reads a and x) -> z (LN of y) -> ... repeated; slot 0 is the external input, the
+    last value escapes (own). Values that are live at once never share floats, a step's output
+    never lands on its inputs, and the arena is smaller than all values put end to end."""
+    V = chains._Val
+    values, steps, nxt = {0: V((4, 8), None, 0, 8)}, [], 1
+    x = 0
+    for _ in range(4):
+        q, view, a, y, z = range(nxt, nxt + 5)
+        nxt += 5
+        values[q] = V((4, 24), None, 0, 24)
+        values[view] = V((4, 8), q, 8, 24)
+        values[a] = V((4, 8), None, 0, 8)
+        values[y] = V((4, 8), None, 0, 8)
+        values[z] = V((4, 8), None, 0, 8)
+        steps += [_Step([x, 100], [q]), _Step([q, 101, 102], [view]), _Step([q, view], [a]),
+                  _Step([a, 103, 104, x], [y]), _Step([y, 105], [z])]
+        x = z
+    own = {x}
+    offsets, end = chains._arena_offsets(steps, values, own)
+    size = {s: (math.prod(values[s].shape) + 15) // 16 * 16 for s in offsets}
+    assert set(offsets) == {s for s, v in values.items() if v.base is None} - own - {0}
+    assert all(off % 16 == 0 for off in offsets.values())  # 64-byte starts
+    root = {s: (s if v.base is None else v.base) for s, v in values.items()}
+    born = {s: i for i, st in enumerate(steps) for s in st.outs}
+    last = {}
+    for i, st in enumerate(steps):
+        for s in st.ins:
+            if s in root:
+                last[root[s]] = i
+    span = {s: (born[s], last.get(s, born[s])) for s in offsets}
+    for s in offsets:
+        for t in offsets:
+            live_together = s != t and span[s][0] <= span[t][1] and span[t][0] <= span[s][1]
+            if live_together:  # (a step's outputs and inputs included: their spans meet)
+                assert not _overlap((offsets[s], size[s]), (offsets[t], size[t])), (s, t)
+    assert end < sum(size.values())  # dead values' space was reused
+    assert end >= max(offsets[s] + size[s] for s in offsets)
