@@ -1,4 +1,5 @@
 import os
+import threading
 
 import pytest
 import torch
@@ -20,3 +21,23 @@ def fresh(monkeypatch):
     monkeypatch.setattr(FCK, "_FORCED", "")
     monkeypatch.setattr(FCK, "_FORCED_CONV", "")
     return monkeypatch
+
+
+@pytest.fixture
+def concurrently():
+    """``run(work, n)``: ``work(i)`` for i in range(n), on n threads released together by a
+    barrier (so they race); returns when all are done. A thread's exception is not raised
+    here: tests check what each ``work`` stored."""
+    def run(work, n):
+        start = threading.Barrier(n)
+
+        def body(i):
+            start.wait()
+            work(i)
+
+        threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return run

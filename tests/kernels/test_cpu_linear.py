@@ -4,8 +4,6 @@ and input shape, and the cache fill is thread-safe."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -137,22 +135,16 @@ def test_changing_weight_falls_back_to_plain(fresh):
     assert n.cache["lin_dynamic"]
 
 
-def test_cache_fill_is_thread_safe(fresh):
+def test_cache_fill_is_thread_safe(fresh, concurrently):
     n = _call(FC.FusedMatMul, activation="Gelu")
     w = torch.randn(64, 128) / 8
     xs = [torch.randn(2, 32, 64) for _ in range(8)]
     outs = [None] * len(xs)
-    start = threading.Barrier(len(xs))
 
     def work(i):
-        start.wait()
         outs[i] = FCK.fused_matmul(n, xs[i], w)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    concurrently(work, len(xs))
     for x, y in zip(xs, outs, strict=True):
         _close(y.double(), F.gelu(x.double() @ w.double()))
     assert len(n.cache["lin_plans"]) == 1

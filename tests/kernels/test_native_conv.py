@@ -206,27 +206,19 @@ def test_conv_pin_must_be_known(fresh):
 
 
 @needs_native
-def test_conv_plan_fill_is_thread_safe(fresh):
+def test_conv_plan_fill_is_thread_safe(fresh, concurrently):
     """Threads running one node at once (a server's contexts): one plan per shape, every output
     right, whichever thread planned it."""
-    import threading
-
     _, w, b, _ = _data(1, 16, 16, 8, 8)
     call = _conv_call(3, 1, act="Relu")
     xs = [torch.randn(1, 16, 6 + 2 * (i % 2), 6 + 2 * (i % 2)).contiguous(memory_format=CL)
           for i in range(8)]
     outs = [None] * len(xs)
-    start = threading.Barrier(len(xs))
 
     def work(i):
-        start.wait()
         outs[i] = FCK.fused_conv(call, xs[i], w, b)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    concurrently(work, len(xs))
     for xi, y in zip(xs, outs, strict=True):
         _close(y, _reference(xi, w, b, None, 1, "Relu"))
     assert len(call.cache["conv_plans"]) == 2  # two input shapes
