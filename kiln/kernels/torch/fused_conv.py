@@ -187,9 +187,8 @@ def _kiln_conv(a, x, w, b, r, geo):
                  y.view(-1, k_out))
             return y.permute(0, 3, 1, 2)
         return conv1x1
-    if list(stride) != [1, 1]:
-        return None
-    if (kh, kw) == (3, 3) and list(dil) == [1, 1] and c % 8 == 0 and k_out % 8 == 0:
+    if ((kh, kw) == (3, 3) and list(stride) == [1, 1] and list(dil) == [1, 1] and c % 8 == 0
+            and k_out % 8 == 0):
         conv = native.conv3x3_fn(native.WinogradWeight(w.contiguous()), b, a.activation,
                                  a.alpha, a.beta)
         pt, pl = pad
@@ -506,15 +505,16 @@ def _plan(x, wt, b, a, r):
         with _choices_lock:
             name = _choices.get(sig)
             if name is None:
-                if wt.shape[0] > _SLICE_N:  # timed on a slice; the pick then packs it whole
+                ws, bs, rs = wt, b, r
+                sliced = wt.shape[0] > _SLICE_N  # timed on a slice; the pick then packs it whole
+                if sliced:
                     ws, bs = wt[:_SLICE_N], None if b is None else b[:_SLICE_N]
                     rs = r if r is None or r.shape[-1] != wt.shape[0] else r[..., :_SLICE_N]
-                    fns = {t: f for t in TACTICS
-                           if (f := _build(t, x, ws, bs, a, rs)) is not None}
-                    name, _ = _select(fns, x, rs)
+                fns = {t: f for t in TACTICS if (f := _build(t, x, ws, bs, a, rs)) is not None}
+                name, y = _select(fns, x, rs)
+                if sliced:
+                    y = None  # the slice's output: the whole weight's function is built below
                 else:
-                    fns = {t: f for t in TACTICS if (f := _build(t, x, wt, b, a, r)) is not None}
-                    name, y = _select(fns, x, r)
                     fn = fns[name]
                 _choices[sig] = name
                 del fns
