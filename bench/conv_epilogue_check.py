@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kiln.build.autotune import TOLERANCE
+from kiln.builder.autotune import TOLERANCE
 from kiln.kernels.registry import Call
 from kiln.kernels.torch import fused_conv as torch_fused
 from kiln.kernels.triton import conv

@@ -209,7 +209,7 @@ def time_kernels(budget: float) -> list[dict]:
 def autotune_twice(out: Path) -> dict:
     import torch
 
-    from kiln.build.autotune import TimingCache, candidates, cuda_timer, device_key, select
+    from kiln.builder.autotune import TimingCache, candidates, cuda_timer, device_key, select
     from kiln.kernels.registry import Call
     from kiln.ops import fused_conv as FC
 

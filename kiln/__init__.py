@@ -9,7 +9,7 @@
 
 __version__ = "0.1.0"
 
-from kiln.build import Builder, BuilderConfig
+from kiln.builder import Builder, BuilderConfig
 from kiln.engine.engine import Engine, ExecutionContext, TensorInfo, load
 from kiln.engine.profile import Profile
 from kiln.errors import (

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType, namedtupledict
 
-from kiln.build import Builder, BuilderConfig
+from kiln.builder import Builder, BuilderConfig
 from kiln.kernels.torch.convert import to_numpy, to_torch
 
 

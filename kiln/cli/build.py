@@ -28,7 +28,7 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from kiln.build import Builder, BuilderConfig
+    from kiln.builder import Builder, BuilderConfig
 
     profile = profile_from_args(args)
     cfg = BuilderConfig(device=args.device, fp16=args.fp16, bf16=args.bf16, int8=args.int8,

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from kiln import native
+from kiln.engine.step import Step, kernel_error, store_outputs
 from kiln.errors import KilnError
 from kiln.ops import fused_conv as FC
 from kiln.ops import fused_transformer as FT
@@ -127,8 +128,6 @@ def chain_steps(steps: list, output_slots: list, const_slots: set, consts: dict)
 
 
 def _chain_step(run, steps, readers, output_slots, const_slots, consts):
-    from kiln.engine.executor import Step
-
     idx = {i for i, _ in run}
     made = [s for _, st in run for s in st.outs]
     last = max(idx)
@@ -292,8 +291,6 @@ class Chain:
 
     def _stepwise(self, xs):
         """The member steps one by one (a shape the program cannot take)."""
-        from kiln.engine.executor import _kernel_error, _store
-
         env = dict(zip(self.ins, xs))
         for st in self.members:
             args = [None if i < 0 else env[i] if i in env else self.consts[i] for i in st.ins]
@@ -302,8 +299,8 @@ class Chain:
             except KilnError:
                 raise
             except Exception as e:
-                raise _kernel_error(st, e) from e
-            _store(st, env, out)
+                raise kernel_error(st, e) from e
+            store_outputs(st, env, out)
         return tuple(env[s] for s in self.outs)
 
     def _run(self, plan: _Plan, xs):

@@ -19,7 +19,8 @@ import torch
 
 import kiln.kernels.torch  # noqa: F401  (registers the CPU kernels)
 from kiln.engine import chains
-from kiln.errors import KernelError, KilnError
+from kiln.engine.step import Step, kernel_error, store_outputs
+from kiln.errors import KilnError
 from kiln.ir import Graph, Node
 from kiln.kernels.registry import Call, kernels_for
 from kiln.kernels.torch.convert import to_torch
@@ -33,15 +34,6 @@ def default_choice(node: Node, backend: str):
 
 
 HOST_CONST_MAX = 64  # integer constants up to this many elements stay on the host
-
-
-class Step:
-    __slots__ = ("fn", "call", "ins", "outs", "free", "node", "upload")
-
-    def __init__(self, fn, call, ins, outs, free, node):
-        self.fn, self.call, self.ins, self.outs, self.free, self.node = (
-            fn, call, ins, outs, free, node)
-        self.upload: tuple[int, ...] = ()  # input positions copied host -> device (CUDA)
 
 
 class Executor:
@@ -123,7 +115,7 @@ class Executor:
         env = self._env(args)
         with torch.inference_mode():
             for st in self.run_steps:
-                _store(st, env, self._call(st, env, keep))
+                store_outputs(st, env, self._call(st, env, keep))
                 for s in st.free:
                     env[s] = None
         return [env[s] for s in self.output_slots]
@@ -146,14 +138,14 @@ class Executor:
             raise
         except Exception as e:
             if self.device is None or not _mixed_devices(xs, e):
-                raise _kernel_error(st, e) from e
+                raise kernel_error(st, e) from e
         st.upload = tuple(k for k, x in enumerate(xs) if _on_host(x))
         try:
             return st.fn(st.call, *self._upload(st, xs, keep))
         except KilnError:
             raise
         except Exception as e:
-            raise _kernel_error(st, e) from e
+            raise kernel_error(st, e) from e
 
     def _upload(self, st: Step, xs: list, keep: list | None) -> list:
         xs = list(xs)
@@ -188,7 +180,7 @@ class Executor:
                 out = self._call(st, env, None)
                 sync()
                 timer(k, time.perf_counter() - t0)
-                _store(st, env, out)
+                store_outputs(st, env, out)
         return [env[s] for s in self.output_slots]
 
 
@@ -207,20 +199,6 @@ def _plan_frees(steps: list, output_slots: list, const_slots: set) -> None:
             frees.setdefault(i, []).append(s)
     for i, st in enumerate(steps):
         st.free = tuple(frees.get(i, ()))
-
-
-def _store(st: Step, env: list, out) -> None:
-    """A kernel returns one output or a tuple; write them into the step's output slots."""
-    if len(st.outs) == 1:
-        env[st.outs[0]] = out[0] if isinstance(out, tuple) else out
-    else:
-        for s, o in zip(st.outs, out):
-            env[s] = o
-
-
-def _kernel_error(st: Step, e: Exception) -> KernelError:
-    return KernelError(f"node '{st.node.name}' ({st.node.op.qualname}) failed: "
-                       f"{type(e).__name__}: {e}")
 
 
 def _on_host(x) -> bool:

@@ -1,9 +1,10 @@
 """kiln's compiled CPU kernels (plain C, loaded with ctypes; no Python C API).
 
-``pip install -e .`` (or ``python setup.py build_ext --inplace``) compiles ``sgemm.c`` into
-``kiln/native/_sgemm*.so`` with the system's C compiler. The library is optional: where it was
-not built, or this CPU lacks AVX2 + FMA, :data:`sgemm` is None, :data:`why_not` says why, and
-the CPU kernels use their library tactics instead.
+``pip install -e .`` (or ``python setup.py build_ext --inplace``) compiles the C files here into
+``kiln/native/_kernels*.so`` with the system's C compiler: one file per kernel (``gemm.c``,
+``layernorm.c``, ``attention.c``, ``winograd.c``, ``chain.c``), what they share in ``kernels.h``.
+The library is optional: where it was not built, or this CPU lacks AVX2 + FMA, :data:`sgemm` is
+None, :data:`why_not` says why, and the CPU kernels use their library tactics instead.
 
 The library links libgomp and is loaded after torch, so it shares torch's OpenMP runtime and
 its thread pool: a second pool would spin against torch's on the same cores.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-# kiln activation name -> the kernel's code (ACT_* in sgemm.c); the kernel applies it in registers
+# kiln activation name -> the kernel's code (ACT_* in kernels.h); the kernel applies it in registers
 ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2, "GeluTanh": 3, "Sigmoid": 4, "Silu": 5, "Tanh": 6,
                "Clip": 7, "LeakyRelu": 8, "HardSwish": 9}
 _HERE = Path(__file__).resolve().parent
@@ -27,7 +28,7 @@ _ALIGN = 32  # bytes: packed panels are read with aligned 256-bit loads
 
 def _find() -> Path | None:
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        p = _HERE / f"_sgemm{suffix}"
+        p = _HERE / f"_kernels{suffix}"
         if p.exists():
             return p
     return None
@@ -36,7 +37,7 @@ def _find() -> Path | None:
 def _load():
     path = _find()
     if path is None:
-        return None, ("kiln/native/_sgemm is not built: reinstall kiln with a C compiler "
+        return None, ("kiln/native/_kernels is not built: reinstall kiln with a C compiler "
                       "present (pip install -e .) or run python setup.py build_ext --inplace")
     try:
         lib = ctypes.CDLL(str(path))

@@ -11,7 +11,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.build.precision import lower_precision
+from kiln.builder.precision import lower_precision
 from kiln.engine.executor import Executor, _conv_weights_channels_last
 from kiln.frontend import import_onnx
 from kiln.ops import fused_conv as FC

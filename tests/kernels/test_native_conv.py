@@ -1,4 +1,4 @@
-"""kiln.native's Winograd F(2x2, 3x3) convolution (``kiln_wino3x3`` in kiln/native/sgemm.c)
+"""kiln.native's Winograd F(2x2, 3x3) convolution (``kiln_wino3x3`` in kiln/native/winograd.c)
 against torch's in float64, and the CPU convolution tactics of FusedConv (oneDNN, or kiln's own
 kernel: the GEMM for unpadded 1x1 convs, Winograd for 3x3 stride-1 ones) against F.conv2d:
 every tactic agrees, kiln's applies only where it can, and the pick is kept per node and input

@@ -1,4 +1,4 @@
-"""kiln.native: the compiled AVX2 + FMA SGEMM (kiln/native/sgemm.c) against torch in float64:
+"""kiln.native: the compiled AVX2 + FMA SGEMM (kiln/native/gemm.c) against torch in float64:
 every tile, panel and K-block edge (``kiln.native.TILE``: the register tile's rows MR and
 columns NR, the K block KC), bias and residual in registers, strided operands, every activation
 it applies in registers, bad input, and the "kiln" tactic of the CPU linear in fused_conv.

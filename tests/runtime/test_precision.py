@@ -1,4 +1,4 @@
-"""FP16/BF16 lowering (kiln.build.precision), checked on the CPU: structure and numerics."""
+"""FP16/BF16 lowering (kiln.builder.precision), checked on the CPU: structure and numerics."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.build.precision import lower_precision
+from kiln.builder.precision import lower_precision
 from kiln.frontend import import_onnx
 from kiln.ir import DType
 from tests.engine.models import mlp, mlp_reference

@@ -7,9 +7,9 @@ from typing import Callable
 
 import torch
 
-from kiln.build import autotune
-from kiln.build.config import BuilderConfig
-from kiln.build.precision import lower_precision
+from kiln.builder import autotune
+from kiln.builder.config import BuilderConfig
+from kiln.builder.precision import lower_precision
 from kiln.engine.engine import Engine, TensorInfo
 from kiln.engine.profile import validate_profile
 from kiln.errors import KilnError

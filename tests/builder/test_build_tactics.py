@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.build import Builder, BuilderConfig, autotune
+from kiln.builder import Builder, BuilderConfig, autotune
 from kiln.engine import engine as engine_mod
 from kiln.engine.engine import Engine
 from kiln.engine.executor import Executor
@@ -80,7 +80,7 @@ def fake_gpu(monkeypatch):
     def cpu_engine(graph, choices, **kw):
         made.update(choices=choices, tactics=kw.get("tactics"))
         return Engine(graph, choices, **dict(kw, device="cpu"))
-    monkeypatch.setattr("kiln.build.builder.Engine", cpu_engine)
+    monkeypatch.setattr("kiln.builder.builder.Engine", cpu_engine)
     return made
 
 

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from kiln.build import autotune
-from kiln.build.autotune import Candidate, TimingCache, candidates, select, signature
+from kiln.builder import autotune
+from kiln.builder.autotune import Candidate, TimingCache, candidates, select, signature
 from kiln.ir import Attr, OpDef
 from kiln.kernels.registry import Call, Kernel, register
 
@@ -129,7 +129,7 @@ def test_conv_kernels_say_which_tactics_make_cudnn_plans():
 
 
 def test_builder_config_rejects_a_negative_plan_margin():
-    from kiln.build import BuilderConfig
+    from kiln.builder import BuilderConfig
     with pytest.raises(ValueError, match="plan_margin"):
         BuilderConfig(device="cuda", plan_margin=-0.1)
 
@@ -153,7 +153,7 @@ def test_autotune_every_candidate_failing_is_an_error():
 
 
 def test_autotune_verify_rejects_wrong_outputs(monkeypatch):
-    import kiln.build.autotune as AT
+    import kiln.builder.autotune as AT
 
     clock = FakeClock({_key("TritonFake", {"B": 1}): 0.01, _key("TorchFake"): 0.5})
     cands = _cands(clock, tactics=({"B": 1},), out=torch.zeros(4, 8))

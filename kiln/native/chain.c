@@ -1,0 +1,45 @@
+/* Native chains:
+ * A straight run of GEMM and LayerNorm ops, encoded by kiln/engine/chains.py as longs, executed
+ * in one call so that no Python or PyTorch code runs between them. An operand is a buffer index
+ * (into bufs; -1: none), an element offset and a row stride; float parameters are in fp. */
+#include "kernels.h"
+
+enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3 };
+#define GEMM_LEN 17 /* kind M N K a aoff lda w bias r roff ldr c coff ldc act fparam */
+#define LN_LEN 12   /* kind M N x xoff ldx y yoff ldy gamma beta fparam */
+#define ATTN_LEN 36 /* kind B H Hkv Sq Skv D Dv, (buf off b h s) for q k v, (buf off b h q k) for
+                     * the bias, causal, fparam (scale), (buf off b h s) for y */
+
+/* Returns n, or the position of the first op it does not know or could not run (nothing
+ * from there on ran). */
+long kiln_chain_run(const long *prog, long n, const float *fp, float *const *bufs, int nthreads)
+{
+#define PTR(b, off) ((b) >= 0 ? bufs[b] + (off) : NULL)
+    long i = 0;
+    while (i < n) {
+        const long *p = prog + i;
+        if (p[0] == OP_GEMM && i + GEMM_LEN <= n) {
+            kiln_sgemm(p[1], p[2], p[3], PTR(p[4], p[5]), p[6], PTR(p[7], 0), PTR(p[8], 0),
+                       PTR(p[9], p[10]), p[11], PTR(p[12], p[13]), p[14], (int)p[15],
+                       fp[p[16]], fp[p[16] + 1], nthreads);
+            i += GEMM_LEN;
+        } else if (p[0] == OP_LN && i + LN_LEN <= n) {
+            kiln_layernorm_to(p[1], p[2], PTR(p[3], p[4]), p[5], PTR(p[6], p[7]), p[8],
+                              PTR(p[9], 0), PTR(p[10], 0), fp[p[11]], nthreads);
+            i += LN_LEN;
+        } else if (p[0] == OP_ATTN && i + ATTN_LEN <= n) {
+            const long *q = p + 8, *k = q + 5, *v = k + 5, *bi = v + 5, *y = bi + 8;
+            if (kiln_attention(p[1], p[2], p[3], p[4], p[5], p[6], p[7],
+                               PTR(q[0], q[1]), q[2], q[3], q[4], PTR(k[0], k[1]), k[2], k[3], k[4],
+                               PTR(v[0], v[1]), v[2], v[3], v[4],
+                               PTR(bi[0], bi[1]), bi[2], bi[3], bi[4], bi[5], bi[6], fp[bi[7]],
+                               PTR(y[0], y[1]), y[2], y[3], y[4], nthreads) != 0)
+                return i;  /* out of memory */
+            i += ATTN_LEN;
+        } else {
+            return i;
+        }
+    }
+    return n;
+#undef PTR
+}

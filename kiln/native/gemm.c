@@ -1,0 +1,337 @@
+/* kiln's CPU single-precision GEMM for inference: C = act(A @ B + bias + R).
+ *
+ * B is a constant (a layer's weight), packed once into 24-column panels; A is read in place.
+ * The 4 x 24 register tile (12 ymm accumulators, three B registers, one broadcast register)
+ * keeps both FMA pipes busy on AVX2 + FMA with a load to FMA ratio of 7:12, and a batch of
+ * 128 rows is whole tiles. K is blocked (KC) and A's rows in blocks of MC; with K up to ~500 a
+ * block of A rows stays in L2, beyond that it comes from L3 (MC from 96 to 1024 timed within
+ * +-2% at M = 1024). Threads (OpenMP; loaded after torch, this library shares
+ * torch's libgomp and so its thread pool) split the panels, or the rows where panels are few.
+ *
+ * The code is compiled for AVX2 + FMA by function attribute; kiln_sgemm_supported() says
+ * whether this CPU has them, and callers must not call anything else when it says no. */
+#include "kernels.h"
+
+int kiln_sgemm_supported(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* The register tile's rows and columns and the K block, for tests that aim at their edges. */
+void kiln_sgemm_tile(int *mr, int *nr, int *kc)
+{
+    *mr = MR;
+    *nr = NR;
+    *kc = KC;
+}
+
+long kiln_sgemm_packed_size(long K, long N)
+{
+    return ((N + NR - 1) / NR) * K * NR;
+}
+
+/* dst[c * ldd + r] = src[r * ld + c] for an 8 x 8 block. */
+TGT static void transpose8(const float *src, long ld, float *dst, long ldd)
+{
+    __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + ld),
+           r2 = _mm256_loadu_ps(src + 2 * ld), r3 = _mm256_loadu_ps(src + 3 * ld),
+           r4 = _mm256_loadu_ps(src + 4 * ld), r5 = _mm256_loadu_ps(src + 5 * ld),
+           r6 = _mm256_loadu_ps(src + 6 * ld), r7 = _mm256_loadu_ps(src + 7 * ld);
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1),
+           t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3),
+           t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+           t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+           u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+           u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+           u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(dst + ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(dst + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(dst + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(dst + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(dst + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(dst + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+/* Element (k, n) of B is B[k * sk + n * sn]. The packed layout is [k block][panel][k][NR]:
+ * k blocks of KC rows; panel p holds columns NR p .. NR p + NR - 1, zero past N. The panels a
+ * thread walks in one k block are thus one sequential stream. */
+void kiln_sgemm_pack(long K, long N, const float *B, long sk, long sn, float *out)
+{
+    long panels = (N + NR - 1) / NR;
+    for (long k0 = 0; k0 < K; k0 += KC) {
+        long kc = K - k0 < KC ? K - k0 : KC;
+        for (long p = 0; p < panels; p++) {
+            float *dst = out + k0 * panels * NR + p * kc * NR;
+            long n0 = p * NR, nn = N - n0 < NR ? N - n0 : NR;
+            long k = 0;
+            /* attention packs a head's K^T and V per call: rows of B contiguous (V) are
+             * copied, columns contiguous (K^T) go through 8 x 8 transposes */
+            if (sn == 1) {
+                for (; k < kc; k++) {
+                    memcpy(dst + k * NR, B + (k0 + k) * sk + n0, (size_t)nn * sizeof(float));
+                    for (long j = nn; j < NR; j++) dst[k * NR + j] = 0.0f;
+                }
+            } else if (sk == 1 && nn == NR) {
+                for (; k + 8 <= kc; k += 8)
+                    for (long j = 0; j < NR; j += 8)
+                        transpose8(B + (n0 + j) * sn + k0 + k, sn, dst + k * NR + j, NR);
+            }
+            for (; k < kc; k++) {
+                const float *src = B + (k0 + k) * sk + n0 * sn;
+                long j = 0;
+                for (; j < nn; j++) dst[k * NR + j] = src[j * sn];
+                for (; j < NR; j++) dst[k * NR + j] = 0.0f;
+            }
+        }
+    }
+}
+
+/* The tile's epilogue: first k block: + bias + R, else + C; last: the activation; then store
+ * the mr x nr corner. */
+TGT static inline void store_tile(__m256 acc[MR][NV], float *C, long ldc, int mr, int nr,
+                                  int first, int last, const float *bias, const float *R,
+                                  long ldr, int act, float alpha, float beta)
+{
+    int full = nr == NR;
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i m[NV];
+    __m256 bv[NV];
+    for (int v = 0; v < NV; v++) {
+        m[v] = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr - 8 * v), idx);
+        bv[v] = _mm256_setzero_ps();
+    }
+#define LD(p, v) (full ? _mm256_loadu_ps(p) : _mm256_maskload_ps((p), m[v]))
+    if (first && bias)
+        for (int v = 0; v < NV; v++) bv[v] = LD(bias + 8 * v, v);
+    /* In three passes over the tile, so the activation's long dependency chains of the twelve
+     * vectors overlap (one vector at a time, add-activate-store, left them serial). */
+    for (int r = 0; r < mr; r++) {
+        const float *rr = R ? R + r * ldr : NULL;
+        for (int v = 0; v < NV; v++) {
+            if (first) {
+                acc[r][v] = _mm256_add_ps(acc[r][v], bv[v]);
+                if (rr) acc[r][v] = _mm256_add_ps(acc[r][v], LD(rr + 8 * v, v));
+            } else {
+                acc[r][v] = _mm256_add_ps(acc[r][v], LD(C + r * ldc + 8 * v, v));
+            }
+        }
+    }
+    if (last && act) {
+        __m256 *y = &acc[0][0];
+#pragma GCC unroll 12
+        for (int i = 0; i < MR * NV; i++) y[i] = act256(y[i], act, alpha, beta);
+    }
+    for (int r = 0; r < mr; r++) {
+        float *cr = C + r * ldc;
+        for (int v = 0; v < NV; v++) {
+            if (full) _mm256_storeu_ps(cr + 8 * v, acc[r][v]);
+            else _mm256_maskstore_ps(cr + 8 * v, m[v], acc[r][v]);
+        }
+    }
+#undef LD
+}
+
+/* One tile of mr <= MR rows and nr <= NR columns over k in [0, kc): the MR x NV accumulators
+ * live in named registers for the whole k loop (gcc spills an array of them to the stack). Rows
+ * past mr re-read the last row and are not stored. first: add bias and R (else C); last: apply
+ * the activation. */
+TGT static void tile(long kc, const float *A, long lda, const float *Bp, float *C, long ldc,
+                     int mr, int nr, int first, int last, const float *bias, const float *R,
+                     long ldr, int act, float alpha, float beta)
+{
+    const float *a[MR];
+    for (int r = 0; r < MR; r++) a[r] = A + (r < mr ? r : mr - 1) * lda;
+    /* The tile's C rows (and R's) are fetched while the k loop runs: with C fresh (first k
+     * block) its lines would otherwise be read for ownership only at the stores, one miss after
+     * another; this was 5-10% of a whole GEMM at M = 1024, K = 384. */
+    for (int r = 0; r < mr; r++) {
+        const float *pc = C + r * ldc, *pr = first && R ? R + r * ldr : NULL;
+        _mm_prefetch((const char *)pc, _MM_HINT_T0);
+        _mm_prefetch((const char *)(pc + NR - 1), _MM_HINT_T0);
+        if (pr) { _mm_prefetch((const char *)pr, _MM_HINT_T0);
+                  _mm_prefetch((const char *)(pr + NR - 1), _MM_HINT_T0); }
+    }
+    __m256 acc[MR][NV];
+    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3];
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00,
+           c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+#pragma GCC unroll 4
+    for (long k = 0; k < kc; k++) {
+        _mm_prefetch((const char *)(Bp + (k + PF) * NR), _MM_HINT_T0);
+        const float *bk = Bp + k * NR;
+        __m256 w0 = _mm256_load_ps(bk), w1 = _mm256_load_ps(bk + 8), w2 = _mm256_load_ps(bk + 16);
+        __m256 x;
+        x = _mm256_broadcast_ss(a0 + k); c00 = _mm256_fmadd_ps(x, w0, c00);
+        c01 = _mm256_fmadd_ps(x, w1, c01); c02 = _mm256_fmadd_ps(x, w2, c02);
+        x = _mm256_broadcast_ss(a1 + k); c10 = _mm256_fmadd_ps(x, w0, c10);
+        c11 = _mm256_fmadd_ps(x, w1, c11); c12 = _mm256_fmadd_ps(x, w2, c12);
+        x = _mm256_broadcast_ss(a2 + k); c20 = _mm256_fmadd_ps(x, w0, c20);
+        c21 = _mm256_fmadd_ps(x, w1, c21); c22 = _mm256_fmadd_ps(x, w2, c22);
+        x = _mm256_broadcast_ss(a3 + k); c30 = _mm256_fmadd_ps(x, w0, c30);
+        c31 = _mm256_fmadd_ps(x, w1, c31); c32 = _mm256_fmadd_ps(x, w2, c32);
+    }
+    if (mr == MR && nr == NR && first && last && !bias && !R && !act) {  /* plain: store */
+        _mm256_storeu_ps(C, c00); _mm256_storeu_ps(C + 8, c01); _mm256_storeu_ps(C + 16, c02);
+        C += ldc;
+        _mm256_storeu_ps(C, c10); _mm256_storeu_ps(C + 8, c11); _mm256_storeu_ps(C + 16, c12);
+        C += ldc;
+        _mm256_storeu_ps(C, c20); _mm256_storeu_ps(C + 8, c21); _mm256_storeu_ps(C + 16, c22);
+        C += ldc;
+        _mm256_storeu_ps(C, c30); _mm256_storeu_ps(C + 8, c31); _mm256_storeu_ps(C + 16, c32);
+        return;
+    }
+    acc[0][0] = c00; acc[0][1] = c01; acc[0][2] = c02; acc[1][0] = c10; acc[1][1] = c11;
+    acc[1][2] = c12; acc[2][0] = c20; acc[2][1] = c21; acc[2][2] = c22; acc[3][0] = c30;
+    acc[3][1] = c31; acc[3][2] = c32;
+    store_tile(acc, C, ldc, mr, nr, first, last, bias, R, ldr, act, alpha, beta);
+}
+
+/* The edge panels' tiles, of at most 16 and at most 8 columns: the same product on two vectors
+ * or one, so a panel's zero padding is not multiplied, with named accumulators as in tile (an
+ * array of them, indexed in loops, was spilled: a 16-column edge panel took as long as three
+ * full ones, 44% of an M = 784, K = 64, N = 256 GEMM). The 8-column tile keeps two sums per
+ * row (even and odd k) for eight independent FMA chains. */
+TGT static void tile_2(long kc, const float *A, long lda, const float *Bp, float *C, long ldc,
+                       int mr, int nr, int first, int last, const float *bias, const float *R,
+                       long ldr, int act, float alpha, float beta)
+{
+    const float *a0 = A, *a1 = A + (1 < mr ? 1 : mr - 1) * lda,
+                *a2 = A + (2 < mr ? 2 : mr - 1) * lda, *a3 = A + (3 < mr ? 3 : mr - 1) * lda;
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+           c30 = c00, c31 = c00;
+#pragma GCC unroll 4
+    for (long k = 0; k < kc; k++) {
+        const float *bk = Bp + k * NR;
+        __m256 w0 = _mm256_load_ps(bk), w1 = _mm256_load_ps(bk + 8), x;
+        x = _mm256_broadcast_ss(a0 + k); c00 = _mm256_fmadd_ps(x, w0, c00);
+        c01 = _mm256_fmadd_ps(x, w1, c01);
+        x = _mm256_broadcast_ss(a1 + k); c10 = _mm256_fmadd_ps(x, w0, c10);
+        c11 = _mm256_fmadd_ps(x, w1, c11);
+        x = _mm256_broadcast_ss(a2 + k); c20 = _mm256_fmadd_ps(x, w0, c20);
+        c21 = _mm256_fmadd_ps(x, w1, c21);
+        x = _mm256_broadcast_ss(a3 + k); c30 = _mm256_fmadd_ps(x, w0, c30);
+        c31 = _mm256_fmadd_ps(x, w1, c31);
+    }
+    __m256 z = _mm256_setzero_ps();
+    __m256 acc[MR][NV] = {{c00, c01, z}, {c10, c11, z}, {c20, c21, z}, {c30, c31, z}};
+    store_tile(acc, C, ldc, mr, nr, first, last, bias, R, ldr, act, alpha, beta);
+}
+
+TGT static void tile_1(long kc, const float *A, long lda, const float *Bp, float *C, long ldc,
+                       int mr, int nr, int first, int last, const float *bias, const float *R,
+                       long ldr, int act, float alpha, float beta)
+{
+    const float *a0 = A, *a1 = A + (1 < mr ? 1 : mr - 1) * lda,
+                *a2 = A + (2 < mr ? 2 : mr - 1) * lda, *a3 = A + (3 < mr ? 3 : mr - 1) * lda;
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, d0 = c0, d1 = c0, d2 = c0,
+           d3 = c0;
+    long k = 0;
+    for (; k + 2 <= kc; k += 2) {
+        const float *bk = Bp + k * NR;
+        __m256 w0 = _mm256_load_ps(bk), w1 = _mm256_load_ps(bk + NR);
+        c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(a0 + k), w0, c0);
+        c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(a1 + k), w0, c1);
+        c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(a2 + k), w0, c2);
+        c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(a3 + k), w0, c3);
+        d0 = _mm256_fmadd_ps(_mm256_broadcast_ss(a0 + k + 1), w1, d0);
+        d1 = _mm256_fmadd_ps(_mm256_broadcast_ss(a1 + k + 1), w1, d1);
+        d2 = _mm256_fmadd_ps(_mm256_broadcast_ss(a2 + k + 1), w1, d2);
+        d3 = _mm256_fmadd_ps(_mm256_broadcast_ss(a3 + k + 1), w1, d3);
+    }
+    if (k < kc) {
+        __m256 w0 = _mm256_load_ps(Bp + k * NR);
+        c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(a0 + k), w0, c0);
+        c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(a1 + k), w0, c1);
+        c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(a2 + k), w0, c2);
+        c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(a3 + k), w0, c3);
+    }
+    __m256 z = _mm256_setzero_ps();
+    __m256 acc[MR][NV] = {{_mm256_add_ps(c0, d0), z, z}, {_mm256_add_ps(c1, d1), z, z},
+                          {_mm256_add_ps(c2, d2), z, z}, {_mm256_add_ps(c3, d3), z, z}};
+    store_tile(acc, C, ldc, mr, nr, first, last, bias, R, ldr, act, alpha, beta);
+}
+
+/* Rows [m0, m1) and panels [p0, p1) of the product: k blocks outermost, then blocks of MC rows
+ * of A (which every panel passes over), then the panels, then the row tiles (which reuse the
+ * panel's k block from L1/L2). */
+TGT void kiln_gemm_block(long m0, long m1, long p0, long p1, long N, long K, const float *A,
+                         long lda, const float *Bp, const float *bias, const float *R, long ldr,
+                         float *C, long ldc, int act, float alpha, float beta)
+{
+    long panels = (N + NR - 1) / NR;
+    for (long k0 = 0; k0 < K; k0 += KC) {
+        long kc = K - k0 < KC ? K - k0 : KC;
+        int first = k0 == 0, last = k0 + kc == K;
+        for (long i0 = m0; i0 < m1; i0 += MC) {
+            long i1 = i0 + MC < m1 ? i0 + MC : m1;
+            for (long p = p0; p < p1; p++) {
+                long n0 = p * NR;
+                int nr = N - n0 < NR ? (int)(N - n0) : NR;
+                const float *bp = Bp + k0 * panels * NR + p * kc * NR;
+                const float *bb = bias ? bias + n0 : NULL;
+                void (*tf)(long, const float *, long, const float *, float *, long, int, int,
+                           int, int, const float *, const float *, long, int, float, float) =
+                    nr <= 8 ? tile_1 : nr <= 16 ? tile_2 : tile;
+                for (long i = i0; i < i1; i += MR) {
+                    int mr = i1 - i < MR ? (int)(i1 - i) : MR;
+                    tf(kc, A + i * lda + k0, lda, bp, C + i * ldc + n0, ldc, mr, nr, first,
+                         last, bb, R ? R + i * ldr + n0 : NULL, ldr, act, alpha, beta);
+                }
+            }
+        }
+    }
+}
+
+
+/* C[M, N] (row stride ldc) = act(A[M, K] (row stride lda) @ B + bias[N] + R[M, N] (row stride
+ * ldr)), B packed by kiln_sgemm_pack, K >= 1; bias and R may be NULL; act: an ACT_ code, alpha and beta
+ * its parameters (Clip's bounds, LeakyRelu's slope). */
+void kiln_sgemm(long M, long N, long K, const float *A, long lda, const float *Bp,
+                const float *bias, const float *R, long ldr, float *C, long ldc, int act,
+                float alpha, float beta, int nthreads)
+{
+    long panels = (N + NR - 1) / NR;
+    if (nthreads < 1) nthreads = 1;
+    if (M <= 0 || N <= 0 || K <= 0)  /* callers pass K >= 1 (there is no product to take) */
+        return;
+    /* Split the panels where each thread gets at least two, else the rows (in whole tiles). */
+    int by_rows = panels < 2L * nthreads && M >= 2L * MR * nthreads;
+    if (nthreads == 1 || (M * N * K) < 64L * 64 * 64) {
+        kiln_gemm_block(0, M, 0, panels, N, K, A, lda, Bp, bias, R, ldr, C, ldc, act, alpha, beta);
+        return;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (by_rows) {
+            long tiles_m = (M + MR - 1) / MR;
+            long a = tiles_m * t / nt * MR, b = tiles_m * (t + 1) / nt * MR;
+            if (b > M) b = M;
+            if (a < b)
+                kiln_gemm_block(a, b, 0, panels, N, K, A, lda, Bp, bias, R, ldr, C, ldc, act, alpha, beta);
+        } else {
+            /* nt shares of (panel, row slice) items, panel-major: whole panels, and where the
+             * panels do not divide evenly the boundary panel's rows split between two threads
+             * (11 panels, N = 256, on 2 threads: 5.5 each, not 5 and 6) */
+            long tiles_m = (M + MR - 1) / MR, a = panels * t, b = panels * (t + 1);
+#define ROW(s) (tiles_m * (s) / nt * MR < M ? tiles_m * (s) / nt * MR : M)
+            if (a % nt) {  /* the tail of a panel: its row slices a % nt .. nt - 1 */
+                long p = a / nt, end = b / nt == p ? b % nt : nt;
+                kiln_gemm_block(ROW(a % nt), ROW(end), p, p + 1, N, K, A, lda, Bp, bias, R, ldr, C, ldc,
+                      act, alpha, beta);
+                a = (p + 1) * nt;
+            }
+            if (a < b / nt * nt)  /* whole panels */
+                kiln_gemm_block(0, M, a / nt, b / nt, N, K, A, lda, Bp, bias, R, ldr, C, ldc, act, alpha,
+                      beta);
+            if (b % nt && b / nt * nt >= a)  /* the head of a panel: slices 0 .. b % nt - 1 */
+                kiln_gemm_block(0, ROW(b % nt), b / nt, b / nt + 1, N, K, A, lda, Bp, bias, R, ldr, C,
+                      ldc, act, alpha, beta);
+#undef ROW
+        }
+    }
+}

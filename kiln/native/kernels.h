@@ -1,0 +1,154 @@
+/* Shared by kiln's C kernels (one file per concept: gemm.c, layernorm.c, attention.c,
+ * winograd.c, chain.c; linked into one library, kiln/native/_kernels*.so): the register tile's
+ * geometry, the AVX2 + FMA target attribute, the vector math the epilogues apply, scratch memory,
+ * and the entry points the kernels call each other through. */
+#ifndef KILN_KERNELS_H
+#define KILN_KERNELS_H
+#include <immintrin.h>
+#include <stddef.h>
+#include <math.h>
+#include <string.h>
+#include <stdlib.h>
+#include <omp.h>
+
+#define MR 4 /* rows of the register tile */
+#define NV 3 /* 8-float vectors across it */
+#define NR (8 * NV) /* columns of the tile and of a packed panel */
+#ifndef KC
+#define KC 1536 /* 2-4% faster than 768 on K = 1536 and 3072 GEMMs (BERT's, MiniLM's FFN2) */
+#endif
+#ifndef PF
+#define PF 8 /* B rows prefetched ahead */
+#endif
+#ifndef MC
+#define MC 192
+#endif
+
+#define TGT __attribute__((target("avx2,fma")))
+
+TGT static inline float hsum256(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Activations, applied to the tile in registers (codes as in kiln/native/__init__.py). */
+enum { ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SIGMOID, ACT_SILU, ACT_TANH, ACT_CLIP,
+       ACT_LEAKY_RELU, ACT_HARD_SWISH };
+
+/* e^x: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for exactness), e^r by a degree-7
+ * polynomial (the Cephes expf coefficients), 2^n by building the exponent bits; about 1 ulp.
+ * x is clamped to [-87, 88] so the result is a normal float; NaN stays NaN (the clamps and the
+ * activations' max/min take v as their second operand, which they return when either is NaN). */
+TGT static inline __m256 exp256(__m256 x)
+{
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                   _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* 1 / (1 + e^(-x)), exact division. */
+TGT static inline __m256 sigmoid256(__m256 x)
+{
+    __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+/* x * Phi(x) = x/2 (1 + erf(x / sqrt 2)), erf by Abramowitz & Stegun 7.1.28 (|error| <= 3e-7):
+ * erf(z) = 1 - p(z)^-16 for z >= 0, p a degree-6 polynomial with p(0) = 1. 1 + erf is formed as
+ * 2 - p^-16 for x >= 0 and as p^-16 (that is, erfc |z|) for x < 0, so large negative x keeps its
+ * accuracy; z is capped at 6, where p^-16 is below 1e-21 and p^16 stays finite. No exp: this
+ * costs a third of the 7.1.26 form, which took 10% of an M = 1024, K = 384 GEMM. */
+TGT static inline __m256 gelu256(__m256 x)
+{
+    __m256 z = _mm256_min_ps(_mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x),
+                                           _mm256_set1_ps(0.70710678118654752f)),
+                             _mm256_set1_ps(6.0f));
+    __m256 p = _mm256_set1_ps(0.0000430638f);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(0.0002765672f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(0.0001520143f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(0.0092705272f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(0.0422820123f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(0.0705230784f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.0f));
+    p = _mm256_mul_ps(p, p);
+    p = _mm256_mul_ps(p, p);
+    p = _mm256_mul_ps(p, p);
+    p = _mm256_mul_ps(p, p);
+    __m256 r = _mm256_div_ps(_mm256_set1_ps(1.0f), p);
+    __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+    __m256 onep = _mm256_blendv_ps(_mm256_sub_ps(_mm256_set1_ps(2.0f), r), r, neg);
+    return _mm256_mul_ps(_mm256_mul_ps(x, _mm256_set1_ps(0.5f)), onep);  /* NaN x: NaN */
+}
+
+TGT static inline __m256 act256(__m256 v, int act, float alpha, float beta)
+{
+    __m256 zero = _mm256_setzero_ps();
+    switch (act) {
+    case ACT_RELU: return _mm256_max_ps(zero, v);
+    case ACT_GELU: return gelu256(v);
+    case ACT_GELU_TANH: {  /* x/2 (1 + tanh u) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3) */
+        __m256 u = _mm256_mul_ps(v, _mm256_fmadd_ps(_mm256_mul_ps(v, v),
+                                                    _mm256_set1_ps(0.044715f * 1.5957691216f),
+                                                    _mm256_set1_ps(1.5957691216f)));
+        return _mm256_mul_ps(v, sigmoid256(u));
+    }
+    case ACT_SIGMOID: return sigmoid256(v);
+    case ACT_SILU: return _mm256_mul_ps(v, sigmoid256(v));
+    case ACT_TANH:  /* 2 sigmoid(2x) - 1 */
+        return _mm256_fmsub_ps(_mm256_set1_ps(2.0f), sigmoid256(_mm256_add_ps(v, v)),
+                               _mm256_set1_ps(1.0f));
+    case ACT_CLIP:
+        return _mm256_min_ps(_mm256_set1_ps(beta), _mm256_max_ps(_mm256_set1_ps(alpha), v));
+    case ACT_LEAKY_RELU:
+        return _mm256_blendv_ps(v, _mm256_mul_ps(v, _mm256_set1_ps(alpha)),
+                                _mm256_cmp_ps(v, zero, _CMP_LT_OQ));
+    case ACT_HARD_SWISH: {  /* x min(max(x / 6 + 1/2, 0), 1) */
+        __m256 g = _mm256_fmadd_ps(v, _mm256_set1_ps(1.0f / 6.0f), _mm256_set1_ps(0.5f));
+        g = _mm256_min_ps(_mm256_set1_ps(1.0f), _mm256_max_ps(zero, g));
+        return _mm256_mul_ps(v, g);
+    }
+    default: return v;
+    }
+}
+
+
+static inline float *scratch(long floats)
+{
+    size_t bytes = ((size_t)floats * sizeof(float) + 63) & ~(size_t)63;
+    return (float *)aligned_alloc(64, bytes ? bytes : 64);
+}
+
+long kiln_sgemm_packed_size(long K, long N);
+void kiln_sgemm_pack(long K, long N, const float *B, long sk, long sn, float *out);
+/* Rows [m0, m1) and panels [p0, p1) of C = act(A @ Bp + bias + R), single-threaded (gemm.c). */
+TGT void kiln_gemm_block(long m0, long m1, long p0, long p1, long N, long K, const float *A,
+                         long lda, const float *Bp, const float *bias, const float *R, long ldr,
+                         float *C, long ldc, int act, float alpha, float beta);
+void kiln_sgemm(long M, long N, long K, const float *A, long lda, const float *Bp,
+                const float *bias, const float *R, long ldr, float *C, long ldc, int act,
+                float alpha, float beta, int nthreads);
+void kiln_layernorm_to(long M, long N, const float *X, long ldx, float *Y, long ldy,
+                       const float *gamma, const float *beta, float eps, int nthreads);
+int kiln_attention(long B, long H, long Hkv, long Sq, long Skv, long D, long Dv,
+                   const float *Q, long qb, long qh, long qs,
+                   const float *K, long kb, long kh, long ks,
+                   const float *V, long vb, long vh, long vs,
+                   const float *bias, long bb, long bh, long bq, long bk,
+                   long causal, float scale, float *Y, long yb, long yh, long ys, int nthreads);
+
+#endif

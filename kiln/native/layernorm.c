@@ -1,0 +1,52 @@
+/* LayerNorm over the rows of a float32 matrix, split over threads by rows. */
+#include "kernels.h"
+
+/* Rows [m0, m1) of X (row stride ldx, N columns) normalized into Y (row stride ldy; Y may be X):
+ * (x - mean) / sqrt(var + eps) * gamma + beta, the mean and the (biased) variance in float32 over
+ * each row, two passes. */
+TGT static void layernorm_rows(long m0, long m1, long N, const float *X, long ldx, float *Y,
+                               long ldy, const float *gamma, const float *beta, float eps)
+{
+    for (long i = m0; i < m1; i++) {
+        const float *x = X + i * ldx;
+        float *y = Y + i * ldy;
+        __m256 acc = _mm256_setzero_ps();
+        long j = 0;
+        for (; j + 8 <= N; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + j));
+        float sum = hsum256(acc);
+        for (; j < N; j++) sum += x[j];
+        float mean = sum / (float)N;
+        __m256 mv = _mm256_set1_ps(mean);
+        acc = _mm256_setzero_ps();
+        for (j = 0; j + 8 <= N; j += 8) {
+            __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + j), mv);
+            acc = _mm256_fmadd_ps(d, d, acc);
+        }
+        float sq = hsum256(acc);
+        for (; j < N; j++) sq += (x[j] - mean) * (x[j] - mean);
+        float inv = 1.0f / sqrtf(sq / (float)N + eps);
+        __m256 iv = _mm256_set1_ps(inv);
+        for (j = 0; j + 8 <= N; j += 8) {
+            __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), mv), iv);
+            d = _mm256_fmadd_ps(d, _mm256_loadu_ps(gamma + j), beta ? _mm256_loadu_ps(beta + j)
+                                                                    : _mm256_setzero_ps());
+            _mm256_storeu_ps(y + j, d);
+        }
+        for (; j < N; j++) y[j] = (x[j] - mean) * inv * gamma[j] + (beta ? beta[j] : 0.0f);
+    }
+}
+
+/* LayerNorm of the M rows of X into Y (in place where Y == X). */
+void kiln_layernorm_to(long M, long N, const float *X, long ldx, float *Y, long ldy,
+                       const float *gamma, const float *beta, float eps, int nthreads)
+{
+    if (nthreads < 2 || M < 2) {
+        layernorm_rows(0, M, N, X, ldx, Y, ldy, gamma, beta, eps);
+        return;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        layernorm_rows(M * t / nt, M * (t + 1) / nt, N, X, ldx, Y, ldy, gamma, beta, eps);
+    }
+}
