@@ -68,5 +68,6 @@ def interleaved(fns: dict[str, Callable[[], object]], min_s: float, min_iters: i
 
 
 def describe_error(stage: str, exc: BaseException) -> str:
-    first = (str(exc).strip().splitlines() or [""])[0]
-    return f"{stage}: {type(exc).__name__}: {first}"[:400]
+    """``stage: Type: message`` on one line (a multi-line message joined with '; ')."""
+    lines = [ln.strip(" -") for ln in str(exc).strip().splitlines() if ln.strip()]
+    return f"{stage}: {type(exc).__name__}: {'; '.join(lines)}"[:600]
