@@ -44,6 +44,12 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=float, default=0.3, metavar="S", help="warm-up seconds")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="a model's worker is stopped after this long and reported (600)")
+    p.add_argument("--omp-wait-policy", choices=("default", "passive", "active"),
+                   default="default",
+                   help="OMP_WAIT_POLICY for the workers (default: as the environment has it); "
+                        "on a machine shared with other work, OpenMP's spinning threads make "
+                        "kiln many times slower, and 'passive' measures it closer to an idle "
+                        "machine")
     p.add_argument("--note", default="", help="a line for the report (the machine was shared)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # MODEL:OUT, internal
     return p.parse_args(argv)
@@ -74,6 +80,8 @@ def run_worker(entry: Entry, args, tmp: Path) -> dict:
            "--duration", str(args.duration), "--iterations", str(args.iterations),
            "--warmup", str(args.warmup)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    if args.omp_wait_policy != "default":
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env,
                               cwd=Path(__file__).resolve().parents[2])
@@ -100,7 +108,9 @@ def run(args, path: Path | None = None) -> dict:
               "device": args.device, "command": " ".join(["python -m bench.corpus",
                                                           *sys.argv[1:]]),
               "machine": machine(), "corpus": str(args.corpus), "notes": args.note,
-              "threads": args.threads, "rows": []}
+              "threads": args.threads, "rows": [],
+              "omp_wait_policy": (args.omp_wait_policy if args.omp_wait_policy != "default"
+                                  else os.environ.get("OMP_WAIT_POLICY", "unset"))}
     with tempfile.TemporaryDirectory(prefix="kiln-corpus-") as tmp:
         for name in names:
             sys.stderr.write(f"{name} ...\n")

@@ -41,9 +41,16 @@ class Spec:
         return any(0 in axes for axes in self.dynamic.values())
 
     def check_available(self) -> None:
-        missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
+        missing = [m for m in self.requires if not _importable(m)]
         if missing:
             raise Unavailable(f"needs {', '.join(missing)} (not importable here)")
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent package is missing
+        return False
 
 
 def seeded(fn: Callable[[], object], seed: int = 0) -> Callable[[], object]:

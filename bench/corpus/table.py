@@ -64,8 +64,11 @@ def summary(rows: list[dict]) -> list[str]:
 
 def markdown(result: dict) -> str:
     rows = result["rows"]
-    out = [f"# kiln corpus on {result['device']} ({result['date']})", "",
-           f"`{result['command']}` — {result['machine']}", "",
+    # no heading: bench.readme puts this file under a README section of its own
+    out = [f"**kiln corpus on {result['device']}** ({result['date']}"
+           f"{'' if result.get('complete', True) else ', incomplete run'})", "",
+           f"`{result['command']}` — {result['machine']}; {result.get('threads')} threads "
+           f"each; OMP_WAIT_POLICY {result.get('omp_wait_policy', 'unset')}", "",
            *summary(rows), "", "| " + " | ".join(HEADER) + " |",
            "|" + "---|" * len(HEADER)]
     out += ["| " + " | ".join(c.replace("|", "/") for c in row_cells(r)) + " |" for r in rows]

@@ -118,8 +118,8 @@ def test_shipped_file_comes_out_of_a_wheel(tmp_path):
 
 def test_missing_source_is_skipped_with_the_reason():
     spec = Spec("needs_it", "cnn", "x", "torchscript", [InputSpec("x", [1])],
-                requires=("no_such_module_kiln",), make=seeded(_mlp))
-    with pytest.raises(Unavailable, match="no_such_module_kiln"):
+                requires=("no_such_module_kiln", "no_such_pkg_kiln.sub"), make=seeded(_mlp))
+    with pytest.raises(Unavailable, match="no_such_module_kiln, no_such_pkg_kiln.sub"):
         spec.check_available()
 
 
