@@ -159,3 +159,19 @@ def test_interleaved_caps_a_model_of_seconds_per_call():
                     max_s=5.0, clock=lambda: now[0])
     assert t["slow"]["iterations"] == 3 and t["slow"]["median_ms"] == pytest.approx(2000)
     assert t["fast"]["iterations"] >= 10
+
+
+def test_cuda_path_helpers_without_a_gpu():
+    import torch
+
+    from bench.corpus import cuda
+
+    t = cuda.timed(lambda: None, lambda: None, min_s=0.01, min_iters=3)
+    assert t["per_call_ms"] >= 0 and t["back_to_back_ms"] >= 0
+    e = Entry("m", "cnn", "x", "torchscript", 17, [InputSpec("x", [1])], outputs=["a", "b"])
+    refs = {"a": np.array([1.0, 2.0]), "b": np.array([4.0])}
+    out = (torch.tensor([1.0, 2.02], dtype=torch.float16), torch.tensor([4.0]))
+    assert cuda.fp16_error(out, e, refs) == pytest.approx(0.01, rel=0.05)  # by output order
+    assert cuda.fp16_error({"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0])}, e,
+                           refs) == pytest.approx(0.25)  # kiln gives a dict by name
+    assert cuda.fp16_error(out, e, None) is None
