@@ -105,8 +105,7 @@ def run(args, path: Path | None = None) -> dict:
     if unknown:
         raise SystemExit(f"--models: {unknown} not in {args.corpus}; it has {sorted(entries)}")
     result = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-              "device": args.device, "command": " ".join(["python -m bench.corpus",
-                                                          *sys.argv[1:]]),
+              "device": args.device, "command": command(sys.argv[1:]),
               "machine": machine(), "corpus": str(args.corpus), "notes": args.note,
               "threads": args.threads, "rows": [],
               "omp_wait_policy": (args.omp_wait_policy if args.omp_wait_policy != "default"
@@ -124,6 +123,20 @@ def run(args, path: Path | None = None) -> dict:
                 write(dict(result, complete=False), path)
             sys.stderr.write(f"  {row['status']} {row.get('ratio') or ''} {row['error']}\n")
     return result
+
+
+def command(argv: list[str]) -> str:
+    """The command line as run, the --note text left out (it is printed under the table)."""
+    kept, skip = [], False
+    for a in argv:
+        if skip or a.startswith("--note="):
+            skip = False
+            continue
+        if a == "--note":
+            skip = True
+            continue
+        kept.append(a)
+    return " ".join(["python -m bench.corpus", *kept])
 
 
 def machine() -> str:
