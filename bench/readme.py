@@ -148,8 +148,9 @@ def device_section(device: str, results: Path = RESULTS, base: Path = ROOT) -> s
 def corpus_section(results: Path = RESULTS, base: Path = ROOT) -> str:
     runs = sorted(results.glob("corpus-cpu-*.md"))
     if not runs:
-        return ("No corpus run in `bench/results/` yet: `python -m bench.corpus` writes "
-                "`bench/results/corpus-cpu-<date>.md`, then `python -m bench.readme`.")
+        return ("No corpus run in `bench/results/` yet: the corpus bench (issue 16) writes "
+                "`bench/results/corpus-cpu-<date>.md`, and `python -m bench.readme` shows the "
+                "newest here.")
     newest = runs[-1]
     link = f"[`{newest.name}`]({os.path.relpath(newest, base)})"
     return f"From {link}:\n\n{newest.read_text().strip()}"

@@ -176,3 +176,18 @@ def test_readme_bench_tables_are_generated():
 
     text = README.read_text()
     assert readme.render(text) == text, "run: python -m bench.readme"
+
+
+def test_bench_docs_describe_every_bench_file_and_name_real_modules():
+    import subprocess
+
+    bench_doc = (ROOT / "docs" / "bench.md").read_text()
+    tracked = subprocess.run(["git", "ls-files", "bench"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    tools = [f for f in tracked if "/results/" not in f
+             and f not in ("bench/__init__.py", "bench/README.md")]
+    assert tools, "git ls-files found no bench files"
+    assert [f for f in tools if f"`{f}`" not in bench_doc] == [], "describe them in docs/bench.md"
+    text = "\n".join(p.read_text() for p in [README, *DOCS])
+    modules = set(re.findall(r"python -m (bench\.\w+)", text))
+    assert [m for m in modules if not (ROOT / (m.replace(".", "/") + ".py")).exists()] == []
