@@ -14,6 +14,7 @@ wrote it. Each section sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import sys
@@ -62,7 +63,8 @@ def _covers_defaults(result: dict) -> bool:
 def newest_run(device: str, results: Path = RESULTS) -> tuple[Path, dict] | None:
     """The newest (by its ``date``) bench.run result for ``device`` covering every default
     model, or None."""
-    runs = [(d["date"], p, d) for p, d in _runs(results, device) if _covers_defaults(d)]
+    runs = [(dt.datetime.fromisoformat(d["date"]), p, d) for p, d in _runs(results, device)
+            if _covers_defaults(d)]
     if not runs:
         return None
     _, path, data = max(runs, key=lambda x: x[0])
