@@ -141,7 +141,8 @@ def load_engine(path: Path, cfg: mc.ModelConfig, cache_dir: Path | None, log=pri
         return kiln.load(path)
     opts = build_options(cfg)
     digest = hashlib.sha256(path.read_bytes() + repr(sorted(opts.items())).encode())
-    cache = (cache_dir or path.parent / ".kiln-cache") / f"{path.stem}-{digest.hexdigest()[:16]}.kiln"
+    name = f"{path.stem}-{digest.hexdigest()[:16]}.kiln"
+    cache = (cache_dir or path.parent / ".kiln-cache") / name
     if cache.is_file():
         try:
             return kiln.load(cache)

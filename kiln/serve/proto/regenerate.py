@@ -16,7 +16,7 @@ def main() -> int:
     protos = sorted(str(p.relative_to(root)) for p in here.glob("*.proto"))
     include = str(Path(protoc.__file__).parent / "_proto")
     args = ["protoc", f"-I{root}", f"-I{include}", f"--python_out={root}",
-            f"--pyi_out={root}", *protos]
+            *protos]
     rc = protoc.main(args)
     if rc == 0:
         print("regenerated:", ", ".join(protos))
