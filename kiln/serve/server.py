@@ -213,10 +213,10 @@ class Server:
 
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()
-        await self.start()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT):  # before start: a signal while loading
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, self._stop.set)
+        await self.start()
         await self._stop.wait()
         return await self.shutdown()
 
