@@ -129,3 +129,7 @@ def served(repo):
     s = ServerThread(model_repository=str(repo), max_body_bytes=1 << 20)
     yield s
     s.stop()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts heavy machinery (Ray); minutes on 2 cores")
