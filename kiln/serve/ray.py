@@ -81,7 +81,9 @@ def deployment(model_repository: str, num_replicas: int | None = 1,
             ``target_ongoing_requests``, ...).
         options: :class:`kiln.serve.ServeConfig` fields for every replica.
     """
-    opts = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}
+    opts = {"autoscaling_config": autoscaling} if autoscaling else {}
+    if num_replicas is not None and not autoscaling:
+        opts["num_replicas"] = num_replicas
     return KilnReplica.options(**opts).bind(model_repository, options)
 
 
@@ -89,5 +91,5 @@ def app(args: dict):
     """Application builder for ``serve run kiln.serve.ray:app model_repository=DIR ...``."""
     args = dict(args)
     repo = args.pop("model_repository")
-    n = int(args.pop("num_replicas", 1))
-    return deployment(repo, num_replicas=n, **args)
+    n = args.pop("num_replicas", None)  # None: the Serve config's deployment settings decide
+    return deployment(repo, num_replicas=None if n is None else int(n), **args)
