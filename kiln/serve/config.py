@@ -140,7 +140,7 @@ def _check_tensors(cfg, path) -> None:
             if datatypes.from_config(mc.DataType.Name(t.data_type)) not in datatypes.NUMPY:
                 raise ConfigError(path, f"{where}.data_type", f"{mc.DataType.Name(t.data_type)}"
                                   f" is not served by kiln")
-            if any(d < -1 or d == 0 for d in t.dims) and not all(d == 0 for d in t.dims):
+            if any(d < -1 or d == 0 for d in t.dims):
                 raise ConfigError(path, f"{where}.dims", f"{list(t.dims)} for '{t.name}': each "
                                   f"dim must be positive or -1 (any size)")
             if t.HasField("reshape"):
