@@ -69,6 +69,11 @@ class Scheduler:
 
     async def submit(self, feeds: dict, rows: int, key, timeout: float | None = None) -> tuple:
         """Queue one request; returns ``(outputs, Timing)`` or raises :class:`ServeError`."""
+        return await self.enqueue(feeds, rows, key, timeout)
+
+    def enqueue(self, feeds: dict, rows: int, key, timeout: float | None = None):
+        """Queue one request now (a full queue raises :class:`ServeError` at once); the
+        future it returns gets ``(outputs, Timing)`` or the request's error."""
         if self._closing:
             raise ServeError(Kind.UNAVAILABLE, "the model version is unloading")
         now = self.clock()
@@ -80,7 +85,7 @@ class Scheduler:
         except QueueFull as e:
             raise ServeError(Kind.UNAVAILABLE, f"request rejected: {e}; retry later") from None
         self._wake.set()
-        return await fut
+        return fut
 
     async def close(self) -> None:
         """Stop taking requests, answer every queued and running one, then stop."""

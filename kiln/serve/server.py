@@ -101,14 +101,16 @@ class Server:
             feeds, rows, key = check_request(mv, req)
             if mv.scheduler is None:
                 raise unavailable(f"model '{mv.name}' is not started")
-            job = asyncio.ensure_future(mv.scheduler.submit(feeds, rows, key, req.timeout()))
-            limit = self.config.request_timeout or None
+            fut = mv.scheduler.enqueue(feeds, rows, key, req.timeout())
+            limit = self.config.request_timeout
+            timer = asyncio.get_running_loop().call_later(
+                limit, _time_out, fut, f"request to '{mv.name}' took longer than {limit} s "
+                f"(the server's request timeout)") if limit else None
             try:
-                outs, _ = await asyncio.wait_for(asyncio.shield(job), limit)
-            except asyncio.TimeoutError:
-                job.add_done_callback(lambda j: j.cancelled() or j.exception())
-                raise ServeError(Kind.TIMEOUT, f"request to '{mv.name}' took longer than "
-                                 f"{limit} s (the server's request timeout)") from None
+                outs, _ = await fut
+            finally:
+                if timer is not None:
+                    timer.cancel()
             return mv, outs
         except ServeError as e:
             error = e
@@ -246,6 +248,11 @@ class Server:
             return 1
         self.log("kiln serve: stopped, every request answered")
         return 0
+
+
+def _time_out(fut: asyncio.Future, message: str) -> None:
+    if not fut.done():  # the batch still runs; its answer for this request is dropped
+        fut.set_exception(ServeError(Kind.TIMEOUT, message))
 
 
 def _changed(server: Server, m) -> bool:

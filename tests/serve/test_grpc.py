@@ -14,6 +14,9 @@ from tritonclient.utils import InferenceServerException
 from kiln.serve.proto import grpc_service_pb2, model_config_pb2
 from tests.serve.conftest import expected
 
+# tritonclient closes its gevent pool in __del__, which fails when the GC runs it on the
+# server's thread: harmless, and not ours
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 @pytest.fixture
 def client(served):

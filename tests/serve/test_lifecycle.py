@@ -234,3 +234,19 @@ def test_cli_serve_sigterm_exits_zero(tmp_path):
     out = p.stderr.read()
     assert p.wait(60) == 0, out
     assert "every request answered" in out
+
+
+def test_request_timeout_is_504_and_server_recovers(tmp_path):
+    write_model(tmp_path, "matmul", 1, matmul_model(), MATMUL_CONFIG)
+    s = ServerThread(model_repository=str(tmp_path), request_timeout=0.5, grpc_port=None)
+    try:
+        gate = gate_model(s, "matmul")
+        c = th.InferenceServerClient(s.http)
+        with pytest.raises(InferenceServerException) as e:
+            infer(c)  # its batch hangs behind the gate past the request timeout
+        assert e.value.status() == "504" and "request timeout" in str(e.value)
+        gate.open.set()
+        np.testing.assert_allclose(infer(c), expected(np.ones((1, 4), np.float32)))
+        c.close()
+    finally:
+        s.stop()
