@@ -55,12 +55,14 @@ def mlp_onnx(path: Path, width: int = 256, hidden: int = 1024) -> Path:
 
 
 def build_engine(args, work: Path):
-    """The engine both served models use, built once; returns (path, sample input)."""
+    """The engine both served models use, built once; returns (path, sample input, input
+    name, output name)."""
     import kiln
     from kiln.engine.profile import Profile
 
     if args.model == "mlp":
-        onnx_path, shape = mlp_onnx(work / "mlp.onnx"), (256,)
+        onnx_path = mlp_onnx(work / "mlp.onnx", args.mlp_width, args.mlp_hidden)
+        shape = (args.mlp_width,)
     else:
         from kiln.zoo import build_onnx
 
@@ -68,8 +70,9 @@ def build_engine(args, work: Path):
     profiles = []
     if args.device == "cuda":  # batch 1 tuned on its own, the batches the batcher makes apart
         one, big = (1, *shape), (args.max_batch, *shape)
-        profiles = [Profile.fixed({"input": one}),
-                    Profile({"input": (2, *shape)}, {"input": big}, {"input": big})]
+        name = "input"  # the zoo's and mlp's input name
+        profiles = [Profile.fixed({name: one}),
+                    Profile({name: (2, *shape)}, {name: big}, {name: big})]
     cfg = kiln.BuilderConfig(device=args.device, fp16=args.fp16, profiles=profiles)
     print(f"building {onnx_path.name} ({args.device}{', fp16' if args.fp16 else ''}) ...",
           flush=True)
@@ -77,16 +80,16 @@ def build_engine(args, work: Path):
     path = work / "model.kiln"
     engine.save(path)
     x = np.random.default_rng(1).standard_normal((1, *shape)).astype(np.float32)
-    return path, x
+    return path, x, engine.inputs[0].name, engine.outputs[0].name
 
 
-def write_repository(args, engine: Path, shape, root: Path) -> None:
+def write_repository(args, engine: Path, shape, in_name: str, root: Path) -> None:
     """Two models on one engine: with dynamic batching, and without. Both warm every batch
     size they will run (model_warmup), so no request pays a first run at a new shape."""
     dims = ", ".join(map(str, shape))
 
     def warmup(sizes):
-        return "".join(f'model_warmup [ {{ name: "b{b}" batch_size: {b} inputs {{ key: "input" '
+        return "".join(f'model_warmup [ {{ name: "b{b}" batch_size: {b} inputs {{ key: "{in_name}" '
                        f'value {{ data_type: TYPE_FP32 dims: [ {dims} ] zero_data: true }} }} '
                        f'}} ]\n' for b in sizes)
 
@@ -130,23 +133,24 @@ def start_server(repo: Path, http: int, grpc: int):
     raise SystemExit("kiln serve did not become ready in 600 s")
 
 
-def direct_latency(engine: Path, x: np.ndarray, n: int) -> tuple[float, np.ndarray]:
+def direct_latency(engine: Path, x: np.ndarray, names, n: int) -> tuple[float, np.ndarray]:
     """Median seconds of ExecutionContext.run at batch 1 (numpy in, numpy out), and the
     reference output."""
     import kiln
 
     ctx = kiln.load(engine).create_context()
+    i, o = names
     for _ in range(10):
-        ref = ctx.run({"input": x})["output"]
+        ref = ctx.run({i: x})[o]
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
-        ctx.run({"input": x})
+        ctx.run({i: x})
         times.append(time.perf_counter() - t0)
     return float(np.median(times)), np.asarray(ref)
 
 
-def _client_proc(url, model, x, ref, n, conc, warmup, out_q):
+def _client_proc(url, model, names, x, ref, n, conc, warmup, out_q):
     """One client process: ``conc`` coroutines share ``n`` requests; puts its counts."""
     import tritonclient.grpc.aio as grpcclient
 
@@ -160,13 +164,13 @@ def _client_proc(url, model, x, ref, n, conc, warmup, out_q):
             while budget["left"] > 0:
                 budget["left"] -= 1
                 measured = budget["left"] < n
-                inp = grpcclient.InferInput("input", list(x.shape), "FP32")
+                inp = grpcclient.InferInput(names[0], list(x.shape), "FP32")
                 inp.set_data_from_numpy(x)
                 sent += measured
                 t0 = time.perf_counter()
                 try:
                     r = await client.infer(model, [inp])
-                    y = r.as_numpy("output")
+                    y = r.as_numpy(names[1])
                 except Exception as e:  # counted and reported
                     errors.append(str(e)[:200])
                     continue
@@ -192,7 +196,7 @@ def server_stats(http: int, model: str) -> tuple[int, int]:
     return st["inference_count"], st["execution_count"]
 
 
-def run_level(args, grpc_url, http, model, x, ref, conc) -> dict:
+def run_level(args, grpc_url, http, model, names, x, ref, conc) -> dict:
     procs = max(1, min(args.client_procs, conc))
     q = mp.get_context("spawn").Queue()
     shares = [conc // procs + (i < conc % procs) for i in range(procs)]
@@ -201,7 +205,7 @@ def run_level(args, grpc_url, http, model, x, ref, conc) -> dict:
     warm = max(2 * conc, 20)
     inf0, ex0 = server_stats(http, model)
     ps = [mp.get_context("spawn").Process(target=_client_proc, args=(
-        grpc_url, model, x, ref, r, s, warm * s // conc, q)) for r, s in zip(reqs, shares)]
+        grpc_url, model, names, x, ref, r, s, warm * s // conc, q)) for r, s in zip(reqs, shares)]
     t0 = time.perf_counter()
     for p in ps:
         p.start()
@@ -263,6 +267,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="mlp", help="mlp (small, built here) or a kiln.zoo "
                    "model with a dynamic batch and input named 'input' (resnet50)")
+    p.add_argument("--mlp-width", type=int, default=256, help="mlp: input/output features")
+    p.add_argument("--mlp-hidden", type=int, default=1024, help="mlp: hidden features")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--fp16", action="store_true")
     p.add_argument("--concurrency", default="1,8,32",
@@ -286,16 +292,17 @@ def main(argv=None) -> int:
         ["batching", "nobatch"]
     work = Path(tempfile.mkdtemp(prefix="kiln-serve-load-"))
     try:
-        engine, x = build_engine(args, work)
-        direct_s, ref = direct_latency(engine, x, args.direct_runs)
-        write_repository(args, engine, x.shape[1:], work / "repo")
+        engine, x, *names = build_engine(args, work)
+        direct_s, ref = direct_latency(engine, x, names, args.direct_runs)
+        write_repository(args, engine, x.shape[1:], names[0], work / "repo")
         http, grpc = free_port(), free_port()
         server = start_server(work / "repo", http, grpc)
         rows = []
         try:
             for mode in modes:
                 for c in args.concurrency:
-                    rows.append(run_level(args, f"127.0.0.1:{grpc}", http, mode, x, ref, c))
+                    rows.append(run_level(args, f"127.0.0.1:{grpc}", http, mode, names, x, ref,
+                                          c))
                     r = rows[-1]
                     print(f"  {mode} c={c}: {r['throughput']:.1f} req/s, p99 {r['p99_ms']} ms, "
                           f"errors {r['errors']}", flush=True)

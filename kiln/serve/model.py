@@ -19,6 +19,7 @@ from kiln.serve.repository import (
     ModelSource,
     Repository,
     complete_config,
+    file_signature,
     load_engine,
     model_file,
     select_versions,
@@ -160,7 +161,7 @@ class ModelManager:
         out = {}
         for v in select_versions(src):
             old = m.versions.get(v)
-            vsig = _version_sig(src, v)
+            vsig = version_signature(src, v)
             if old is not None and old.signature == vsig:
                 out[v] = old
                 continue
@@ -209,8 +210,7 @@ class ModelManager:
                 for v, mv in m.versions.items() if mv.scheduler is not None}
 
 
-def _version_sig(src: ModelSource, version: int) -> tuple:
-    from kiln.serve.repository import file_signature
-
+def version_signature(src: ModelSource, version: int) -> tuple:
+    """Changes when the model's config or the version folder's files change."""
     cfg = src.config_path.stat().st_mtime_ns if src.config_path.is_file() else None
     return (cfg, file_signature(src.versions[version]))

@@ -34,10 +34,6 @@ class ModelSource:
     config_path: Path
     versions: dict[int, Path]
 
-    def signature(self) -> tuple:
-        """Changes when the config or any version file changes (for polling)."""
-        return file_signature(self.path)
-
 
 def file_signature(path: Path) -> tuple:
     out = []

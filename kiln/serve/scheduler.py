@@ -119,8 +119,7 @@ class Scheduler:
         start = self.clock()
         try:
             outs = await asyncio.get_running_loop().run_in_executor(
-                self.pool, _run_batch, instance, [r.payload[0] for r in batch],
-                self.policy.max_batch_size > 0)
+                self.pool, _run_batch, instance, [r.payload[0] for r in batch])
             error = None
         except ServeError as e:
             outs, error = None, e
@@ -167,7 +166,7 @@ def _answer(req: Pending, error=None, result=None) -> None:
         fut.set_result(result)
 
 
-def _run_batch(instance, feeds: list[dict], batched: bool) -> list[dict]:
+def _run_batch(instance, feeds: list[dict]) -> list[dict]:
     """Runs in a pool thread: stack the requests' inputs along the batch dim, run once, split
     the outputs back into one dict per request."""
     if len(feeds) == 1:

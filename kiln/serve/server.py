@@ -14,8 +14,8 @@ from kiln.errors import KilnError
 from kiln.serve.errors import Kind, ServeError, unavailable
 from kiln.serve.infer import InferRequest, check_request
 from kiln.serve.metrics import Metrics
-from kiln.serve.model import ModelManager
-from kiln.serve.repository import Repository
+from kiln.serve.model import ModelManager, version_signature
+from kiln.serve.repository import Repository, select_versions
 
 CONTROL_MODES = ("none", "poll", "explicit")
 
@@ -260,13 +260,10 @@ def _changed(server: Server, m) -> bool:
         src = server.repository.read(m.name)
     except KilnError:
         return True
-    from kiln.serve.model import _version_sig
-    from kiln.serve.repository import select_versions
-
     try:
         wanted = select_versions(src)
     except KilnError:
         return True
     if sorted(wanted) != sorted(m.versions):
         return True
-    return any(_version_sig(src, v) != m.versions[v].signature for v in wanted)
+    return any(version_signature(src, v) != m.versions[v].signature for v in wanted)
