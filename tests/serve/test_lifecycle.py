@@ -250,3 +250,26 @@ def test_request_timeout_is_504_and_server_recovers(tmp_path):
         c.close()
     finally:
         s.stop()
+
+
+def test_poll_mode_loads_new_and_unloads_removed_models(tmp_path):
+    import shutil
+
+    write_model(tmp_path, "fixed", 1, fixed_model())
+    s = ServerThread(model_repository=str(tmp_path), model_control_mode="poll",
+                     poll_interval=0.2, grpc_port=None)
+    try:
+        c = th.InferenceServerClient(s.http)
+        assert c.is_model_ready("fixed")
+        write_model(tmp_path, "matmul", 1, matmul_model(), MATMUL_CONFIG)
+        deadline = time.time() + 120
+        while time.time() < deadline and not c.is_model_ready("matmul"):
+            time.sleep(0.2)
+        assert c.is_model_ready("matmul")  # the poll loop found and loaded it
+        shutil.rmtree(tmp_path / "fixed")
+        while time.time() < deadline and c.is_model_ready("fixed"):
+            time.sleep(0.2)
+        assert not c.is_model_ready("fixed") and c.is_server_ready()
+        c.close()
+    finally:
+        s.stop()
