@@ -1,7 +1,7 @@
-"""Loopback load test of ``kiln serve``: a real server in its own process, real
-tritonclient gRPC clients (asyncio, several processes), a bounded number of requests per
-concurrency level, with and without dynamic batching, and the server's overhead per request
-over ``ExecutionContext.run`` at batch 1 measured in the same run.
+"""Loopback load test of ``kiln serve``: a real server in its own process, real tritonclient
+clients (gRPC with asyncio, or HTTP with gevent; several processes), a bounded number of
+requests per concurrency level, with and without dynamic batching, and the server's overhead
+per request over ``ExecutionContext.run`` at batch 1 measured in the same run.
 
     python -m bench.serve_load --model mlp --concurrency 1,8,32 --requests 600      # CPU
     python -m bench.serve_load --model resnet50 --device cuda --fp16 \\
@@ -190,6 +190,44 @@ def _client_proc(url, model, names, x, ref, n, conc, warmup, out_q):
     out_q.put(asyncio.run(main()))
 
 
+def _http_client_proc(url, model, names, x, ref, n, conc, warmup, out_q):
+    """As :func:`_client_proc`, with tritonclient.http (gevent greenlets, binary data)."""
+    import gevent.pool
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(url, concurrency=conc, network_timeout=600)
+    lat, errors, counts = [], [], {"wrong": 0, "sent": 0, "left": warmup + n}
+
+    def worker():
+        while counts["left"] > 0:
+            counts["left"] -= 1
+            measured = counts["left"] < n
+            inp = httpclient.InferInput(names[0], list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            counts["sent"] += measured
+            t0 = time.perf_counter()
+            try:
+                y = client.infer(model, [inp]).as_numpy(names[1])
+            except Exception as e:  # counted and reported
+                errors.append(str(e)[:200])
+                continue
+            if measured:
+                lat.append(time.perf_counter() - t0)
+                scale = float(np.abs(ref).max()) or 1.0
+                if y.shape != ref.shape or float(np.abs(y - ref).max()) > 2e-2 * scale:
+                    counts["wrong"] += 1
+
+    t0 = time.perf_counter()
+    pool = gevent.pool.Pool(conc)
+    for _ in range(conc):
+        pool.spawn(worker)
+    pool.join()
+    wall = time.perf_counter() - t0
+    client.close()
+    out_q.put({"lat": lat, "errors": errors, "wrong": counts["wrong"], "sent": counts["sent"],
+               "wall": wall})
+
+
 def server_stats(http: int, model: str) -> tuple[int, int]:
     with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{model}/stats") as r:
         st = json.load(r)["model_stats"][0]
@@ -204,8 +242,10 @@ def run_level(args, grpc_url, http, model, names, x, ref, conc) -> dict:
     reqs[0] += args.requests - sum(reqs)
     warm = max(2 * conc, 20)
     inf0, ex0 = server_stats(http, model)
-    ps = [mp.get_context("spawn").Process(target=_client_proc, args=(
-        grpc_url, model, names, x, ref, r, s, warm * s // conc, q)) for r, s in zip(reqs, shares)]
+    target, url = ((_http_client_proc, f"127.0.0.1:{http}") if args.protocol == "http"
+                   else (_client_proc, grpc_url))
+    ps = [mp.get_context("spawn").Process(target=target, args=(
+        url, model, names, x, ref, r, s, warm * s // conc, q)) for r, s in zip(reqs, shares)]
     t0 = time.perf_counter()
     for p in ps:
         p.start()
@@ -230,7 +270,8 @@ def run_level(args, grpc_url, http, model, names, x, ref, conc) -> dict:
 
 def report(rows, direct_ms, args) -> dict:
     print(f"\nkiln serve load test: {args.model} on {args.device}"
-          f"{' fp16' if args.fp16 else ''}, gRPC over loopback, {args.requests} requests per "
+          f"{' fp16' if args.fp16 else ''}, {args.protocol} over loopback, {args.requests} "
+          f"requests per "
           f"level, max batch {args.max_batch}, queue delay {args.delay_us} us, "
           f"{args.instances} instance(s)\n")
     print("| mode | conc | sent | recv | errors | wrong | req/s | p50 ms | p90 ms | p99 ms | "
@@ -250,7 +291,8 @@ def report(rows, direct_ms, args) -> dict:
     one = by.get(("nobatch", 1))
     if one and one["p50_ms"] is not None:
         summary["overhead_ms"] = one["p50_ms"] - direct_ms
-        print(f"server overhead per request at batch 1 (p50 over gRPC at concurrency 1 minus "
+        print(f"server overhead per request at batch 1 (p50 over {args.protocol} at concurrency 1 "
+              f"minus "
               f"ExecutionContext.run p50): {summary['overhead_ms']:.3f} ms")
     for c in args.concurrency:
         b, n = by.get(("batching", c)), by.get(("nobatch", c))
@@ -279,6 +321,8 @@ def parse_args(argv=None):
     p.add_argument("--delay-us", type=int, default=500, help="max queue delay of the batcher")
     p.add_argument("--instances", type=int, default=1, help="execution contexts per model")
     p.add_argument("--client-procs", type=int, default=2, help="client processes")
+    p.add_argument("--protocol", default="grpc", choices=["grpc", "http"],
+                   help="tritonclient.grpc (asyncio) or tritonclient.http (binary data)")
     p.add_argument("--no-batching", action="store_true", help="only batch-1 serving")
     p.add_argument("--batching-only", action="store_true", help="only dynamic batching")
     p.add_argument("--direct-runs", type=int, default=200)
