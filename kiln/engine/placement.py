@@ -1,0 +1,99 @@
+"""Where a step runs on a CUDA executor: host or device, decided from its inputs at run time.
+
+The executor keeps small integer constants, and what is computed only from them and from
+``Shape``, on the host (see :mod:`kiln.engine.executor`). Everything else belongs on the device:
+
+- a step that reads any device tensor runs its kernel under ``with torch.device(cuda)``, so
+  the tensors a PyTorch kernel makes itself (``torch.arange`` index vectors, ``torch.full``
+  pad buffers, masks) are made on the device too. Without this, Resize built its gather index
+  on the host and Pad returned a host tensor to the device convolution after it;
+- a step whose output still lands on the host while it read device data (a kernel that went
+  through numpy), or whose host output is not small (a ``ConstantOfShape`` or ``Range`` of a
+  host shape), has that output moved to the device and is named in :attr:`Placement.moved`,
+  so no host fallback is silent; such a step runs under the device context from then on, so
+  its output is made on the device (and a CUDA-graph capture after the first run copies
+  nothing from the host);
+- ``Shape`` and ``Size`` read only metadata: their outputs stay on the host whatever they read;
+- a float constant that only feeds inputs a kernel reads as Python numbers (Resize's scales,
+  Pad's fill value: :data:`HOST_READS`) stays on the host like the integer ones: on the device
+  each run would wait for it (``.item()``), and no CUDA graph could be captured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.ops import signal as S
+from kiln.ops import tensor as T
+from kiln.ops import vision as V
+
+# ops that read only their inputs' shapes: their (small integer) outputs stay on the host
+META_OPS = frozenset({T.Shape, T.Size})
+HOST_VALUE_MAX = 64  # host outputs up to this many elements computed from host values stay
+# input positions the PyTorch kernels read as Python numbers (.item() / .tolist())
+HOST_READS = {
+    V.Resize: {1, 2, 3}, V.Upsample: {1}, T.Pad: {1, 2, 3}, T.Range: {0, 1, 2},
+    T.Dropout: {1, 2}, S.DFT: {1, 2}, S.STFT: {1, 3},
+}
+
+
+def host_read_slots(steps) -> set[int]:
+    """Slots that every reader reads at a :data:`HOST_READS` position."""
+    host, other = set(), set()
+    for st in steps:
+        reads = HOST_READS.get(st.node.op, ())
+        for k, s in enumerate(st.ins):
+            if s >= 0:
+                (host if k in reads else other).add(s)
+    return host - other
+
+
+def on_device(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type != "cpu"
+
+
+def reads_device(xs) -> bool:
+    for x in xs:
+        if on_device(x) or (isinstance(x, list) and any(on_device(t) for t in x)):
+            return True
+    return False
+
+
+class Placement:
+    """Runs steps on ``device``; ``moved`` (node name -> why) lists the steps whose outputs
+    came back on the host and were moved up."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.moved: dict[str, str] = {}
+        self._forced: set[int] = set()  # id(step) of steps that run on the device regardless
+
+    def launch(self, st, xs: list):
+        """Run ``st``'s kernel on ``xs``: under the device context when it reads device data
+        (unless it only reads shapes), then with every host output that must not stay on the
+        host moved to the device."""
+        dev_in = st.node.op not in META_OPS and (id(st) in self._forced or reads_device(xs))
+        if dev_in:
+            with self.device:
+                out = st.fn(st.call, *xs)
+        else:
+            out = st.fn(st.call, *xs)
+        if st.node.op in META_OPS:
+            return out
+        if isinstance(out, tuple):
+            return tuple(self._up(st, o, dev_in) for o in out)
+        return self._up(st, out, dev_in)
+
+    def _up(self, st, o, dev_in: bool):
+        if not isinstance(o, torch.Tensor) or o.device.type != "cpu":
+            return o
+        if dev_in:
+            why = "its kernel returned a host tensor from device inputs"
+        elif o.numel() > HOST_VALUE_MAX:
+            why = f"a host value of {o.numel()} elements computed from host values"
+        else:
+            return o  # a small host value (shape arithmetic): stays for .tolist() readers
+        if st.node.name not in self.moved:
+            self.moved[st.node.name] = f"{st.node.op.name}: {why}"
+        self._forced.add(id(st))
+        return o.to(self.device)
