@@ -27,6 +27,7 @@ import pickle
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
@@ -209,8 +210,7 @@ def main(argv=None) -> int:
     cases = [c for c in _cases() if c.name not in skips
              and (a.only is None or re.search(a.only, c.name))]
     out = pathlib.Path(a.out)
-    tmp = out / f"conformance_{a.device}_logs"
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"kiln-conformance-{a.device}-"))
     t0 = time.monotonic()
     results = run_all(cases, a.device, a.workers, a.budget, tmp)
     summary, md = summarize(results, skips, a.device, time.monotonic() - t0)
