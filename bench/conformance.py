@@ -80,7 +80,8 @@ def run_case(case, device: str) -> dict:
     if placement is not None and placement.moved:
         return {"status": "fail", "error": "host fallback: " + "; ".join(
             f"{k} ({v})" for k, v in placement.moved.items())}
-    return {"status": "pass"}
+    return {"status": "pass", **({"host": placement.host} if placement and placement.host
+                                 else {})}
 
 
 def child(cases_file: str, device: str, log) -> None:
@@ -97,6 +98,8 @@ def child(cases_file: str, device: str, log) -> None:
         res.update(case=name, s=round(time.perf_counter() - t0, 3))
         log.write(json.dumps(res) + "\n")
         log.flush()
+        if "device-side assert" in res.get("error", ""):
+            sys.exit(3)  # the CUDA context is lost: the parent restarts after this case
 
 
 # ---- the parent: shards, restarts after crashes, the budget ---------------------------------
@@ -180,12 +183,17 @@ def summarize(results: dict, skips: dict, device: str, wall: float) -> tuple[dic
             key = re.sub(r"\d+", "N", r.get("error", "").splitlines()[0][:140] if r.get(
                 "error") else r["status"])
             groups.setdefault(key, []).append(r["case"])
+    host = {r["case"]: r["host"] for r in results.values() if r.get("host")}
     summary = {"device": device, "cases": ran, "skipped": len(skips), "counts": counts,
+               "declared_host_fallbacks": host,
                "pass_rate": round(rate, 4), "wall_s": round(wall, 1)}
     md = [f"# ONNX node conformance on {device}", "",
           f"{counts.get('pass', 0)} of {ran} run cases pass (**{100 * rate:.2f}%**); "
           f"{len(skips)} skipped (listed with reasons in tests/conformance/skips*.txt); "
           f"{counts} in {wall:.0f} s.", "", "| cases | first error line |", "|---|---|"]
+    if host:
+        md[2] += (f" {len(host)} passing cases ran a declared host fallback (named in the "
+                  f"build log): {', '.join(sorted(host))}.")
     for key, cases in sorted(groups.items(), key=lambda kv: -len(kv[1])):
         shown = ", ".join(sorted(cases)[:6]) + (" ..." if len(cases) > 6 else "")
         md.append(f"| {len(cases)}: {shown} | {key.replace('|', '/')} |")

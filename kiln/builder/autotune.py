@@ -297,13 +297,16 @@ def cuda_timer(reps: int = 1, rep_ms: int = 25, cuda_graph: bool = True) -> Call
 
 def tune_graph(graph, profile=None, cache: TimingCache | None = None,
                timer: Callable | None = None, log: Callable[[str], None] = lambda m: None,
-               device: str = "cuda", plan_margin: float = 0.0) -> dict[str, Selection]:
+               device: str = "cuda", plan_margin: float = 0.0,
+               status: dict | None = None) -> dict[str, Selection]:
     """Run ``graph`` once at the profile's opt shapes with the PyTorch kernels on ``device``;
     at every node that has CUDA kernels, time its candidates on the live inputs first
     (``plan_margin``: see :func:`select`).
 
     Returns a :class:`Selection` per tuned node (nodes with only the PyTorch kernel are not
-    listed). Saves ``cache`` at the end."""
+    listed). Saves ``cache`` at the end. ``status["complete"]``: whether the run on random
+    inputs reached the end (random indices out of range stop it before a CUDA kernel would
+    assert and take the process's CUDA context with it)."""
     import kiln.kernels.triton  # noqa: F401  (registers the CUDA kernels)
     from kiln.engine.engine import TensorInfo
     from kiln.engine.executor import Executor
@@ -312,13 +315,17 @@ def tune_graph(graph, profile=None, cache: TimingCache | None = None,
 
     timer = timer or cuda_timer()
     picks: dict[str, Selection] = {}
+    if status is not None:
+        status["complete"] = False
+    if not any(kernels_for(n.op, "cuda") for n in _nodes(graph)):
+        return picks  # nothing to choose between: every layer runs its PyTorch kernel
 
     def choose(node, backend):
         torch_k = vendor_kernel(node.op)
         if torch_k is None:
             raise KilnError(f"node '{node.name}': op {node.op.qualname} has no kernel")
         if not kernels_for(node.op, "cuda"):
-            return _on_device(torch_k, device)
+            return _on_device(_index_checked(torch_k), device)
 
         def tuned(call, *ins):
             ins = tuple(_to(x, device) for x in ins)
@@ -331,10 +338,12 @@ def tune_graph(graph, profile=None, cache: TimingCache | None = None,
             return torch_k.fn(call, *ins)
         return dataclasses.replace(torch_k, fn=tuned)
 
-    args = random_inputs([TensorInfo.of(v) for v in graph.inputs], profile=profile)
-    ex = Executor(graph, "cuda", choose)
     try:
+        args = random_inputs([TensorInfo.of(v) for v in graph.inputs], profile=profile)
+        ex = Executor(graph, "cuda", choose)
         ex.run([_to(to_torch(args[v.name]), device) for v in graph.inputs])
+        if status is not None:
+            status["complete"] = True
     except KilnError as e:  # random data the model cannot take (an index, a k, a shape)
         log(f"autotune: the tuning run stopped on random inputs ({e}); the layers it did "
             "not reach keep their default kernel")
@@ -344,6 +353,30 @@ def tune_graph(graph, profile=None, cache: TimingCache | None = None,
         # the timing streams' cuBLAS workspaces (~33 MiB each) would outlive the build
         torch._C._cuda_clearCublasWorkspaces()
     return picks
+
+
+def _nodes(graph):
+    for n in graph.nodes:
+        yield n
+        for g in n.subgraphs():
+            yield from _nodes(g)
+
+
+def _index_checked(k: Kernel) -> Kernel:
+    """Gather/GatherElements whose random indices fall outside the data raise a KilnError
+    (the tuning run stops there) instead of a device-side assert, which no process survives."""
+    from kiln.ops import tensor as T
+
+    if k.op not in (T.Gather, T.GatherElements):
+        return k
+
+    def fn(call, x, idx, _f=k.fn):
+        n = x.shape[call.attrs.axis % x.dim()] if x.dim() else 0
+        if isinstance(idx, torch.Tensor) and idx.numel() and (
+                int(idx.min()) < -n or int(idx.max()) >= n):
+            raise KilnError(f"node '{call.node_name}': random indices outside [-{n}, {n})")
+        return _f(call, x, idx)
+    return dataclasses.replace(k, fn=fn)
 
 
 def _to(x, device):

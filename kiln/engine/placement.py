@@ -13,6 +13,9 @@ The executor keeps small integer constants, and what is computed only from them 
   so no host fallback is silent; such a step runs under the device context from then on, so
   its output is made on the device (and a CUDA-graph capture after the first run copies
   nothing from the host);
+- the host fallbacks kiln cannot avoid are declared (:func:`host_reason`: ops with no device
+  implementation, such as ImageDecoder, and uint64 values, which torch's CUDA kernels lack)
+  and named in :attr:`Placement.host` and in the build log (:func:`host_fallbacks`);
 - ``Shape`` and ``Size`` read only metadata: their outputs stay on the host whatever they read;
 - a float constant that only feeds inputs a kernel reads as Python numbers (Resize's scales,
   Pad's fill value: :data:`HOST_READS`) stays on the host like the integer ones: on the device
@@ -23,8 +26,10 @@ from __future__ import annotations
 
 import torch
 
+from kiln.ir import DType, TensorType
 from kiln.ops import signal as S
 from kiln.ops import tensor as T
+from kiln.ops import text_ml as X
 from kiln.ops import vision as V
 
 # ops that read only their inputs' shapes: their (small integer) outputs stay on the host
@@ -35,6 +40,34 @@ HOST_READS = {
     V.Resize: {1, 2, 3}, V.Upsample: {1}, T.Pad: {1, 2, 3}, T.Range: {0, 1, 2},
     T.Dropout: {1, 2}, S.DFT: {1, 2}, S.STFT: {1, 3},
 }
+
+
+# ops whose kernels run on the host whatever they are given, and why
+HOST_OPS = {X.ImageDecoder: "decodes the encoded image with PIL on the host"}
+_HOST_DTYPES = {DType.uint64: "uint64 values: torch's CUDA kernels lack most uint64 ops"}
+
+
+def host_reason(node) -> str | None:
+    """Why ``node`` runs on the host on a CUDA engine, or None when it runs on the device."""
+    if node.op in HOST_OPS:
+        return HOST_OPS[node.op]
+    for v in list(node.inputs) + list(node.outputs):
+        t = getattr(v, "type", None)
+        if isinstance(t, TensorType) and t.dtype in _HOST_DTYPES:
+            return _HOST_DTYPES[t.dtype]
+    return None
+
+
+def host_fallbacks(graph) -> dict[str, str]:
+    """``node name -> reason`` of every node (subgraphs too) that runs on the host."""
+    out = {}
+    for n in graph.nodes:
+        why = host_reason(n)
+        if why is not None:
+            out[n.name] = f"{n.op.name}: {why}"
+        for g in n.subgraphs():
+            out.update(host_fallbacks(g))
+    return out
 
 
 def host_read_slots(steps) -> set[int]:
@@ -61,11 +94,13 @@ def reads_device(xs) -> bool:
 
 class Placement:
     """Runs steps on ``device``; ``moved`` (node name -> why) lists the steps whose outputs
-    came back on the host and were moved up."""
+    came back on the host unexpectedly and were moved up, ``host`` the declared host
+    fallbacks (:func:`host_reason`) that ran."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.moved: dict[str, str] = {}
+        self.host: dict[str, str] = {}
         self._forced: set[int] = set()  # id(step) of steps that run on the device regardless
 
     def launch(self, st, xs: list):
@@ -87,6 +122,10 @@ class Placement:
     def _up(self, st, o, dev_in: bool):
         if not isinstance(o, torch.Tensor) or o.device.type != "cpu":
             return o
+        declared = host_reason(st.node)
+        if declared is not None:
+            self.host.setdefault(st.node.name, f"{st.node.op.name}: {declared}")
+            return o.to(self.device)
         if dev_in:
             why = "its kernel returned a host tensor from device inputs"
         elif o.numel() > HOST_VALUE_MAX:

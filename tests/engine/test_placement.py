@@ -110,7 +110,7 @@ def test_placement_resize_scales_stay_on_host(exported):
 
 class _Node:
     def __init__(self, op, name):
-        self.op, self.name = op, name
+        self.op, self.name, self.inputs, self.outputs = op, name, (), ()
 
 
 def test_placement_names_a_host_fallback():
@@ -155,3 +155,13 @@ def test_placement_cuda_first_run(exported, fp16):
         want = m(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(y.astype(np.float32), want, rtol=2e-2 if fp16 else 1e-4,
                                atol=2e-2 if fp16 else 1e-4)
+
+
+def test_placement_declared_host_fallback_is_named_not_failed():
+    from kiln.ops import text_ml as X
+
+    st = Step(lambda call, x: torch.zeros(4, 4, 3, device="cpu"), None, (0,), (1,), (),
+              _Node(X.ImageDecoder, "decode"))
+    p = Placement(META)
+    assert p.launch(st, [torch.empty(100, dtype=torch.uint8, device=META)]).device == META
+    assert p.moved == {} and "PIL" in p.host["decode"]
