@@ -23,7 +23,13 @@ if [[ $parts == *load* ]]; then
   timeout ${LOAD_S:-240} python bench/cuda_diag.py --out "$W/diag" --parts load --batches 1 \
     > "$W/diag/stdout.txt" 2>&1; echo "rc=$?" >> "$W/diag/stdout.txt"; pack
 fi
-if [[ $parts == *corpus* ]]; then
-  timeout ${CORPUS_S:-400} bash -c "${CORPUS_CMD:-python -m bench.corpus --device cuda --out $W/corpus}" \
-    > "$W/corpus_stdout.txt" 2>&1; echo "rc=$?" >> "$W/corpus_stdout.txt"; tail -40 "$W/corpus_stdout.txt"
+if [[ $parts == *corpus* ]]; then  # CORPUS_MODELS exported here (shipped files: corpus-files/)
+  C=$(mktemp -d)
+  timeout ${EXPORT_S:-150} python -m bench.corpus.export --out "$C" --only "$CORPUS_MODELS" \
+    --wheels corpus-files > "$W/corpus_export.txt" 2>&1; echo "rc=$?" >> "$W/corpus_export.txt"
+  tail -8 "$W/corpus_export.txt"
+  timeout ${CORPUS_S:-400} python -m bench.corpus --device cuda --corpus "$C" \
+    --models "$CORPUS_MODELS" --json "$W/corpus.json" --duration 0.3 --iterations 10 \
+    --warmup 0.1 --timeout ${CORPUS_MODEL_S:-300} > "$W/corpus_stdout.txt" 2>&1
+  echo "rc=$?" >> "$W/corpus_stdout.txt"; tail -30 "$W/corpus_stdout.txt"; pack
 fi

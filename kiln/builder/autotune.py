@@ -115,17 +115,24 @@ def signature(op, kernel_name: str, tactic: dict | None, attrs, inputs) -> str:
                       sort_keys=True, separators=(",", ":"))
 
 
+_PROCESS_TIMES: dict[str, dict[str, float | str]] = {}  # TimingCache(None): per process
+
+
 class TimingCache:
     """Times per (device, candidate signature), kept in a JSON file.
 
     A missing file starts empty; an unreadable one too (with a warning through ``log``), so a
-    damaged cache costs a re-timing, never a failed build. ``save`` writes atomically."""
+    damaged cache costs a re-timing, never a failed build. ``save`` writes atomically.
+
+    Without a ``path`` the times are the process's: every build in one process shares them,
+    so a second build with the same layer shapes (an FP32 check next to a fixed-profile build,
+    another profile, the same block repeated in another model) times nothing again."""
 
     def __init__(self, path: str | os.PathLike | None, device: dict,
                  log: Callable[[str], None] = lambda msg: None):
         self.path = Path(path) if path else None
         self.device = json.dumps(device, sort_keys=True)
-        self.entries: dict[str, dict[str, float | str]] = {}
+        self.entries: dict[str, dict[str, float | str]] = {} if path else _PROCESS_TIMES
         self.hits = self.misses = 0
         self._dirty = False
         if self.path and self.path.exists():

@@ -60,6 +60,7 @@ class Executor:
                 slot[id(v)] = len(slot)
             return slot[id(v)]
 
+        self._native: set[int] = set()  # id(step) of steps whose kernel is not PyTorch's
         self.input_slots = [slot_of(v) for v in graph.inputs + graph.captures]
         self.consts = [(slot_of(v), to_torch(v.const)) for v in graph.weights.values()]
         for n in graph.nodes:  # folded constants that live on node-less values
@@ -81,7 +82,8 @@ class Executor:
                 _plan_frees(self.run_steps, self.output_slots, self.const_slots)
         self._device_consts: dict[int, torch.Tensor] = {}  # host constants a kernel needed up
         # CUDA: which steps run under the device context, and host outputs moved up
-        self.placement = Placement(self.device) if self.device is not None else None
+        self.placement = (Placement(self.device, self._native) if self.device is not None
+                          else None)
         if consts_from is not None:
             if consts_from.graph is not graph or consts_from.n_slots != self.n_slots:
                 raise ValueError("consts_from must be an executor of the same graph")
@@ -108,7 +110,10 @@ class Executor:
                                              self.opset, self.device, self.tactics)
         ins = tuple(-1 if v is None else slot_of(v) for v in node.inputs)
         outs = tuple(slot_of(v) for v in node.outputs)
-        return Step(kernel.fn, call, ins, outs, (), node)
+        st = Step(kernel.fn, call, ins, outs, (), node)
+        if kernel.backend != "cpu":
+            self._native.add(id(st))
+        return st
 
     def run(self, args: list, timer=None, keep: list | None = None) -> list:
         """Run once. ``timer(step_index, seconds)``, when given, receives every step's time

@@ -97,8 +97,9 @@ class Placement:
     came back on the host unexpectedly and were moved up, ``host`` the declared host
     fallbacks (:func:`host_reason`) that ran."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, native: set[int] = frozenset()):
         self.device = device
+        self.native = native  # id(step) of Triton-kernel steps: they place their own outputs
         self.moved: dict[str, str] = {}
         self.host: dict[str, str] = {}
         self._forced: set[int] = set()  # id(step) of steps that run on the device regardless
@@ -108,7 +109,7 @@ class Placement:
         (unless it only reads shapes), then with every host output that must not stay on the
         host moved to the device."""
         dev_in = st.node.op not in META_OPS and (id(st) in self._forced or reads_device(xs))
-        if dev_in:
+        if dev_in and id(st) not in self.native:
             with self.device:
                 out = st.fn(st.call, *xs)
         else:
