@@ -9,6 +9,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader > "$W
 python -c "import torch, triton, onnx; print(torch.__version__, torch.version.cuda, triton.__version__, onnx.__version__)" >> "$W/env.txt"
 pack() { tar czf "$OUT/r.tgz" -C "$W" . ; }
 trap pack EXIT
+( while sleep 30; do pack; done ) &  # a run cut off at the tool's limit still sends what it had
 if [[ $parts == *conformance* ]]; then
   timeout ${CONF_S:-300} python -m bench.conformance --device cuda --workers ${CONF_WORKERS:-12} \
     --out "$W" --budget $(( ${CONF_S:-300} - 30 )) > "$W/conformance_stdout.txt" 2>&1
