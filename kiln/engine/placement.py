@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 
 from kiln.ir import DType, TensorType
+from kiln.ops import control as C
+from kiln.ops import quant as Q
 from kiln.ops import signal as S
 from kiln.ops import tensor as T
 from kiln.ops import text_ml as X
@@ -34,17 +36,25 @@ from kiln.ops import vision as V
 
 # ops that read only their inputs' shapes: their (small integer) outputs stay on the host
 META_OPS = frozenset({T.Shape, T.Size})
+# control flow: outputs are the subgraphs' values, placed by the subgraphs' own executors
+CONTROL_OPS = frozenset({C.If, C.Loop, C.Scan})
+# input positions read for their dtype or shape alone (CastLike's ``like``)
+META_READS = {Q.CastLike: {1}}
 HOST_VALUE_MAX = 64  # host outputs up to this many elements computed from host values stay
 # input positions the PyTorch kernels read as Python numbers (.item() / .tolist())
 HOST_READS = {
     V.Resize: {1, 2, 3}, V.Upsample: {1}, T.Pad: {1, 2, 3}, T.Range: {0, 1, 2},
-    T.Dropout: {1, 2}, S.DFT: {1, 2}, S.STFT: {1, 3},
+    T.Dropout: {1, 2}, S.DFT: {1, 2}, S.STFT: {1, 3}, C.If: {0}, C.Loop: {0, 1},
 }
 
 
 # ops whose kernels run on the host whatever they are given, and why
 HOST_OPS = {X.ImageDecoder: "decodes the encoded image with PIL on the host"}
-_HOST_DTYPES = {DType.uint64: "uint64 values: torch's CUDA kernels lack most uint64 ops"}
+_NUMPY = "values of a dtype torch lacks live on the host as numpy arrays"
+_HOST_DTYPES = {DType.uint64: "uint64 values: torch's CUDA kernels lack most uint64 ops",
+                DType.string: _NUMPY, DType.int4: _NUMPY, DType.uint4: _NUMPY,
+                DType.int2: _NUMPY, DType.uint2: _NUMPY, DType.float4e2m1: _NUMPY,
+                DType.float6e2m3: _NUMPY, DType.float6e3m2: _NUMPY}
 
 
 def host_reason(node) -> str | None:
@@ -85,8 +95,13 @@ def on_device(x) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type != "cpu"
 
 
-def reads_device(xs) -> bool:
-    for x in xs:
+def reads_device(op, xs) -> bool:
+    """Does a step of ``op`` read device data (positions read as numbers, or for their dtype
+    alone, do not count)?"""
+    skip = HOST_READS.get(op, set()) | META_READS.get(op, set())
+    for k, x in enumerate(xs):
+        if k in skip:
+            continue
         if on_device(x) or (isinstance(x, list) and any(on_device(t) for t in x)):
             return True
     return False
@@ -108,13 +123,14 @@ class Placement:
         """Run ``st``'s kernel on ``xs``: under the device context when it reads device data
         (unless it only reads shapes), then with every host output that must not stay on the
         host moved to the device."""
-        dev_in = st.node.op not in META_OPS and (id(st) in self._forced or reads_device(xs))
+        op = st.node.op
+        dev_in = op not in META_OPS and (id(st) in self._forced or reads_device(op, xs))
         if dev_in and id(st) not in self.native:
             with self.device:
                 out = st.fn(st.call, *xs)
         else:
             out = st.fn(st.call, *xs)
-        if st.node.op in META_OPS:
+        if op in META_OPS or op in CONTROL_OPS:
             return out
         if isinstance(out, tuple):
             return tuple(self._up(st, o, dev_in) for o in out)

@@ -66,7 +66,7 @@ def to_quant(q: torch.Tensor, to: DType):
     tdt = TORCH_DTYPE.get(to)
     if tdt is not None:
         return q.to(tdt)
-    return q.to(torch.int8).numpy().astype(to.np)
+    return q.to(torch.int8).cpu().numpy().astype(to.np)
 
 
 @register(Q.QuantizeLinear)
