@@ -80,8 +80,9 @@ def run_case(case, device: str) -> dict:
     if placement is not None and placement.moved:
         return {"status": "fail", "error": "host fallback: " + "; ".join(
             f"{k} ({v})" for k, v in placement.moved.items())}
-    return {"status": "pass", **({"host": placement.host} if placement and placement.host
-                                 else {})}
+    notes = {k: v for k, v in (("host", placement and placement.host),
+                               ("lifted", placement and placement.lifted)) if v}
+    return {"status": "pass", **notes}
 
 
 def child(cases_file: str, device: str, log) -> None:
@@ -218,6 +219,7 @@ def main(argv=None) -> int:
     cases = [c for c in _cases() if c.name not in skips
              and (a.only is None or re.search(a.only, c.name))]
     out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"kiln-conformance-{a.device}-"))
     t0 = time.monotonic()
     results = run_all(cases, a.device, a.workers, a.budget, tmp)

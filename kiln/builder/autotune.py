@@ -369,20 +369,41 @@ def _nodes(graph):
             yield from _nodes(g)
 
 
-def _index_checked(k: Kernel) -> Kernel:
-    """Gather/GatherElements whose random indices fall outside the data raise a KilnError
-    (the tuning run stops there) instead of a device-side assert, which no process survives."""
+def _index_range(op, call, x) -> tuple[int, int] | None:
+    """The [lo, hi) an index input of ``op`` must stay in, or None for ops without one."""
+    from kiln.ops import reduce as R
     from kiln.ops import tensor as T
 
-    if k.op not in (T.Gather, T.GatherElements):
+    if op in (T.Gather, T.GatherElements):
+        n = x.shape[call.attrs.axis % x.dim()] if x.dim() else 0
+        return -n, n
+    if op in (R.NegativeLogLikelihoodLoss, R.SoftmaxCrossEntropyLoss):
+        return 0, x.shape[1] if x.dim() > 1 else 0  # class indices (ignore_index aside)
+    return None
+
+
+def _index_checked(k: Kernel) -> Kernel:
+    """A Gather, GatherElements or loss whose random indices fall outside the data raises a
+    KilnError (the tuning run stops there) instead of a device-side assert, which no process
+    survives."""
+    from kiln.ops import reduce as R
+    from kiln.ops import tensor as T
+
+    if k.op not in (T.Gather, T.GatherElements, R.NegativeLogLikelihoodLoss,
+                    R.SoftmaxCrossEntropyLoss):
         return k
 
-    def fn(call, x, idx, _f=k.fn):
-        n = x.shape[call.attrs.axis % x.dim()] if x.dim() else 0
-        if isinstance(idx, torch.Tensor) and idx.numel() and (
-                int(idx.min()) < -n or int(idx.max()) >= n):
-            raise KilnError(f"node '{call.node_name}': random indices outside [-{n}, {n})")
-        return _f(call, x, idx)
+    def fn(call, x, idx, *rest, _f=k.fn):
+        rng = _index_range(k.op, call, x)
+        if rng is not None and isinstance(idx, torch.Tensor) and idx.numel():
+            ignore = getattr(call.attrs, "ignore_index", None)
+            bad = (idx < rng[0]) | (idx >= rng[1])
+            if ignore is not None:
+                bad &= idx != ignore
+            if bool(bad.any()):
+                raise KilnError(f"node '{call.node_name}': random indices outside "
+                                f"[{rng[0]}, {rng[1]})")
+        return _f(call, x, idx, *rest)
     return dataclasses.replace(k, fn=fn)
 
 

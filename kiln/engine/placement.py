@@ -9,10 +9,10 @@ The executor keeps small integer constants, and what is computed only from them 
   on the host and Pad returned a host tensor to the device convolution after it;
 - a step whose output still lands on the host while it read device data (a kernel that went
   through numpy), or whose host output is not small (a ``ConstantOfShape`` or ``Range`` of a
-  host shape), has that output moved to the device and is named in :attr:`Placement.moved`,
-  so no host fallback is silent; such a step runs under the device context from then on, so
-  its output is made on the device (and a CUDA-graph capture after the first run copies
-  nothing from the host);
+  host shape), has that output moved to the device and is named in :attr:`Placement.moved`
+  (:attr:`Placement.lifted` for the latter), so no host fallback is silent; such a step runs
+  under the device context from then on, so its output is made on the device (and a
+  CUDA-graph capture after the first run copies nothing from the host);
 - the host fallbacks kiln cannot avoid are declared (:func:`host_reason`: ops with no device
   implementation, such as ImageDecoder, and uint64 values, which torch's CUDA kernels lack)
   and named in :attr:`Placement.host` and in the build log (:func:`host_fallbacks`);
@@ -49,7 +49,8 @@ HOST_READS = {
 
 
 # ops whose kernels run on the host whatever they are given, and why
-HOST_OPS = {X.ImageDecoder: "decodes the encoded image with PIL on the host"}
+HOST_OPS = {X.ImageDecoder: "decodes the encoded image with PIL on the host",
+            T.Unique: "ONNX's first-occurrence order and indices come from numpy's unique"}
 _NUMPY = "values of a dtype torch lacks live on the host as numpy arrays"
 _HOST_DTYPES = {DType.uint64: "uint64 values: torch's CUDA kernels lack most uint64 ops",
                 DType.string: _NUMPY, DType.int4: _NUMPY, DType.uint4: _NUMPY,
@@ -117,6 +118,7 @@ class Placement:
         self.native = native  # id(step) of Triton-kernel steps: they place their own outputs
         self.moved: dict[str, str] = {}
         self.host: dict[str, str] = {}
+        self.lifted: dict[str, str] = {}  # large values made on the host once, then on device
         self._forced: set[int] = set()  # id(step) of steps that run on the device regardless
 
     def launch(self, st, xs: list):
@@ -144,12 +146,12 @@ class Placement:
             self.host.setdefault(st.node.name, f"{st.node.op.name}: {declared}")
             return o.to(self.device)
         if dev_in:
-            why = "its kernel returned a host tensor from device inputs"
+            self.moved.setdefault(st.node.name, f"{st.node.op.name}: its kernel returned a "
+                                  "host tensor from device inputs")
         elif o.numel() > HOST_VALUE_MAX:
-            why = f"a host value of {o.numel()} elements computed from host values"
+            self.lifted.setdefault(st.node.name, f"{st.node.op.name}: a host value of "
+                                   f"{o.numel()} elements computed from host values")
         else:
             return o  # a small host value (shape arithmetic): stays for .tolist() readers
-        if st.node.name not in self.moved:
-            self.moved[st.node.name] = f"{st.node.op.name}: {why}"
         self._forced.add(id(st))
         return o.to(self.device)

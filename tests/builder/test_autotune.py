@@ -309,3 +309,25 @@ def test_tuning_skipped_without_cuda_kernels():
     assert autotune.tune_graph(import_onnx(model), None, None, timer=lambda fn: 1.0,
                                device="cpu", status=status) == {}
     assert status == {"complete": False}
+
+
+def test_tuning_run_stops_at_random_class_indices():
+    """NegativeLogLikelihoodLoss's random targets in [0, 100) overflow 5 classes: a CUDA
+    device-side assert, so the tuning run stops first."""
+    from onnx import TensorProto, helper
+
+    from kiln.frontend import import_onnx
+
+    nodes = [helper.make_node("LogSoftmax", ["x"], ["lp"], name="lsm", axis=1),
+             helper.make_node("NegativeLogLikelihoodLoss", ["lp", "t"], ["loss"], name="nll")]
+    g = helper.make_graph(
+        nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5]),
+                     helper.make_tensor_value_info("t", TensorProto.INT64, [3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    lines: list[str] = []
+    status: dict = {}
+    autotune.tune_graph(import_onnx(model), None, None, timer=lambda fn: 1.0,
+                        log=lines.append, device="cpu", status=status)
+    assert status == {"complete": False}
+    assert any("'nll': random indices outside [0, 5)" in ln for ln in lines)
