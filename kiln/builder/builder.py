@@ -13,7 +13,7 @@ from kiln.builder.precision import lower_precision
 from kiln.engine.engine import Engine, TensorInfo
 from kiln.engine.profile import validate_profile
 from kiln.errors import KilnError
-from kiln.frontend import import_onnx
+from kiln.frontend import fixed_dims, import_onnx
 from kiln.ir import Graph
 from kiln.kernels.registry import kernels_for
 from kiln.passes.pipeline import optimize
@@ -46,7 +46,8 @@ class Builder:
         Raises :class:`kiln.errors.KilnError` subclasses for unreadable models, unsupported
         ops (all listed at once) and profiles that do not fit the model's inputs."""
         cfg, t0 = self.config, time.perf_counter()
-        graph = import_onnx(model, base_dir)
+        # a profile's fixed dims specialize the graph: its shape arithmetic on them folds away
+        graph = import_onnx(model, base_dir, fixed=fixed_dims(cfg.profiles))
         t_parse = time.perf_counter()
         self.log(f"parsed {len(graph.nodes)} nodes, {len(graph.weights)} weights "
                  f"in {1e3 * (t_parse - t0):.0f} ms")

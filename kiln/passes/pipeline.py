@@ -15,7 +15,7 @@ Pass = Callable[[Graph, Callable[[str], None]], int]  # (graph, log) -> rewrites
 
 def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     # The one ordered list. Each module exposes PASSES: list of (name, fn) in its order.
-    from kiln.passes import eliminate, fold
+    from kiln.passes import eliminate, fold, refine
     from kiln.passes.fusion import (
         attention,
         conv_bias_act,
@@ -35,7 +35,7 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     # block; the CUDA backend tunes FusedMatMul's Triton kernels, its own norm kernels and its
     # attention on separate q, k, v instead
     cpu_only = [matmul_norm, packed_qkv] if device == "cpu" else []
-    order = [fold, eliminate, conv_bn, layernorm, rmsnorm, gelu, attention, qkv, matmul_add,
+    order = [refine, fold, eliminate, conv_bn, layernorm, rmsnorm, gelu, attention, qkv, matmul_add,
              conv_bias_act, *cpu_only, pointwise, layout, eliminate]
     return [p for m in order for p in getattr(m, "PASSES", [])]
 
