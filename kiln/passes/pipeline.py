@@ -26,6 +26,7 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
         matmul_add,
         matmul_norm,
         packed_qkv,
+        pad_conv,
         pointwise,
         qkv,
         rmsnorm,
@@ -35,8 +36,8 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     # block; the CUDA backend tunes FusedMatMul's Triton kernels, its own norm kernels and its
     # attention on separate q, k, v instead
     cpu_only = [matmul_norm, packed_qkv] if device == "cpu" else []
-    order = [refine, fold, eliminate, conv_bn, layernorm, rmsnorm, gelu, attention, qkv, matmul_add,
-             conv_bias_act, *cpu_only, pointwise, layout, eliminate]
+    order = [refine, fold, eliminate, pad_conv, conv_bn, layernorm, rmsnorm, gelu, attention,
+             qkv, matmul_add, conv_bias_act, *cpu_only, pointwise, layout, eliminate]
     return [p for m in order for p in getattr(m, "PASSES", [])]
 
 

@@ -65,3 +65,62 @@ def ort_run(m: onnx.ModelProto | bytes, feeds: dict) -> list[np.ndarray]:
     data = m if isinstance(m, bytes) else m.SerializeToString()
     sess = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
     return sess.run(None, feeds)
+
+
+def _same_pad_net():
+    """A small mobile CNN with TensorFlow "same" padding computed from the input's size at run
+    time (as timm's ``tf_`` models and TF converters write it): Shape -> Gather -> arithmetic
+    -> Concat -> Pad before each conv, depthwise convs, squeeze-excite, HardSwish."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class SameConv(nn.Conv2d):
+        def forward(self, x):
+            k, s = self.kernel_size[0], self.stride[0]
+            ih, iw = x.shape[2], x.shape[3]
+            ph = torch.clamp((torch.div(ih + s - 1, s, rounding_mode="floor") - 1) * s + k - ih,
+                             min=0)
+            pw = torch.clamp((torch.div(iw + s - 1, s, rounding_mode="floor") - 1) * s + k - iw,
+                             min=0)
+            x = F.pad(x, [pw // 2, pw - pw // 2, ph // 2, ph - ph // 2])
+            return F.conv2d(x, self.weight, self.bias, self.stride, 0, 1, self.groups)
+
+    class SE(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.reduce, self.expand = nn.Conv2d(c, c // 4, 1), nn.Conv2d(c // 4, c, 1)
+
+        def forward(self, x):
+            s = x.mean((2, 3), keepdim=True)
+            return x * F.hardsigmoid(self.expand(F.relu(self.reduce(s))))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.bn = SameConv(3, 16, 3, 2, bias=False), nn.BatchNorm2d(16)
+            self.dw, self.se = SameConv(16, 16, 3, 1, groups=16), SE(16)
+            self.pw = nn.Conv2d(16, 24, 1)
+            self.dw2 = SameConv(24, 24, 5, 2, groups=24)
+
+        def forward(self, x):
+            x = F.hardswish(self.bn(self.stem(x)))
+            x = self.pw(self.se(F.relu6(self.dw(x))))
+            return F.silu(self.dw2(x)).mean((2, 3))
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    with torch.no_grad():
+        net.bn.running_mean.uniform_(-0.5, 0.5)
+        net.bn.running_var.uniform_(0.5, 2.0)
+    return net
+
+
+@functools.lru_cache(maxsize=None)
+def same_pad_cnn() -> bytes:
+    """:func:`_same_pad_net` exported with dynamic batch, height and width, as bytes."""
+    import torch
+
+    x = torch.randn(1, 3, 48, 64)
+    axes = {"x": {0: "n", 2: "h", 3: "w"}}
+    return _export(_same_pad_net(), (x,), ["x"], ["y"], axes).SerializeToString()
