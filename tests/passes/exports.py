@@ -124,3 +124,31 @@ def same_pad_cnn() -> bytes:
     x = torch.randn(1, 3, 48, 64)
     axes = {"x": {0: "n", 2: "h", 3: "w"}}
     return _export(_same_pad_net(), (x,), ["x"], ["y"], axes).SerializeToString()
+
+
+@functools.lru_cache(maxsize=None)
+def pad_then(kind: str) -> bytes:
+    """F.pad then one op, exported with a static input [1, 4, 10, 12]: ``conv`` (zero pad),
+    ``avgpool`` (zero pad, count_include_pad=False), ``reflect`` (reflect pad, conv),
+    ``value`` (pad with 1.0, conv), ``maxpool`` (zero pad)."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    conv, pads = nn.Conv2d(4, 6, 3), [1, 2, 0, 1]
+    ops = {"conv": lambda x: conv(F.pad(x, pads)),
+           "avgpool": lambda x: F.avg_pool2d(F.pad(x, pads), 3, 1, count_include_pad=False),
+           "reflect": lambda x: conv(F.pad(x, pads, mode="reflect")),
+           "value": lambda x: conv(F.pad(x, pads, value=1.0)),
+           "maxpool": lambda x: F.max_pool2d(F.pad(x, pads), 3, 1)}
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, x):
+            return ops[kind](x)
+
+    return _export(Net(), (torch.randn(1, 4, 10, 12),), ["x"], ["y"]).SerializeToString()
