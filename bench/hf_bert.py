@@ -87,8 +87,7 @@ def main() -> None:
     sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
     want = sess.run(None, f)
     shapes = {k: v.shape for k, v in f.items()}
-    for label, profiles in (("dynamic", []), ("fixed 1x%d" % args.seq,
-                                              [Profile.fixed(shapes)])):
+    for label, profiles in (("dynamic", []), (f"fixed 1x{args.seq}", [Profile.fixed(shapes)])):
         b = Builder(BuilderConfig(profiles=profiles))
         ctx = b.build(path).create_context()
         got = ctx.run(f)
@@ -99,7 +98,7 @@ def main() -> None:
               f"{sum(after.values())} layers, max rel err vs onnxruntime {err:.1e}")
         for op, k in sorted(after.items(), key=lambda kv: (-kv[1], kv[0])):
             print(f"  {op:<24} {k}")
-        t_kiln = median_ms(lambda: ctx.run(f), args.runs)
+        t_kiln = median_ms(lambda c=ctx: c.run(f), args.runs)
         t_ort = median_ms(lambda: sess.run(None, f), args.runs)
         print(f"  median latency: kiln {t_kiln:.2f} ms, onnxruntime {t_ort:.2f} ms, "
               f"ratio {t_kiln / t_ort:.2f}")

@@ -21,7 +21,7 @@ def _export(module, args, names, outputs, axes=None, opset=17) -> onnx.ModelProt
     return onnx.load_from_string(buf.getvalue())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_bert(attn: str = "sdpa", layers: int = 2, probs_out: bool = False) -> bytes:
     """transformers BertModel (hidden 32, 2 heads, seq 8 dynamic), as bytes."""
     pytest.importorskip("transformers")
@@ -116,7 +116,7 @@ def _same_pad_net():
     return net
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def same_pad_cnn() -> bytes:
     """:func:`_same_pad_net` exported with dynamic batch, height and width, as bytes."""
     import torch
@@ -126,7 +126,7 @@ def same_pad_cnn() -> bytes:
     return _export(_same_pad_net(), (x,), ["x"], ["y"], axes).SerializeToString()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def pad_then(kind: str) -> bytes:
     """F.pad then one op, exported with a static input [1, 4, 10, 12]: ``conv`` (zero pad),
     ``avgpool`` (zero pad, count_include_pad=False), ``reflect`` (reflect pad, conv),
