@@ -17,6 +17,7 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     # The one ordered list. Each module exposes PASSES: list of (name, fn) in its order.
     from kiln.passes import eliminate, fold, refine
     from kiln.passes.fusion import (
+        activation,
         attention,
         conv_bias_act,
         conv_bn,
@@ -36,8 +37,8 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     # block; the CUDA backend tunes FusedMatMul's Triton kernels, its own norm kernels and its
     # attention on separate q, k, v instead
     cpu_only = [matmul_norm, packed_qkv] if device == "cpu" else []
-    order = [refine, fold, eliminate, pad_conv, conv_bn, layernorm, rmsnorm, gelu, attention,
-             qkv, matmul_add, conv_bias_act, *cpu_only, pointwise, layout, eliminate]
+    order = [refine, fold, eliminate, pad_conv, conv_bn, layernorm, rmsnorm, gelu, activation,
+             attention, qkv, matmul_add, conv_bias_act, *cpu_only, pointwise, layout, eliminate]
     return [p for m in order for p in getattr(m, "PASSES", [])]
 
 

@@ -152,3 +152,11 @@ def pad_then(kind: str) -> bytes:
             return ops[kind](x)
 
     return _export(Net(), (torch.randn(1, 4, 10, 12),), ["x"], ["y"]).SerializeToString()
+
+
+def export_module(module, shape, opset: int = 17) -> onnx.ModelProto:
+    """``module`` on one float input ``x`` of ``shape`` (dim 0 dynamic), exported."""
+    import torch
+
+    torch.manual_seed(0)
+    return _export(module, (torch.randn(*shape),), ["x"], ["y"], {"x": {0: "b"}}, opset)
