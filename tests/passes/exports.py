@@ -11,9 +11,17 @@ import onnx
 import pytest
 
 
-def _export(module, args, names, outputs, axes=None, opset=17) -> onnx.ModelProto:
+def _export(module, args, names, outputs, axes=None, opset=17,
+            dynamo=False) -> onnx.ModelProto:
     import torch
 
+    if dynamo:  # the torch.export-based exporter (static shapes here), through onnxscript
+        pytest.importorskip("onnxscript")
+        with torch.no_grad():
+            prog = torch.onnx.export(module.eval(), args, input_names=names,
+                                     output_names=outputs, opset_version=opset, dynamo=True,
+                                     verbose=False)
+        return prog.model_proto
     buf = io.BytesIO()
     with torch.no_grad():
         torch.onnx.export(module.eval(), args, buf, input_names=names, output_names=outputs,
@@ -22,8 +30,10 @@ def _export(module, args, names, outputs, axes=None, opset=17) -> onnx.ModelProt
 
 
 @functools.cache
-def hf_bert(attn: str = "sdpa", layers: int = 2, probs_out: bool = False) -> bytes:
-    """transformers BertModel (hidden 32, 2 heads, seq 8 dynamic), as bytes."""
+def hf_bert(attn: str = "sdpa", layers: int = 2, probs_out: bool = False,
+            dynamo: bool = False) -> bytes:
+    """transformers BertModel (hidden 32, 2 heads, seq 8; dynamic batch and seq with the
+    TorchScript exporter, static [2, 8] with dynamo at opset 18), as bytes."""
     pytest.importorskip("transformers")
     import torch
     from transformers import BertConfig, BertModel
@@ -43,11 +53,11 @@ def hf_bert(attn: str = "sdpa", layers: int = 2, probs_out: bool = False) -> byt
             o = self.bert(input_ids=ids, attention_mask=mask, output_attentions=probs_out)
             return (o.last_hidden_state, *(o.attentions if probs_out else ()))
 
-    ids = torch.randint(0, 50, (1, 8))
+    ids = torch.randint(0, 50, (2 if dynamo else 1, 8))
     outs = ["y"] + [f"probs{i}" for i in range(layers if probs_out else 0)]
-    axes = {"ids": {0: "b", 1: "s"}, "mask": {0: "b", 1: "s"}}
-    return _export(Wrapped(), (ids, torch.ones_like(ids)), ["ids", "mask"], outs,
-                   axes).SerializeToString()
+    axes = None if dynamo else {"ids": {0: "b", 1: "s"}, "mask": {0: "b", 1: "s"}}
+    return _export(Wrapped(), (ids, torch.ones_like(ids)), ["ids", "mask"], outs, axes,
+                   18 if dynamo else 17, dynamo).SerializeToString()
 
 
 def bert_feeds(batch: int = 2, seq: int = 8) -> dict:

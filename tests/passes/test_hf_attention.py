@@ -1,6 +1,7 @@
 """Attention as Hugging Face exports it (torch.onnx, TorchScript exporter, opset 17) -> one
 kiln::Attention per layer: the SDPA path (scale split over Q and Kᵀ, additive mask from
-Where(mask, 0, -inf), IsNaN -> Where safe softmax) and the eager path."""
+Where(mask, 0, -inf), IsNaN -> Where safe softmax), the eager path, and the dynamo exporter's
+SDPA decomposition (opset 18; Kᵀ as Reshape -> Transpose(0, 2, 1) -> Reshape)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,13 @@ UP_TO_ATTENTION = {"fold_to_fixed_point", "fold_constants", "fold_shape_inputs",
                    "remove_dead_nodes", "fuse_attention"}
 
 
+FORMS = ["sdpa", "eager", "sdpa-dynamo"]
+
+
+def _export(form: str) -> bytes:
+    return hf_bert(form.split("-")[0], dynamo=form.endswith("-dynamo"))
+
+
 def _optimized(data: bytes, only=None):
     g = import_onnx(data)
     before, logs = g.op_counts(), []
@@ -25,24 +33,24 @@ def _optimized(data: bytes, only=None):
     return g, before, logs
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_hf_attention_structure(attn):
-    g, before, _ = _optimized(hf_bert(attn), UP_TO_ATTENTION)
-    assert before["Softmax"] == 2 and (attn != "sdpa" or before["IsNaN"] == 2)
+@pytest.mark.parametrize("form", FORMS)
+def test_hf_attention_structure(form):
+    g, before, _ = _optimized(_export(form), UP_TO_ATTENTION)
+    assert before["Softmax"] == 2 and (form == "eager" or before["IsNaN"] == 2)
     ats = [n for n in g.nodes if n.op is FT.Attention]
     assert len(ats) == 2
     for at in ats:
         assert at.attrs.num_heads == 2 and at.attrs.causal == 0
         assert abs(at.attrs.scale - 1 / np.sqrt(16)) < 1e-6  # 0.5 * 0.5 in the SDPA form
         q, k, v, mask = at.inputs  # the projections' outputs [B, S, 32], and the mask
-        assert [x.producer.op.name for x in (q, k, v)] == ["Add"] * 3
+        assert [x.producer.op.name for x in (q, k, v)] == ["Add"] * 3  # the bias adds
         assert q.type.shape[-1] == 32 and mask.type.rank == 4
         assert mask.producer.op.name in ("Where", "Mul")  # SDPA: -inf where; eager: (1-m)*min
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_hf_attention_counts(attn):
-    g, _, _ = _optimized(hf_bert(attn))
+@pytest.mark.parametrize("form", FORMS)
+def test_hf_attention_counts(form):
+    g, _, _ = _optimized(_export(form))
     after = g.op_counts()
     assert after["Attention"] == 2
     for op in ("Softmax", "IsNaN", "MatMul", "Transpose"):
@@ -51,9 +59,9 @@ def test_hf_attention_counts(attn):
     assert len(masks) == 1  # the layers' equal mask subgraphs were merged into one
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_hf_attention_numerics(attn):
-    data, f = hf_bert(attn), bert_feeds()
+@pytest.mark.parametrize("form", FORMS)
+def test_hf_attention_numerics(form):
+    data, f = _export(form), bert_feeds()
     want = ort_run(data, f)[0]
     g, _, _ = _optimized(data)
     got = run(g, f)[0]

@@ -257,6 +257,32 @@ def split_heads(users: Users, v: Value, perm: tuple) -> tuple[Value, list[Node],
     return x3, [r, t], h
 
 
+def batched_transpose(users: Users, v: Value) -> tuple[Value, list[Node]] | None:
+    """Reshape(Transpose(Reshape(k [B,H,S,D] -> [B*H,S,D]), (0,2,1)) -> [B,H,D,S]) -> (k, nodes):
+    ``k.transpose(-2, -1)`` as the dynamo exporter's SDPA decomposition writes it."""
+    r2 = made_by(v, T.Reshape)
+    t = made_by(r2.inputs[0], T.Transpose) if r2 is not None else None
+    r1 = made_by(t.inputs[0], T.Reshape) if t is not None and _perm(t) == (0, 2, 1) else None
+    if r1 is None or users.only(r1.outputs[0]) is not t or users.only(t.outputs[0]) is not r2:
+        return None
+    k = r1.inputs[0]
+    ks, fs, out = shape_of(k), shape_of(r1.outputs[0]), shape_of(v)
+    if ks is None or fs is None or out is None or (len(ks), len(fs), len(out)) != (4, 3, 4):
+        return None
+    ok = all(same_dim(a, b) for a, b in ((out[0], ks[0]), (out[1], ks[1]), (out[2], ks[3]),
+                                         (out[3], ks[2]), (fs[1], ks[2]), (fs[2], ks[3])))
+    return (k, [r1, t, r2]) if ok else None
+
+
+def key_heads(users: Users, kt: Value) -> tuple[Value, list[Node], int] | None:
+    """split_heads for Kᵀ: one Transpose(0,2,3,1), or Transpose(0,2,1,3) then the dynamo
+    exporter's batched transpose of the last two axes."""
+    got = split_heads(users, kt, (0, 2, 3, 1))
+    bt = batched_transpose(users, kt) if got is None and users.only(kt) is not None else None
+    inner = split_heads(users, bt[0], (0, 2, 1, 3)) if bt is not None else None
+    return got if inner is None else (inner[0], inner[1] + bt[1], inner[2])
+
+
 def merge_heads(users: Users, v: Value) -> tuple[Value, list[Node]] | None:
     """Reshape(Transpose(0,2,1,3)(y [B,H,S,D]) -> [B,S,H*D]) -> (the Reshape's output, nodes)."""
     t = users.only(v)
@@ -296,7 +322,7 @@ def match_attention(users: Users, sm: Node):
             same_dim(a, b) and same_dim(a, c) for a, b, c in zip(*[s[:-2] for s in shapes])):
         return "Q, K and V disagree on their batch and head dims (K/V broadcast over heads?)"
     nodes = [core.qk, *core.nodes, sm, *guard, pv]
-    heads = [split_heads(users, q, (0, 2, 1, 3)), split_heads(users, kt, (0, 2, 3, 1)),
+    heads = [split_heads(users, q, (0, 2, 1, 3)), key_heads(users, kt),
              split_heads(users, v, (0, 2, 1, 3))]
     merged = merge_heads(users, pv.outputs[0])
     ins, num_heads, out = [q, kt, v], 0, pv.outputs[0]
