@@ -31,6 +31,7 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
         pointwise,
         qkv,
         rmsnorm,
+        squeeze_excite,
     )
 
     # matmul_norm and packed_qkv only where they pay: on the CPU each saves a PyTorch call per
@@ -38,7 +39,8 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     # attention on separate q, k, v instead
     cpu_only = [matmul_norm, packed_qkv] if device == "cpu" else []
     order = [refine, fold, eliminate, pad_conv, conv_bn, layernorm, rmsnorm, gelu, activation,
-             attention, qkv, matmul_add, conv_bias_act, *cpu_only, pointwise, layout, eliminate]
+             attention, qkv, matmul_add, squeeze_excite, conv_bias_act, *cpu_only, pointwise,
+             layout, eliminate]
     return [p for m in order for p in getattr(m, "PASSES", [])]
 
 
