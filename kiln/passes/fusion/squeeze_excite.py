@@ -65,10 +65,9 @@ def match_se(graph: Graph, users: Users, mul: Node, x: Value, g: Value):
     if gate is None or users.only(g) is not mul or getattr(x.type, "rank", None) != 4:
         return None
     conv2 = made_by(gate.inputs[0], N.Conv)
-    if conv2 is None:
-        return None  # a gate on something else (SiLU, attention-style gating): no candidate
-    why = pointwise_conv(conv2) or (None if users.only(gate.inputs[0]) else "the conv is read "
-                                    "outside the block")
+    if conv2 is None or users.only(gate.inputs[0]) is not gate:
+        return None  # a gate on something else, or SiLU (x * Sigmoid(x)): no candidate
+    why = pointwise_conv(conv2)
     h, act, act_nodes = conv2.inputs[0], "", []
     conv1 = made_by(h, N.Conv)
     if conv1 is None and h.producer is not None and h.producer.inputs:
