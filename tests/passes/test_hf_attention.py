@@ -78,3 +78,15 @@ def test_no_fuse_attention_probs_are_an_output():
     f = bert_feeds()
     for a, b in zip(run(g, f), ort_run(data, f)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_builder_reports_near_misses():
+    from kiln.builder import Builder
+
+    lines: list[str] = []
+    b = Builder(log=lines.append)
+    b.build(hf_bert("eager", probs_out=True))
+    near = b.report["near_misses"]
+    assert len(near) == 2 and all(m.startswith("attention at node '") for m in near)
+    assert "also read outside the attention" in near[0]
+    assert sum(m.startswith("not fused: attention") for m in lines) == 2  # the verbose log
