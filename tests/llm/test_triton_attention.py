@@ -53,3 +53,20 @@ def test_paged_decode_matches_sdpa(heads, kv, splits, lens):
     want = reference(q, kc, vc, tables.to(DEV), lens_t, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1e-5
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_cuda_runner_decode_path_matches_torch_path(tiny_dir):
+    # the CUDA runner's decode steps (Triton kernel, scratch-block padding) without graphs;
+    # on CPU under the interpreter, FP32
+    from kiln.llm import LLM, SamplingParams
+    from kiln.llm.cuda_runner import CudaModelRunner
+
+    prompts = ["Hello there", "The capital of France is", "1, 2, 3"]
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_dir, num_blocks=32).generate(prompts, p)]
+    llm = LLM(tiny_dir, num_blocks=32)
+    eng = llm.engine
+    eng.runner = CudaModelRunner(eng.model, 32, eng.config.block_size, cuda_graphs=False,
+                                 max_model_len=256)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+    assert got == want
