@@ -79,12 +79,15 @@ def _resolve_device(cfg: EngineConfig):
 class LLMEngine:
     """A loaded model ready to generate. ``model`` is a path (see ``kiln.llm.loader``)."""
 
-    def __init__(self, model, config: EngineConfig | None = None):
+    def __init__(self, model, config: EngineConfig | None = None, _parts=None):
         from kiln.llm.loader import load_model
 
         self.config = cfg = config or EngineConfig()
-        device, dtype = _resolve_device(cfg)
-        self.model, self.tokenizer, self.model_name = load_model(model, device, dtype)
+        if _parts is None:
+            device, dtype = _resolve_device(cfg)
+            _parts = load_model(model, device, dtype)
+        self.model, self.tokenizer, self.model_name = _parts
+        device = self.model.device.type
         self.runner = _make_runner(self.model, cfg)
         mc = self.model.cfg
         max_len = cfg.max_model_len or min(mc.max_position, 4096 if device == "cpu" else 1 << 30)
@@ -98,6 +101,11 @@ class LLMEngine:
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
+
+    @classmethod
+    def from_model(cls, model, tokenizer, name: str, config: EngineConfig | None = None):
+        """An engine over an already built LlamaModel (benchmarks with random weights)."""
+        return cls(None, config, _parts=(model, tokenizer, name))
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Request:
@@ -162,5 +170,6 @@ def _make_runner(model, cfg: EngineConfig):
         from kiln.llm.cuda_runner import CudaModelRunner
 
         return CudaModelRunner(model, n, cfg.block_size, cuda_graphs=cfg.cuda_graphs,
-                               max_batch=cfg.max_num_seqs)
+                               max_batch=cfg.max_num_seqs,
+                               max_model_len=cfg.max_model_len or None)
     return ModelRunner(model, n, cfg.block_size)
