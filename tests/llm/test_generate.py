@@ -24,7 +24,7 @@ def hf_tiny():
 
 def hf_greedy(m, ids, n):
     with torch.inference_mode():
-        out = m.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+        out = m.generate(torch.tensor([ids]), max_new_tokens=n, eos_token_id=None,
                          do_sample=False, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
