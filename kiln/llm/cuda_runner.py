@@ -60,7 +60,10 @@ class CudaModelRunner(ModelRunner):
 
     def forward(self, ids, positions, entries, rows):
         if all(n == 1 for _, n, _ in entries):
-            return self._decode(ids, positions, entries)
+            logits = self._decode(ids, positions, entries)
+            if rows != list(range(len(entries))):  # a 1-token prefill chunk does not sample
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            return logits
         return super().forward(ids, positions, entries, rows)
 
     def _decode(self, ids, positions, entries):

@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
-from kiln.llm.triton_attention import paged_decode  # noqa: E402
+from kiln.llm.triton_attention import paged_decode
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
