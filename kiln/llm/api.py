@@ -96,11 +96,15 @@ class _Handlers:
 
     async def completions(self, request: Request):
         try:
+            streams = []
             body = await self._body(request)
             params = sampling_from(body)
             prompts = _prompts(body.get("prompt"))
-            streams = [self.llm.add(p, _fresh(params)) for p in prompts]
+            for p in prompts:
+                streams.append(self.llm.add(p, _fresh(params)))
         except (KilnError, ValueError, TypeError) as e:
+            for req, _ in streams:  # the prompts queued before the bad one
+                self.llm.abort(req.request_id)
             return _error(str(e))
         rid = f"cmpl-{uuid.uuid4().hex}"
         frame = {"id": rid, "object": "text_completion", "created": int(time.time()),
@@ -268,16 +272,19 @@ def _usage(streams, results) -> dict:
 
 def create_app(llm: AsyncLLM):
     """A FastAPI app with the LLM routes and /health (until ``kiln serve`` mounts them)."""
+    from contextlib import asynccontextmanager
+
     from fastapi import FastAPI
 
-    app = FastAPI(title="kiln LLM server")
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        llm.shutdown()
+
+    app = FastAPI(title="kiln LLM server", lifespan=lifespan)
     app.include_router(make_router(llm))
 
     @app.get("/health")
     async def health():
         return {"status": "ok" if llm.error is None else f"engine error: {llm.error}"}
-
-    @app.on_event("shutdown")
-    async def stop():
-        llm.shutdown()
     return app

@@ -80,6 +80,11 @@ class AsyncLLM:
         self.wake.set()
         return req, q
 
+    def abort(self, rid: str):
+        self.queues.pop(rid, None)
+        with self.lock:
+            self.engine.abort(rid)
+
     async def stream(self, rid: str, q: asyncio.Queue):
         """The StepOutputs of request ``rid`` until it finishes; aborts it if the caller leaves."""
         done = False

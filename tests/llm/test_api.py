@@ -117,3 +117,9 @@ def test_v2_generate_and_metrics(server, client):
     count = [ln for ln in text.splitlines()
              if ln.startswith("kiln_llm_time_to_first_token_seconds_count")]
     assert float(count[0].split()[-1]) >= 2
+
+
+def test_bad_prompt_in_a_list_queues_nothing(server, client):
+    with pytest.raises(openai.BadRequestError, match="does not fit"):
+        client.completions.create(model="tiny", prompt=["fine", "x " * 600], max_tokens=4)
+    assert server.llm.engine.scheduler.requests == {}
