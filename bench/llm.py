@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 
 import torch
@@ -117,15 +118,24 @@ def cpu_rows(args) -> list[dict]:
                      "alone_equal_batch": f"{alone}/{len(range(0, len(prompts), 10))}"})
         print(rows[-1], flush=True)
     ids = llm.tokenizer.encode("Once upon a time, in a quiet village by the sea,")
-    k_ttft, k_rate = kiln_decode_rate(llm.engine, ids, args.tokens)
-    h_ttft, h_rate = hf_decode_rate(hf, torch.tensor([ids]), args.tokens)
-    rows.append({"row": "decode b1", "kiln_tok_s": k_rate, "hf_tok_s": h_rate,
-                 "ratio": k_rate / h_rate, "kiln_ttft_short_ms": k_ttft * 1e3,
-                 "hf_ttft_short_ms": h_ttft * 1e3, "prompt_tokens": len(ids)})
-    print(rows[-1], flush=True)
     long_ids = [random.Random(0).randrange(100, 40000) for _ in range(512)]
-    k512, _ = kiln_decode_rate(llm.engine, long_ids, 2)
-    h512, _ = hf_decode_rate(hf, torch.tensor([long_ids]), 2)
+    runs = {"kiln": [], "hf": [], "kiln512": [], "hf512": []}
+    for _ in range(args.rounds):  # alternate the peers: the machine's load drifts
+        runs["kiln"].append(kiln_decode_rate(llm.engine, ids, args.tokens))
+        runs["hf"].append(hf_decode_rate(hf, torch.tensor([ids]), args.tokens))
+        runs["kiln512"].append(kiln_decode_rate(llm.engine, long_ids, 2)[0])
+        runs["hf512"].append(hf_decode_rate(hf, torch.tensor([long_ids]), 2)[0])
+    med = statistics.median
+    k_rate, h_rate = med(r for _, r in runs["kiln"]), med(r for _, r in runs["hf"])
+    rows.append({"row": "decode b1", "kiln_tok_s": k_rate, "hf_tok_s": h_rate,
+                 "ratio": k_rate / h_rate,
+                 "kiln_ttft_short_ms": med(t for t, _ in runs["kiln"]) * 1e3,
+                 "hf_ttft_short_ms": med(t for t, _ in runs["hf"]) * 1e3,
+                 "prompt_tokens": len(ids), "rounds": args.rounds,
+                 "kiln_runs": [round(r, 2) for _, r in runs["kiln"]],
+                 "hf_runs": [round(r, 2) for _, r in runs["hf"]]})
+    print(rows[-1], flush=True)
+    k512, h512 = med(runs["kiln512"]), med(runs["hf512"])
     rows.append({"row": "ttft 512", "kiln_ms": k512 * 1e3, "hf_ms": h512 * 1e3,
                  "ratio": h512 / k512})
     print(rows[-1], flush=True)
@@ -239,6 +249,7 @@ def main(argv=None):
     ap.add_argument("--parity", type=int, default=50, help="prompts for the parity row (CPU)")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens for decode rows")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3, help="CPU: alternating timing rounds")
     ap.add_argument("--models", default="smollm2,7b", help="CUDA: smollm2, 7b or both")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
