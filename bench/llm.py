@@ -66,7 +66,8 @@ def sync(device):
 def hf_generate(m, ids, n, **kw):
     with torch.inference_mode():
         t = time.perf_counter()
-        out = m.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None,
+        out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                         do_sample=False, eos_token_id=None,
                          pad_token_id=0, **kw)
         sync(ids.device)
         return out, time.perf_counter() - t

@@ -24,8 +24,9 @@ def hf_tiny():
 
 def hf_greedy(m, ids, n):
     with torch.inference_mode():
-        out = m.generate(torch.tensor([ids]), max_new_tokens=n, eos_token_id=None,
-                         do_sample=False, pad_token_id=0)
+        t = torch.tensor([ids])
+        out = m.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n,
+                         eos_token_id=None, do_sample=False, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 

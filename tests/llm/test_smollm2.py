@@ -29,8 +29,10 @@ def test_smollm2_greedy_matches_transformers_and_batching():
     batch = llm.generate(PROMPTS, p)
     for o in batch:
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([o.prompt_token_ids]), max_new_tokens=N,
-                              eos_token_id=None, do_sample=False, pad_token_id=2)
+            ids = torch.tensor([o.prompt_token_ids])
+            # an explicit mask: transformers would take prompt tokens equal to pad for padding
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N,
+                              eos_token_id=None, do_sample=False, pad_token_id=0)
         assert o.outputs[0].token_ids == ref[0, len(o.prompt_token_ids):].tolist(), o.prompt
     alone = llm.generate([PROMPTS[1]], p)[0]
     assert alone.outputs[0].token_ids == batch[1].outputs[0].token_ids
