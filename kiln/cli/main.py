@@ -5,9 +5,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kiln.cli import bench, bench_llm, build, demo, generate, inspect, ops, run, serve_llm
+from kiln.cli import (
+    bench,
+    bench_llm,
+    build,
+    demo,
+    generate,
+    inspect,
+    ops,
+    run,
+    serve,
+    serve_llm,
+)
 
-TOOLS = [build, run, inspect, bench, ops, demo]
+TOOLS = [build, run, inspect, bench, ops, demo, serve]
 TOOLS += [generate, serve_llm, bench_llm]
 
 
