@@ -65,13 +65,25 @@ class Builder:
         t_end = time.perf_counter()
         self.report.update({"nodes_before": before, "nodes_after": graph.op_counts(),
                             "parse_s": t_parse - t0, "total_s": t_end - t0})
+        if cfg.device == "cuda":
+            self._log_host_fallbacks(graph)
         self.log(f"built {len(graph.nodes)} layers in {t_end - t0:.2f} s")
         build = dict(cfg.to_json(), build_seconds=round(t_end - t0, 3))
         engine = Engine(graph, choices, device=cfg.device, profiles=cfg.profiles, build=build,
                         tactics=tactics, variants=variants)
-        if "autotune" in self.report:  # a CUDA build with the Triton kernels
-            self._record_binaries(engine)
+        if "autotune" in self.report and getattr(self, "_tuning_complete", True):
+            self._record_binaries(engine)  # a CUDA build with the Triton kernels, whose tuning
+            # run took random inputs (the recording run takes the same: they would fail there)
         return engine
+
+    def _log_host_fallbacks(self, graph: Graph) -> None:
+        """Name every layer a CUDA engine runs on the host (none should run there silently)."""
+        from kiln.engine.placement import host_fallbacks
+
+        found = host_fallbacks(graph)
+        self.report["host_fallbacks"] = found
+        for name, why in found.items():
+            self.log(f"host fallback: node '{name}' ({why})")
 
     def _record_binaries(self, engine: Engine) -> None:
         """Run the engine once at each profile's opt shapes (or the default shapes), recording
@@ -147,8 +159,11 @@ class Builder:
         for k, profile in enumerate(cfg.profiles or [None]):
             if len(cfg.profiles) > 1:
                 self.log(f"autotune: profile {k} at its opt shapes {dict(profile.opt)}")
+            status: dict = {}
             per_profile.append(autotune.tune_graph(graph, profile, cache, timer=self.timer,
-                                                   log=self.log, plan_margin=cfg.plan_margin))
+                                                   log=self.log, plan_margin=cfg.plan_margin,
+                                                   status=status))
+            self._tuning_complete = status.get("complete", False)
         timed = sum(s.timed for p in per_profile for s in p.values())
         cached = sum(s.cached for p in per_profile for s in p.values())
         kept = sum(s.plan_free for p in per_profile for s in p.values())
