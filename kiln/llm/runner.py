@@ -1,0 +1,86 @@
+"""The model runner: one ``SchedulerOutput`` -> one forward pass -> a sampled token per request.
+
+Owns the KV-cache tensor, sized from a block count or from a fraction of the device's memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.errors import KilnError
+from kiln.llm.attention import TorchPagedAttention, build_meta
+from kiln.llm.model import LlamaModel
+from kiln.llm.sampling import Sampler
+from kiln.llm.scheduler import SchedulerOutput
+
+
+def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+    c = model.cfg
+    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+
+
+def blocks_from_memory(model: LlamaModel, block_size: int, fraction: float) -> int:
+    """Blocks that fit in ``fraction`` of the device memory left after the weights."""
+    if not 0 < fraction <= 1:
+        raise KilnError(f"gpu_memory_utilization={fraction}: must be in (0, 1]")
+    if model.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(model.device)
+        budget = free - (1 - fraction) * total
+    else:
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        # the host is shared with everything else: at most half of what is free, and 1 GiB
+        budget = min(avail * 0.5, total * fraction, 1 << 30)
+    n = int(budget // kv_bytes_per_block(model, block_size))
+    if n < 1:
+        raise KilnError(f"no memory left for the KV cache ({budget / 2**20:.0f} MiB for blocks of "
+                        f"{kv_bytes_per_block(model, block_size) / 2**20:.1f} MiB); raise the "
+                        "memory fraction or give num_blocks")
+    return n
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+        c = model.cfg
+        self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
+        self.cache = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads,
+                                 c.head_dim, dtype=model.dtype, device=model.device)
+        self.attn = self._make_attention()
+        self.sampler = Sampler(model.device)
+
+    def _make_attention(self):
+        return TorchPagedAttention(self.cache, self.model.cfg.num_heads)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run the step; return {request_id: token} for the requests that sample this step."""
+        if out.empty:
+            return {}
+        ids, positions, entries, rows, sampling = [], [], [], [], []
+        t = 0
+        for s in out.scheduled:
+            ids += s.request.tokens(s.start, s.start + s.num_new_tokens)
+            positions += range(s.start, s.start + s.num_new_tokens)
+            entries.append((s.start, s.num_new_tokens, s.block_table))
+            t += s.num_new_tokens
+            if s.samples:
+                rows.append(t - 1)
+                sampling.append(s.request)
+        logits = self.forward(ids, positions, entries, rows)
+        if not sampling:
+            return {}
+        tokens = self.sampler.sample(logits, sampling)
+        return {r.request_id: tok for r, tok in zip(sampling, tokens)}
+
+    def forward(self, ids, positions, entries, rows) -> torch.Tensor:
+        dev = self.model.device
+        meta = build_meta(entries, self.block_size, dev)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        rows_t = torch.tensor(rows or [0], dtype=torch.long, device=dev)
+        return self.model.forward(ids_t, pos_t, self.attn, meta, rows_t)
+
+    def forget(self, request_id: str):
+        self.sampler.forget(request_id)
