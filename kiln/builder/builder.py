@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from kiln.builder import autotune
+from kiln.builder.calibration import apply_int8, first_nonfinite
 from kiln.builder.config import BuilderConfig
 from kiln.builder.precision import lower_precision
 from kiln.engine.engine import Engine, TensorInfo
@@ -17,6 +18,8 @@ from kiln.frontend import import_onnx
 from kiln.ir import Graph
 from kiln.kernels.registry import kernels_for
 from kiln.passes.pipeline import optimize
+from kiln.passes.quantize.data import load_batches
+from kiln.passes.quantize.qdq import fold_qdq
 
 
 class Builder:
@@ -53,12 +56,17 @@ class Builder:
         for p in cfg.profiles:
             validate_profile(p, [TensorInfo.of(v) for v in graph.inputs])
         before = graph.op_counts()
+        self.report = {}
+        explicit = fold_qdq(graph, self.log)
         if cfg.optimize:
             graph = optimize(graph, log=self.log, device=cfg.device)
+        keep_fp32 = [k for k, p in cfg.layer_precision.items() if p == "fp32"]
+        if cfg.int8 or explicit:
+            self.report["int8"] = apply_int8(graph, cfg, explicit, self.log)
+            keep_fp32 += self.report["int8"]["int8"]  # INT8 layers take float32 in and out
         if cfg.fp16 or cfg.bf16:  # FP16 when both are allowed: more mantissa, same speed
             lower_precision(graph, "fp16" if cfg.fp16 else "bf16", log=self.log,
-                            io=cfg.low_precision_io)
-        self.report = {}
+                            io=cfg.low_precision_io, keep_fp32=keep_fp32)
         tuned = self._autotune(graph)  # picks per profile, or None
         choices, tactics = self._choose_kernels(graph, tuned[0] if tuned else None)
         variants = [self._choose_kernels(graph, p) for p in (tuned or [])[1:]]
@@ -71,7 +79,31 @@ class Builder:
                         tactics=tactics, variants=variants)
         if "autotune" in self.report:  # a CUDA build with the Triton kernels
             self._record_binaries(engine)
+        if cfg.check_finite and (cfg.fp16 or cfg.bf16 or "int8" in self.report):
+            self._check_finite(engine)
         return engine
+
+    def _check_finite(self, engine: Engine) -> None:
+        """Run the engine once on the first calibration batch (or random inputs) and report
+        the first layer whose output holds NaN or Inf (``report["nonfinite"]``)."""
+        from kiln.engine.inputs import random_inputs
+
+        cfg = self.config
+        try:
+            if cfg.calib is not None:
+                feeds = load_batches(cfg.calib, [i.name for i in engine.inputs])[0]
+            else:
+                feeds = random_inputs(engine.inputs, {}, (cfg.profiles or [None])[0], seed=0)
+            bad = first_nonfinite(engine.executor_for(0), feeds)
+        except Exception as e:  # data the check cannot run on: say so, the build stands
+            self.log(f"NaN/Inf check: not run ({type(e).__name__}: {str(e)[:200]})")
+            return
+        self.report["nonfinite"] = bad
+        if bad is not None:
+            self.log(f"WARNING: layer '{bad[0]}' outputs NaN or Inf (tensor {bad[1]}) on the "
+                     "check data; pin it with --layer-precision NAME:fp32")
+        else:
+            self.log("NaN/Inf check: every layer's output is finite on the check data")
 
     def _record_binaries(self, engine: Engine) -> None:
         """Run the engine once at each profile's opt shapes (or the default shapes), recording

@@ -9,6 +9,7 @@ from kiln.kernels.torch import (  # noqa: F401
     control,
     fused_conv,
     fused_transformer,
+    int8,
     math,
     math_act,
     nn,
