@@ -27,8 +27,9 @@ def needed_tensors(graph: Graph) -> set[str]:
 
 
 def calibrate(graph: Graph, batches, calibrator: str = "entropy", device: str = "cpu",
-              log=lambda m: None) -> tuple[str, dict[str, float]]:
-    """``(algorithm, amax per tensor)`` of ``graph``'s INT8 layer inputs over ``batches``."""
+              log=lambda m: None):
+    """The calibrator (``algorithm``, ``amax()``, ``mins``) after it saw ``graph``'s INT8
+    layer inputs over ``batches``."""
     needed = needed_tensors(graph)
     cal = make_calibrator(calibrator)
     ex = Executor(graph, device)
@@ -36,27 +37,28 @@ def calibrate(graph: Graph, batches, calibrator: str = "entropy", device: str = 
     for b in batches:
         run_tapped(ex, b, lambda name, x, node: cal.collect(name, x), needed)
     log(f"calibration: {cal.algorithm} over {len(batches)} batch(es), {len(needed)} tensors")
-    return cal.algorithm, cal.amax()
+    return cal
 
 
 def int8_scales(graph: Graph, cfg, log=lambda m: None) -> dict[str, tuple[float, int]]:
     """The activation scales an INT8 build of ``graph`` uses (see the module docstring)."""
     needed = needed_tensors(graph)
-    want = make_calibrator(cfg.calibrator).algorithm
+    want = make_calibrator(cfg.calibrator).algorithm + (
+        "Asymmetric" if cfg.int8_asymmetric else "")
     path = cfg.calib_cache
     if path and Path(path).exists():
         algorithm, scales = C.read_cache(path)
         C.check_cache(path, algorithm, want, scales, needed)
         log(f"calibration: {len(scales)} scales read from {path} ({algorithm})")
-        return {k: (s, 128) for k, s in scales.items()}
+        return scales
     if cfg.calib is None:
         raise KilnError("--int8 needs calibration data (--calib DIR or FILE.py), a calibration "
                         "cache (--calib-cache FILE), or a model with QuantizeLinear/"
                         "DequantizeLinear nodes")
-    algorithm, amax = calibrate(graph, cfg.calib, cfg.calibrator, _calib_device(cfg), log)
-    scales = scales_from_amax(amax)
+    cal = calibrate(graph, cfg.calib, cfg.calibrator, _calib_device(cfg), log)
+    scales = scales_from_amax(cal.amax(), cal.mins if cfg.int8_asymmetric else None)
     if path:
-        C.write_cache(path, algorithm, {k: s for k, (s, _) in scales.items()})
+        C.write_cache(path, cal.algorithm, scales, cfg.int8_asymmetric)
         log(f"calibration: cache written to {path}")
     return scales
 

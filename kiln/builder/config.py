@@ -37,6 +37,9 @@ class BuilderConfig:
             :mod:`kiln.passes.quantize.data`).
         calibrator: ``"entropy"`` (TensorRT's EntropyCalibrator2, default), ``"percentile"``
             (99.99) or ``"minmax"``.
+        int8_asymmetric: one-sided activations (GELU/ReLU outputs: min above -amax/4) get
+            asymmetric INT8 ranges ``[min, amax]`` (twice the resolution); the cache then
+            carries zero points (a kiln extension of TensorRT's format).
         calib_cache: calibration cache file (TensorRT's text format): read instead of
             calibrating when it exists and matches, written after calibrating otherwise.
         layer_precision: layer name (or part of a fused name) -> ``"fp32"``, ``"fp16"``,
@@ -62,6 +65,7 @@ class BuilderConfig:
     calib: object = None
     calibrator: str = "entropy"
     calib_cache: str | None = None
+    int8_asymmetric: bool = False
     layer_precision: dict[str, str] = field(default_factory=dict)
     check_finite: bool = True
     verbose: bool = False

@@ -54,7 +54,7 @@ def main(args) -> int:
                         optimize=not args.no_optimize, timing_cache=args.timing_cache,
                         plan_margin=args.plan_margin, cuda_graph=not args.no_cuda_graph,
                         calib=args.calib, calibrator=args.calibrator,
-                        calib_cache=args.calib_cache,
+                        calib_cache=args.calib_cache, int8_asymmetric=args.asymmetric,
                         layer_precision=parse_layer_precision(args.layer_precision),
                         verbose=args.verbose)
     out = args.output or (args.model.rsplit(".", 1)[0] + ".kiln")

@@ -7,7 +7,9 @@
     /encoder/layer.0/output/LayerNorm_output_0: 3d9e4f21
 
 The first line names the calibrator; each further line is a tensor name and the big-endian hex
-of its float32 scale (``amax / 127``). TensorRT writes its own version number after ``TRT-``;
+of its float32 scale (``amax / 127``). Asymmetric calibration (kiln's extension, which TensorRT
+does not read) appends ``Asymmetric`` to the calibrator's name and the uint8 zero point to each
+line (``name: 3c010a14 57``). TensorRT writes its own version number after ``TRT-``;
 kiln writes ``8601`` there for tools that parse it and ignores it when reading. A cache is
 refused when its calibrator is not the one asked for, or when its tensors are not the ones the
 model needs (a cache of another model, or of an older version of this one).
@@ -35,21 +37,24 @@ def decode_scale(text: str) -> float:
         raise ValueError(f"'{text.strip()}' is not the hex of a float32") from None
 
 
-def write_cache(path, algorithm: str, scales: dict[str, float]) -> None:
-    """Write ``scales`` (tensor name -> float32 scale) for ``algorithm`` to ``path``
-    atomically (a temporary file renamed over it)."""
-    lines = [f"TRT-{VERSION}-{algorithm}"]
+def write_cache(path, algorithm: str, scales: dict[str, tuple[float, int]],
+                asymmetric: bool = False) -> None:
+    """Write ``scales`` (tensor name -> (float32 scale, uint8 zero point)) for ``algorithm``
+    to ``path`` atomically (a temporary file renamed over it)."""
+    lines = [f"TRT-{VERSION}-{algorithm}{'Asymmetric' if asymmetric else ''}"]
     for name in sorted(scales):
         if "\n" in name:
             raise ValueError(f"tensor name {name!r} cannot be written in a calibration cache")
-        lines.append(f"{name}: {encode_scale(scales[name])}")
+        s, z = scales[name]
+        lines.append(f"{name}: {encode_scale(s)}" + (f" {z}" if asymmetric else ""))
     tmp = Path(f"{path}.tmp")
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, path)
 
 
-def read_cache(path) -> tuple[str, dict[str, float]]:
-    """``(algorithm, scales)`` from a cache file. Raises :class:`KilnError` for a file that
+def read_cache(path) -> tuple[str, dict[str, tuple[float, int]]]:
+    """``(algorithm, {tensor: (scale, uint8 zero)})`` from a cache file (zero 128 where the
+    line has none: symmetric). Raises :class:`KilnError` for a file that
     is not a calibration cache, naming the line at fault."""
     try:
         text = Path(path).read_text()
@@ -61,7 +66,7 @@ def read_cache(path) -> tuple[str, dict[str, float]]:
     if len(parts) != 3 or parts[0] != "TRT" or not parts[2]:
         raise KilnError(f"calibration cache {path}: the first line should read "
                         f"'TRT-<version>-<calibrator>', not {head[:80]!r}")
-    scales: dict[str, float] = {}
+    scales: dict[str, tuple[float, int]] = {}
     for k, line in enumerate(lines[1:], 2):
         if not line.strip():
             continue
@@ -69,7 +74,11 @@ def read_cache(path) -> tuple[str, dict[str, float]]:
         try:
             if not sep or not name:
                 raise ValueError("expected 'tensor: <hex>'")
-            scales[name] = decode_scale(value)
+            hexs, _, zero = value.strip().partition(" ")
+            z = int(zero) if zero else 128
+            if not 0 <= z <= 255:
+                raise ValueError(f"zero point {z} is not a uint8")
+            scales[name] = (decode_scale(hexs), z)
         except ValueError as e:
             raise KilnError(f"calibration cache {path}, line {k}: {e}") from None
     return parts[2], scales

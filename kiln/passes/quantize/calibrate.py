@@ -26,11 +26,21 @@ _EPS = 1e-4  # KL smoothing: mass moved onto Q's empty bins
 
 
 class Calibrator:
-    """Collects ``|x|`` statistics per tensor name; :meth:`amax` gives the ranges."""
+    """Collects ``|x|`` statistics per tensor name; :meth:`amax` gives the ranges. Every
+    calibrator also keeps each tensor's smallest value (``mins``), which asymmetric
+    quantization of one-sided tensors uses."""
 
     algorithm = ""  # the name in the calibration cache header
 
+    def __init__(self):
+        self.mins: dict[str, float] = {}
+
     def collect(self, name: str, x: np.ndarray) -> None:
+        if x.size:
+            self.mins[name] = min(self.mins.get(name, 0.0), float(np.min(x)))
+        self._collect(name, x)
+
+    def _collect(self, name: str, x: np.ndarray) -> None:
         raise NotImplementedError
 
     def amax(self) -> dict[str, float]:
@@ -41,9 +51,10 @@ class MinMaxCalibrator(Calibrator):
     algorithm = "MinMaxCalibration"
 
     def __init__(self):
+        super().__init__()
         self.max: dict[str, float] = {}
 
-    def collect(self, name, x):
+    def _collect(self, name, x):
         m = float(np.max(np.abs(x))) if x.size else 0.0
         self.max[name] = max(self.max.get(name, 0.0), m)
 
@@ -87,10 +98,11 @@ class Histogram:
 
 class _HistogramCalibrator(Calibrator):
     def __init__(self, bins: int = BINS):
+        super().__init__()
         self.bins = bins
         self.hists: dict[str, Histogram] = {}
 
-    def collect(self, name, x):
+    def _collect(self, name, x):
         self.hists.setdefault(name, Histogram(self.bins)).add(x)
 
     def amax(self):

@@ -83,9 +83,24 @@ def quantize_weight(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-def scales_from_amax(amax: dict[str, float]) -> dict[str, tuple[float, int]]:
-    """Calibrated ranges -> (scale, zero) on uint8 codes, symmetric."""
-    return {k: (max(float(a), 1e-8) / X_LEVELS, X_ZERO) for k, a in amax.items()}
+ONE_SIDED = 0.25  # asymmetric ranges for tensors whose min is above -ONE_SIDED * amax
+
+
+def scales_from_amax(amax: dict[str, float], mins: dict[str, float] | None = None
+                     ) -> dict[str, tuple[float, int]]:
+    """Calibrated ranges -> (scale, zero) on uint8 codes: symmetric (``amax / 127``, zero
+    128), or with ``mins``, asymmetric for one-sided tensors (the output of a GELU or ReLU):
+    the 256 codes cover ``[min, amax]`` instead of ``[-amax, amax]``, twice the resolution."""
+    out = {}
+    for k, a in amax.items():
+        a = max(float(a), 1e-8)
+        lo = max((mins or {}).get(k, -a), -a)
+        if mins is not None and lo > -ONE_SIDED * a:
+            s = (a - lo) / 255.0
+            out[k] = (s, min(255, int(round(-lo / s))))
+        else:
+            out[k] = (a / X_LEVELS, X_ZERO)
+    return out
 
 
 def quantize_graph(graph: Graph, scales: dict[str, tuple[float, int]], keep=(),
