@@ -91,10 +91,11 @@ def _weight_axis(node) -> int | None:
     return _WEIGHT_AXIS.get(node.op_type)
 
 
-def write_qdq(model: onnx.ModelProto, scales: dict[str, float], log=lambda m: None
-              ) -> tuple[onnx.ModelProto, int]:
+def write_qdq(model: onnx.ModelProto, scales: dict[str, tuple[float, int]],
+              log=lambda m: None) -> tuple[onnx.ModelProto, int]:
     """A copy of ``model`` with Q/DQ on the layers whose input has a scale in ``scales``
-    (tensor name -> float scale; int8 codes, zero point 0). Returns (model, layers)."""
+    (tensor name -> (scale, uint8 zero point): zero 128 is written as int8 codes with zero
+    point 0, others as uint8 codes). Returns (model, layers)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
@@ -128,10 +129,12 @@ def write_qdq(model: onnx.ModelProto, scales: dict[str, float], log=lambda m: No
     return out, layers
 
 
-def _qdq_activation(g, nodes, x: str, scale: float) -> str:
+def _qdq_activation(g, nodes, x: str, scale_zero: tuple[float, int]) -> str:
+    scale, zero = scale_zero
+    zp = np.array(0, np.int8) if zero == 128 else np.array(zero, np.uint8)
     s, z = f"{x}_scale", f"{x}_zero_point"
     g.initializer.extend([numpy_helper.from_array(np.array(scale, np.float32), s),
-                          numpy_helper.from_array(np.array(0, np.int8), z)])
+                          numpy_helper.from_array(zp, z)])
     nodes.append(helper.make_node("QuantizeLinear", [x, s, z], [f"{x}_quantized"],
                                   name=f"{x}_QuantizeLinear"))
     nodes.append(helper.make_node("DequantizeLinear", [f"{x}_quantized", s, z],
