@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kiln.engine.profile import Profile
 
-PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
 
 
 @dataclass
@@ -18,6 +18,8 @@ class BuilderConfig:
         device: ``"cpu"`` or ``"cuda"``.
         fp16, bf16, int8: precisions the builder may use in addition to FP32 (permissions,
             as in TensorRT: a layer runs in the fastest allowed precision that has a kernel).
+        fp8: matrix products with constant weights run in FP8 e4m3 (``torch._scaled_mm`` on
+            Hopper, emulated elsewhere), scaled from the INT8 calibration (``amax / 448``).
         tf32: allow TF32 math for FP32 layers on CUDA.
         low_precision_io: with ``fp16``/``bf16``, the model's float32 inputs and outputs take
             that precision too (trtexec's ``--inputIOFormats``/``--outputIOFormats``): callers
@@ -54,6 +56,7 @@ class BuilderConfig:
     fp16: bool = False
     bf16: bool = False
     int8: bool = False
+    fp8: bool = False
     tf32: bool = True
     low_precision_io: bool = False
     profiles: list[Profile] = field(default_factory=list)

@@ -37,6 +37,8 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp16", action="store_true", help="allow FP16 layers")
     g.add_argument("--bf16", action="store_true", help="allow BF16 layers")
     g.add_argument("--int8", action="store_true", help="allow INT8 layers")
+    g.add_argument("--fp8", action="store_true",
+                   help="FP8 (e4m3) matrix products, scaled by INT8 calibration (Hopper)")
     g.add_argument("--no-tf32", action="store_true", help="disallow TF32 for FP32 layers")
     g.add_argument("--low-precision-io", action="store_true",
                    help="with --fp16/--bf16: float32 inputs and outputs take that precision "

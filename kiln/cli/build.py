@@ -49,7 +49,7 @@ def main(args) -> int:
 
     profile = profile_from_args(args)
     cfg = BuilderConfig(device=args.device, fp16=args.fp16, bf16=args.bf16, int8=args.int8,
-                        tf32=not args.no_tf32, profiles=[profile] if profile else [],
+                        fp8=args.fp8, tf32=not args.no_tf32, profiles=[profile] if profile else [],
                         low_precision_io=args.low_precision_io,
                         optimize=not args.no_optimize, timing_cache=args.timing_cache,
                         plan_margin=args.plan_margin, cuda_graph=not args.no_cuda_graph,

@@ -25,3 +25,9 @@ Int8Conv = kiln_op(
     "Int8Conv", {**_QUANT, **_CONV_ATTRS, **_EPILOGUE}, _conv_rule,
     doc="act(Conv(X, Wq * w_scale) + bias + R) with X quantized by x_scale/x_zero; inputs X, "
         "Wq (int8 [M, C/group, k...]), w_scale (float32 [M]), bias (optional), R (optional)")
+
+Fp8MatMul = kiln_op(
+    "Fp8MatMul", {"x_scale": Attr("float", REQUIRED), **_EPILOGUE}, _matmul_rule,
+    doc="act(X @ (Wf8 * w_scale) + bias + R) with X cast to float8 e4m3 after dividing by "
+        "x_scale (saturating at 448); inputs X, Wf8 (float8e4m3fn [K, N]), w_scale (float32 "
+        "[N]), bias (optional), R (optional). FP8 tensor cores on Hopper, emulated elsewhere")

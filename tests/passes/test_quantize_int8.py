@@ -241,3 +241,51 @@ def test_int8_graph_types():
                    [None] * 3, 1)
     (t,) = I8.Int8MatMul.infer(ctx)
     assert t.dtype is DType.float32 and tuple(t.shape) == (2, 3)
+
+
+def test_cuda_int8_kernel_arithmetic_on_cpu(monkeypatch):
+    """The CUDA kernel's signed-code trick (c - 128, plus (128 - z) * colsum(W) for an
+    asymmetric zero point) on CPU tensors, where torch._int_mm runs too."""
+    from kiln.kernels.torch import low_bit_cuda as L
+
+    monkeypatch.setattr(L, "_int_mm_ok", lambda x2, wq: True)
+    x = RNG.standard_normal((32, 64)).astype(np.float32)
+    wq, ws = quantize_weight(RNG.standard_normal((64, 16)).astype(np.float32), 1)
+    for zero in (128, 30):
+        s = float(np.abs(x).max() / 127)
+        call = _call(I8.Int8MatMul, x_scale=s, x_zero=zero)
+        got = L.cuda_int8_matmul(call, *map(torch.from_numpy, (x, wq, ws)))
+        want = _reference_matmul(x, wq, ws, None, s, zero)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_fp8_matmul_emulation_matches_ml_dtypes():
+    import ml_dtypes
+
+    from kiln.kernels.torch import low_bit_cuda as L
+    from kiln.passes.quantize.int8 import quantize_weight_fp8
+
+    x = RNG.standard_normal((4, 32)).astype(np.float32)
+    w = RNG.standard_normal((32, 8)).astype(np.float32)
+    wf8, ws = quantize_weight_fp8(w)
+    s = float(np.abs(x).max() / 448)
+    call = _call(I8.Fp8MatMul, x_scale=s)
+    got = L.fp8_matmul(call, torch.from_numpy(x), torch.from_numpy(wf8.view(np.uint8)).view(
+        torch.float8_e4m3fn), torch.from_numpy(ws))
+    xq = (x / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * s
+    want = xq @ (wf8.astype(np.float32) * ws)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+    assert np.abs(want - x @ w).max() < 0.1 * np.abs(x @ w).max()  # FP8 is close, not exact
+
+
+def test_build_fp8_saves_and_loads(net, tmp_path):
+    _, path, calib = net
+    b = Builder(BuilderConfig(fp8=True, calib=str(calib)))
+    e = b.build(path)
+    assert sorted(set(e.choices.values()) & {"TorchFp8MatMul", "TorchInt8Conv"}) == [
+        "TorchFp8MatMul"]
+    assert list(b.report["int8"]["float"].values()) == ["no FP8 convolution kernel"]
+    e.save(tmp_path / "f.kiln")
+    ref = _run(Builder(BuilderConfig()).build(path))
+    got = _run(load(tmp_path / "f.kiln"))
+    assert (got * ref).sum() / np.linalg.norm(got) / np.linalg.norm(ref) > 0.98

@@ -10,6 +10,7 @@ from kiln.kernels.torch import (  # noqa: F401
     fused_conv,
     fused_transformer,
     int8,
+    low_bit_cuda,
     math,
     math_act,
     nn,

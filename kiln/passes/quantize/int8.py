@@ -103,12 +103,26 @@ def scales_from_amax(amax: dict[str, float], mins: dict[str, float] | None = Non
     return out
 
 
+def quantize_weight_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-output-column float8 e4m3 weights of a [K, N] matrix: (codes, scale per column)."""
+    import ml_dtypes
+
+    amax = np.abs(w).max(axis=0)
+    scale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
+    return np.clip(w / scale, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+E4M3_MAX = 448.0
+
+
 def quantize_graph(graph: Graph, scales: dict[str, tuple[float, int]], keep=(),
-                   log=lambda m: None) -> dict:
+                   log=lambda m: None, fp8: bool = False) -> dict:
     """Rewrite every layer that can run in INT8 (see the module docstring), in place.
 
     ``scales``: activation tensor name -> (scale, uint8 zero point). ``keep``: layer names
-    (or parts of fused names) that stay in float. Returns ``{"int8": [names], "float":
+    (or parts of fused names) that stay in float. ``fp8``: matrix products become
+    Fp8MatMul layers instead (scale ``amax / 448`` from the same calibration; convolutions
+    stay in float). Returns ``{"int8": [names], "float":
     {name: reason}}``."""
     keep = set(keep)
     done, kept = [], {}
@@ -120,13 +134,15 @@ def quantize_graph(graph: Graph, scales: dict[str, tuple[float, int]], keep=(),
             why = "pinned by --layer-precision"
         if why is None and n.inputs[0].name not in scales:
             why = f"no scale for its input {n.inputs[0].name}"
+        if why is None and fp8 and n.op in CONVS:
+            why = "no FP8 convolution kernel"
         if why is not None:
             kept[n.name] = why
             continue
-        _rewrite(graph, n, scales[n.inputs[0].name])
+        _rewrite(graph, n, scales[n.inputs[0].name], fp8)
         done.append(n.name)
     _drop_unused_weights(graph)
-    log(f"int8: {len(done)} layer(s) in INT8, {len(kept)} with a weight kept in float")
+    log(f"int8: {len(done)} layer(s) in {'FP8' if fp8 else 'INT8'}, {len(kept)} with a weight kept in float")
     for name, why in kept.items():
         log(f"int8: layer '{name}' kept in float: {why}")
     return {"int8": done, "float": kept}
@@ -137,7 +153,7 @@ def _epilogue(a) -> dict:
             if hasattr(a, k)}
 
 
-def _rewrite(graph: Graph, n: Node, xs: tuple[float, int]) -> None:
+def _rewrite(graph: Graph, n: Node, xs: tuple[float, int], fp8: bool = False) -> None:
     scale, zero = xs
     if n.op in CONVS:
         wq, ws = quantize_weight(n.inputs[1].const, 0)
@@ -150,21 +166,28 @@ def _rewrite(graph: Graph, n: Node, xs: tuple[float, int]) -> None:
                                          *n.inputs[2:]], n.outputs, attrs)
         _replace(graph, n, [new])
         return
-    wq, ws = quantize_weight(_gemm_w(n), 1)
+    if fp8:
+        wq, ws = quantize_weight_fp8(_gemm_w(n))
+    else:
+        wq, ws = quantize_weight(_gemm_w(n), 1)
     rest = list(n.inputs[2:])
     if n.op is FC.FusedMatMulLayerNorm:  # inputs x, W, b, r, scale, ln_bias
         rest, ln_in = rest[:2], rest[2:]
     ep = _epilogue(n.attrs) if n.op not in (N.MatMul, N.Gemm) else {}
-    attrs = I8.Int8MatMul.make_attrs(x_scale=scale, x_zero=zero, **ep)
+    op = I8.Fp8MatMul if fp8 else I8.Int8MatMul
+    if fp8:  # the symmetric INT8 scale amax / 127, as an e4m3 one: amax / 448
+        attrs = op.make_attrs(x_scale=scale * X_LEVELS / E4M3_MAX, **ep)
+    else:
+        attrs = op.make_attrs(x_scale=scale, x_zero=zero, **ep)
     while rest and rest[-1] is None:
         rest.pop()
     ins = [n.inputs[0], *_weights(graph, n, wq, ws), *rest]
     if n.op is not FC.FusedMatMulLayerNorm:
-        _replace(graph, n, [Node(I8.Int8MatMul, n.name, ins, n.outputs, attrs)])
+        _replace(graph, n, [Node(op, n.name, ins, n.outputs, attrs)])
         return
     out = n.outputs[0]
     mid = Value(graph.fresh_name(f"{out.name}_int8"), TensorType(DType.float32, out.type.shape))
-    mm = Node(I8.Int8MatMul, n.name, ins, [mid], attrs)
+    mm = Node(op, n.name, ins, [mid], attrs)
     ln = Node(N.LayerNormalization, f"{n.name}/layernorm", [mid, *ln_in], [out],
               N.LayerNormalization.make_attrs(axis=-1, epsilon=n.attrs.epsilon))
     _replace(graph, n, [mm, ln])
@@ -172,7 +195,8 @@ def _rewrite(graph: Graph, n: Node, xs: tuple[float, int]) -> None:
 
 def _weights(graph: Graph, n: Node, wq: np.ndarray, ws: np.ndarray) -> list[Value]:
     base = n.inputs[1].name
-    q = graph.add_weight(graph.fresh_name(f"{base}_int8"), wq, TensorType(DType.int8, wq.shape))
+    dt = DType.int8 if wq.dtype == np.int8 else DType.float8e4m3fn
+    q = graph.add_weight(graph.fresh_name(f"{base}_{dt.name}"), wq, TensorType(dt, wq.shape))
     s = graph.add_weight(graph.fresh_name(f"{base}_scale"), ws,
                          TensorType(DType.float32, ws.shape))
     return [q, s]
