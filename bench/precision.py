@@ -109,8 +109,13 @@ def latency(models: dict, calib_of: dict, feeds_of: dict, tmp: Path, n: int,
 
 
 def ort_quantized(path: str, calib, feeds, tmp: Path, n: int, threads: int) -> None:
-    from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize_dynamic
-    from onnxruntime.quantization import QuantFormat, quantize_static
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
 
     class Reader(CalibrationDataReader):
         def __init__(self):

@@ -142,7 +142,8 @@ def quantize_graph(graph: Graph, scales: dict[str, tuple[float, int]], keep=(),
         _rewrite(graph, n, scales[n.inputs[0].name], fp8)
         done.append(n.name)
     _drop_unused_weights(graph)
-    log(f"int8: {len(done)} layer(s) in {'FP8' if fp8 else 'INT8'}, {len(kept)} with a weight kept in float")
+    log(f"int8: {len(done)} layer(s) in {'FP8' if fp8 else 'INT8'}, {len(kept)} with a weight "
+        "kept in float")
     for name, why in kept.items():
         log(f"int8: layer '{name}' kept in float: {why}")
     return {"int8": done, "float": kept}
