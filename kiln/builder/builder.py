@@ -19,6 +19,7 @@ from kiln.ir import Graph
 from kiln.kernels.registry import kernels_for
 from kiln.passes.pipeline import optimize
 from kiln.passes.quantize.data import load_batches
+from kiln.passes.quantize.dynamic import fold_dynamic_quant
 from kiln.passes.quantize.qdq import fold_qdq
 
 
@@ -57,7 +58,7 @@ class Builder:
             validate_profile(p, [TensorInfo.of(v) for v in graph.inputs])
         before = graph.op_counts()
         self.report = {}
-        explicit = fold_qdq(graph, self.log)
+        explicit = {**fold_qdq(graph, self.log), **fold_dynamic_quant(graph, self.log)}
         if cfg.optimize:
             graph = optimize(graph, log=self.log, device=cfg.device)
         keep_fp32 = [k for k, p in cfg.layer_precision.items() if p == "fp32"]

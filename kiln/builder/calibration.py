@@ -74,7 +74,8 @@ def apply_int8(graph: Graph, cfg, explicit: dict | None, log=lambda m: None) -> 
     keep = {k for k, p in cfg.layer_precision.items() if p not in ("int8", "fp8")}
     scales = explicit if explicit else int8_scales(graph, cfg, log)
     if explicit:
-        log(f"int8: explicit quantization, {len(explicit)} scale(s) from the model's Q/DQ nodes")
+        log(f"int8: explicit quantization, {len(explicit)} scale(s) from the model's "
+            "quantization nodes")
     fp8 = cfg.fp8 and not explicit
     if fp8 and cfg.int8_asymmetric:
         raise KilnError("FP8 layers are symmetric: drop --asymmetric for an --fp8 build")

@@ -14,6 +14,7 @@ from kiln.ops.fused_conv import _CONV_ATTRS, _EPILOGUE
 from kiln.ops.nn import _conv_rule, _matmul_rule
 from kiln.ops.schema import kiln_op
 
+# x_scale 0: the activation is quantized on every call from its own range (dynamic)
 _QUANT = {"x_scale": Attr("float", REQUIRED), "x_zero": Attr("int", 0)}
 
 Int8MatMul = kiln_op(

@@ -289,3 +289,29 @@ def test_build_fp8_saves_and_loads(net, tmp_path):
     ref = _run(Builder(BuilderConfig()).build(path))
     got = _run(load(tmp_path / "f.kiln"))
     assert (got * ref).sum() / np.linalg.norm(got) / np.linalg.norm(ref) > 0.98
+
+
+def test_quantize_dynamic_model_runs_int8_layers(tmp_path):
+    """onnxruntime's quantize_dynamic output (DynamicQuantizeLinear + MatMulInteger + Cast +
+    Mul) becomes Int8MatMul layers quantizing per call, close to onnxruntime's outputs."""
+    ort = pytest.importorskip("onnxruntime")
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    src, dyn = tmp_path / "mlp.onnx", tmp_path / "mlp.dyn.onnx"
+    torch.onnx.export(mlp.eval(), (torch.randn(2, 8, 32),), str(src), input_names=["x"],
+                      output_names=["y"], dynamo=False)
+    quantize_dynamic(str(src), str(dyn), weight_type=QuantType.QInt8)
+    logs = []
+    e = Builder(BuilderConfig(), log=logs.append).build(dyn)
+    assert list(e.choices.values()).count("TorchInt8MatMul") == 2
+    assert not any(k in ("TorchMatMulInteger", "TorchDynamicQuantizeLinear")
+                   for k in e.choices.values())
+    assert any("2 MatMulInteger layer(s) made INT8 layers" in m for m in logs)
+    x = {"x": np.random.default_rng(1).standard_normal((2, 8, 32)).astype(np.float32)}
+    got = e.create_context().run(x)["y"]
+    want = ort.InferenceSession(str(dyn)).run(None, x)[0]
+    fp32 = mlp(torch.from_numpy(x["x"])).detach().numpy()
+    cos = (got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want)
+    assert cos > 0.995 and np.abs(got - fp32).max() < 0.05 * np.abs(fp32).max()

@@ -10,6 +10,7 @@ emulated in float: exact integer codes, products summed in float32.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import torch
@@ -52,9 +53,21 @@ def _post_op(a, r):
     return "none", [], "", True
 
 
+def dynamic_range(x: torch.Tensor) -> tuple[float, int]:
+    """(scale, uint8 zero) from x's own range, which always holds 0 (DynamicQuantizeLinear)."""
+    lo, hi = torch.aminmax(x)
+    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+    scale = (hi - lo) / 255.0 if hi > lo else 1.0
+    return scale, int(min(255, max(0, round(-lo / scale))))
+
+
 @register(I8.Int8MatMul)
 def int8_matmul(n, x, wq, w_scale, b=None, r=None):
     a = n.a
+    if a.x_scale == 0.0:  # dynamic: this call's own range
+        s, z = dynamic_range(x)
+        a = dataclasses.replace(a, x_scale=s, x_zero=z)
+        n = _WithAttrs(n, a)
     k, m = wq.shape
     if not _onednn(x):
         return _int8_matmul_emulated(n, x, wq, w_scale, b, r)
@@ -68,6 +81,17 @@ def int8_matmul(n, x, wq, w_scale, b=None, r=None):
         1.0, 0, torch.float32, attr, scalars, algo)
     y = y.reshape(*x.shape[:-1], m)
     return epilogue(y, a, r) if after else y
+
+
+class _WithAttrs:
+    """A node's call seen with other attributes (a dynamic layer's per-call scale)."""
+
+    def __init__(self, call, attrs):
+        self.call, self.a = call, attrs
+
+    @property
+    def cache(self):
+        return self.call.cache
 
 
 def dequantize_codes(x, a) -> torch.Tensor:

@@ -176,6 +176,8 @@ def _rewrite(graph: Graph, n: Node, xs: tuple[float, int], fp8: bool = False) ->
         rest, ln_in = rest[:2], rest[2:]
     ep = _epilogue(n.attrs) if n.op not in (N.MatMul, N.Gemm) else {}
     op = I8.Fp8MatMul if fp8 else I8.Int8MatMul
+    if fp8 and scale == 0.0:
+        raise ValueError(f"layer '{n.name}': FP8 layers need calibrated scales, not dynamic")
     if fp8:  # the symmetric INT8 scale amax / 127, as an e4m3 one: amax / 448
         attrs = op.make_attrs(x_scale=scale * X_LEVELS / E4M3_MAX, **ep)
     else:
