@@ -10,10 +10,10 @@ from tests.kernels.triton_util import DEVICE, INTERPRET
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from kiln.kernels.registry import Call  # noqa: E402
-from kiln.kernels.triton import int8_gemm as T  # noqa: E402
-from kiln.ops import int8 as I8  # noqa: E402
-from kiln.passes.quantize.int8 import quantize_weight  # noqa: E402
+from kiln.kernels.registry import Call
+from kiln.kernels.triton import int8_gemm as T
+from kiln.ops import int8 as I8
+from kiln.passes.quantize.int8 import quantize_weight
 
 
 def _reference(x, wq, ws, b, r, s, z, act):

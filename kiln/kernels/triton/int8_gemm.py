@@ -18,8 +18,15 @@ import triton.language as tl
 from kiln.kernels.registry import register
 from kiln.kernels.torch import low_bit_cuda
 from kiln.kernels.torch.int8 import _cached
-from kiln.kernels.triton.common import ACT_CODE, FLOATS, epilogue, grouped_tile, launch, \
-    on_device, tactic_of
+from kiln.kernels.triton.common import (
+    ACT_CODE,
+    FLOATS,
+    epilogue,
+    grouped_tile,
+    launch,
+    on_device,
+    tactic_of,
+)
 from kiln.ops import int8 as I8
 
 
@@ -95,7 +102,8 @@ def triton_int8_matmul(n, x, wq, w_scale, b=None, r=None):
     launch(_int8_gemm_kernel, grid, x2, wq, y, w_scale, colsum, y if b is None else b,
            y if r2 is None else r2, m, nn, k, x2.stride(0), x2.stride(1), wq.stride(0),
            wq.stride(1), y.stride(0), y.stride(1), *rs, float(a.x_scale),
-           float(a.x_zero - 128), int(a.x_zero - 128), float(a.alpha), float(a.beta), HAS_BIAS=b is not None,
+           float(a.x_zero - 128), int(a.x_zero - 128), float(a.alpha), float(a.beta),
+           HAS_BIAS=b is not None,
            HAS_RES=r2 is not None, ACT=ACT_CODE[a.activation], BLOCK_M=t["BLOCK_M"],
            BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], GROUP_M=t["GROUP_M"],
            num_warps=t["num_warps"], num_stages=t["num_stages"])
