@@ -64,7 +64,6 @@ class Builder:
         keep_fp32 = [k for k, p in cfg.layer_precision.items() if p == "fp32"]
         if cfg.int8 or cfg.fp8 or explicit:
             self.report["int8"] = apply_int8(graph, cfg, explicit, self.log)
-            keep_fp32 += self.report["int8"]["int8"]  # INT8 layers take float32 in and out
         if cfg.fp16 or cfg.bf16:  # FP16 when both are allowed: more mantissa, same speed
             lower_precision(graph, "fp16" if cfg.fp16 else "bf16", log=self.log,
                             io=cfg.low_precision_io, keep_fp32=keep_fp32)

@@ -56,7 +56,8 @@ def int8_scales(graph: Graph, cfg, log=lambda m: None) -> dict[str, tuple[float,
                         "cache (--calib-cache FILE), or a model with QuantizeLinear/"
                         "DequantizeLinear nodes")
     cal = calibrate(graph, cfg.calib, cfg.calibrator, _calib_device(cfg), log)
-    scales = scales_from_amax(cal.amax(), cal.mins if cfg.int8_asymmetric else None)
+    scales = scales_from_amax(cal.amax(), *((cal.mins, cal.maxs) if cfg.int8_asymmetric
+                                             else (None, None)))
     if path:
         C.write_cache(path, cal.algorithm, scales, cfg.int8_asymmetric)
         log(f"calibration: cache written to {path}")

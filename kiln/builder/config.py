@@ -39,9 +39,9 @@ class BuilderConfig:
             :mod:`kiln.passes.quantize.data`).
         calibrator: ``"entropy"`` (TensorRT's EntropyCalibrator2, default), ``"percentile"``
             (99.99) or ``"minmax"``.
-        int8_asymmetric: one-sided activations (GELU/ReLU outputs: min above -amax/4) get
-            asymmetric INT8 ranges ``[min, amax]`` (twice the resolution); the cache then
-            carries zero points (a kiln extension of TensorRT's format).
+        int8_asymmetric: activations get asymmetric INT8 ranges ``[min, max]`` clipped to
+            the calibrated ``amax`` (twice the resolution for GELU/ReLU outputs); the cache
+            then carries zero points (a kiln extension of TensorRT's format).
         calib_cache: calibration cache file (TensorRT's text format): read instead of
             calibrating when it exists and matches, written after calibrating otherwise.
         layer_precision: layer name (or part of a fused name) -> ``"fp32"``, ``"fp16"``,

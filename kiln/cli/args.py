@@ -54,8 +54,8 @@ def add_calibration_args(p: argparse.ArgumentParser) -> None:
                    default="entropy", help="how activation ranges are chosen (default: "
                                            "entropy, TensorRT's EntropyCalibrator2)")
     g.add_argument("--asymmetric", action="store_true",
-                   help="asymmetric INT8 ranges for one-sided activations (GELU/ReLU outputs); "
-                        "more accurate, and the cache carries zero points (kiln's extension)")
+                   help="asymmetric INT8 ranges [min, max] for activations; more accurate, "
+                        "and the cache carries zero points (kiln's extension)")
     g.add_argument("--calib-cache", metavar="FILE",
                    help="calibration cache (TensorRT text format): read when it exists, "
                         "written after calibrating otherwise")

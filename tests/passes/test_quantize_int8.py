@@ -84,10 +84,11 @@ def test_weight_quantization_per_channel():
 def test_scales_symmetric_and_one_sided():
     sym = scales_from_amax({"a": 12.7})
     assert sym["a"] == pytest.approx((0.1, 128))
-    asym = scales_from_amax({"a": 10.0, "b": 10.0}, {"a": -0.17, "b": -9.0})
+    asym = scales_from_amax({"a": 10.0, "b": 5.0}, {"a": -0.17, "b": -9.0}, {"a": 10.0, "b": 4.0})
     s, z = asym["a"]
     assert s == pytest.approx(10.17 / 255) and z == round(0.17 / s)
-    assert asym["b"] == pytest.approx((10.0 / 127, 128))  # two-sided: stays symmetric
+    s, z = asym["b"]  # [-9, 4] clipped to amax 5: [-5, 4]
+    assert s == pytest.approx(9.0 / 255) and z == round(5.0 / s)
 
 
 # ---------------------------------------------------------------- whole builds

@@ -34,6 +34,11 @@ def _onednn(x: torch.Tensor) -> bool:
     return _HAS_ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32
 
 
+def _cpu_half(x: torch.Tensor) -> bool:
+    """An FP16/BF16 build's INT8 layer on the CPU: oneDNN in float32, cast back."""
+    return _HAS_ONEDNN and x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16)
+
+
 def _cached(n, key, make):
     """A per-node value made once (the packed weight)."""
     v = n.cache.get(key)
@@ -68,6 +73,9 @@ def int8_matmul(n, x, wq, w_scale, b=None, r=None):
         s, z = dynamic_range(x)
         a = dataclasses.replace(a, x_scale=s, x_zero=z)
         n = _WithAttrs(n, a)
+    if _cpu_half(x):
+        b, r = (None if t is None else t.float() for t in (b, r))
+        return int8_matmul(n, x.float(), wq, w_scale, b, r).to(x.dtype)
     k, m = wq.shape
     if not _onednn(x):
         return _int8_matmul_emulated(n, x, wq, w_scale, b, r)

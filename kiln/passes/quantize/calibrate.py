@@ -27,17 +27,19 @@ _EPS = 1e-4  # KL smoothing: mass moved onto Q's empty bins
 
 class Calibrator:
     """Collects ``|x|`` statistics per tensor name; :meth:`amax` gives the ranges. Every
-    calibrator also keeps each tensor's smallest value (``mins``), which asymmetric
-    quantization of one-sided tensors uses."""
+    calibrator also keeps each tensor's smallest and largest values (``mins``, ``maxs``),
+    which asymmetric quantization uses."""
 
     algorithm = ""  # the name in the calibration cache header
 
     def __init__(self):
         self.mins: dict[str, float] = {}
+        self.maxs: dict[str, float] = {}
 
     def collect(self, name: str, x: np.ndarray) -> None:
         if x.size:
             self.mins[name] = min(self.mins.get(name, 0.0), float(np.min(x)))
+            self.maxs[name] = max(self.maxs.get(name, 0.0), float(np.max(x)))
         self._collect(name, x)
 
     def _collect(self, name: str, x: np.ndarray) -> None:

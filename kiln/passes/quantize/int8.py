@@ -83,24 +83,27 @@ def quantize_weight(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-ONE_SIDED = 0.25  # asymmetric ranges for tensors whose min is above -ONE_SIDED * amax
-
-
-def scales_from_amax(amax: dict[str, float], mins: dict[str, float] | None = None
-                     ) -> dict[str, tuple[float, int]]:
+def scales_from_amax(amax: dict[str, float], mins: dict[str, float] | None = None,
+                     maxs: dict[str, float] | None = None) -> dict[str, tuple[float, int]]:
     """Calibrated ranges -> (scale, zero) on uint8 codes: symmetric (``amax / 127``, zero
-    128), or with ``mins``, asymmetric for one-sided tensors (the output of a GELU or ReLU):
-    the 256 codes cover ``[min, amax]`` instead of ``[-amax, amax]``, twice the resolution."""
+    128), or with ``mins``/``maxs`` asymmetric: the 256 codes cover ``[max(min, -amax),
+    min(max, amax)]`` (always holding 0) instead of ``[-amax, amax]``: twice the resolution
+    for one-sided tensors (GELU/ReLU outputs), more for skewed ones (BERT's LayerNorm
+    outputs)."""
     out = {}
     for k, a in amax.items():
         a = max(float(a), 1e-8)
-        lo = max((mins or {}).get(k, -a), -a)
-        if mins is not None and lo > -ONE_SIDED * a:
-            s = (a - lo) / 255.0
-            out[k] = (s, min(255, int(round(-lo / s))))
-        else:
+        if mins is None:
             out[k] = (a / X_LEVELS, X_ZERO)
+            continue
+        lo = min(0.0, max(mins.get(k, -a), -a))
+        hi = max(0.0, min((maxs or {}).get(k, a), a))
+        s = max(hi - lo, 1e-8) / 255.0
+        out[k] = (s, min(255, int(round(-lo / s))))
     return out
+
+
+E4M3_MAX = 448.0
 
 
 def quantize_weight_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -110,9 +113,6 @@ def quantize_weight_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     amax = np.abs(w).max(axis=0)
     scale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
     return np.clip(w / scale, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn), scale
-
-
-E4M3_MAX = 448.0
 
 
 def quantize_graph(graph: Graph, scales: dict[str, tuple[float, int]], keep=(),
