@@ -8,7 +8,7 @@ CPU, in one process on the same inputs:
 1. all-MiniLM-L6-v2 (real weights): INT8 engines calibrated on 96 real sentences
    (:mod:`bench.sentences`), mean cosine of mean-pooled embeddings to the FP32 engine's on 256
    held-out sentences, for each calibrator; then the layers ``kiln debug precision`` keeps.
-2. Latency, as ratios of medians: kiln INT8 / kiln FP32 on MiniLM and BERT-base, and kiln /
+2. Latency, as ratios of medians of runs timed in alternation: kiln INT8 / kiln FP32 on MiniLM and BERT-base, and kiln /
    onnxruntime on onnxruntime's own quantized MiniLM (``quantize_static`` QDQ and
    ``quantize_dynamic`` QOperator). ``--threads`` (default 1: the machine these numbers came
    from is shared, and 2-thread runs there measure the scheduler) applies to all of them.
@@ -45,15 +45,19 @@ def embed(engine, batches) -> np.ndarray:
                            for b in batches])
 
 
-def _median_ms(fn, n: int) -> float:
-    fn()
-    fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
+def paired_ms(fns: dict, n: int) -> dict[str, float]:
+    """Median ms of each function, timed in alternation (one run of each per round), so that
+    a shared machine's slow stretches fall on all of them alike."""
+    for fn in fns.values():
         fn()
-        ts.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(ts))
+        fn()
+    ts: dict[str, list] = {k: [] for k in fns}
+    for _ in range(n):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            ts[k].append(time.perf_counter() - t)
+    return {k: 1e3 * float(np.median(v)) for k, v in ts.items()}
 
 
 def accuracy(path: str, calib, held, tmp: Path) -> dict:
@@ -81,29 +85,30 @@ def accuracy(path: str, calib, held, tmp: Path) -> dict:
     return rows
 
 
-def _kiln_ms(path, feeds, n, **cfg) -> float:
+def _kiln_fn(path, feeds, **cfg):
     from kiln.builder import Builder, BuilderConfig
 
     ctx = Builder(BuilderConfig(check_finite=False, **cfg)).build(str(path)).create_context()
-    return _median_ms(lambda: ctx.run(feeds), n)
+    return lambda: ctx.run(feeds)
 
 
-def _ort_ms(path, feeds, n, threads) -> float:
+def _ort_fn(path, feeds, threads):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    return _median_ms(lambda: sess.run(None, feeds), n)
+    return lambda: sess.run(None, feeds)
 
 
 def latency(models: dict, calib_of: dict, feeds_of: dict, tmp: Path, n: int,
             threads: int) -> None:
     for name, path in models.items():
         feeds, calib = feeds_of[name], calib_of[name]
-        fp32 = _kiln_ms(path, feeds, n)
-        int8 = _kiln_ms(path, feeds, n, int8=True, calib=calib, calibrator="minmax",
-                        int8_asymmetric=True, calib_cache=str(tmp / f"{name}.lat.cache"))
+        ms = paired_ms({"fp32": _kiln_fn(path, feeds), "int8": _kiln_fn(
+            path, feeds, int8=True, calib=calib, calibrator="minmax", int8_asymmetric=True,
+            calib_cache=str(tmp / f"{name}.lat.cache"))}, n)
+        fp32, int8 = ms["fp32"], ms["int8"]
         print(f"  {name}: kiln FP32 {fp32:.1f} ms, kiln INT8 {int8:.1f} ms: INT8 is "
               f"{fp32 / int8:.2f}x faster", flush=True)
 
@@ -131,11 +136,12 @@ def ort_quantized(path: str, calib, feeds, tmp: Path, n: int, threads: int) -> N
                     per_channel=True, op_types_to_quantize=["MatMul", "Gemm"])
     for label, p in (("quantize_static (QDQ)", qdq), ("quantize_dynamic (QOperator)", dyn)):
         try:
-            k = _kiln_ms(p, feeds, n)
+            kiln = _kiln_fn(p, feeds)
         except Exception as e:  # report, keep measuring the rest
             print(f"  {label}: kiln failed ({type(e).__name__}: {str(e)[:200]})")
             continue
-        o = _ort_ms(p, feeds, n, threads)
+        ms = paired_ms({"kiln": kiln, "ort": _ort_fn(p, feeds, threads)}, n)
+        k, o = ms["kiln"], ms["ort"]
         print(f"  {label}: kiln {k:.1f} ms, onnxruntime {o:.1f} ms: kiln/onnxruntime "
               f"{k / o:.2f}x", flush=True)
 
