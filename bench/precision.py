@@ -9,8 +9,8 @@ CPU, in one process on the same inputs:
    (:mod:`bench.sentences`), mean cosine of mean-pooled embeddings to the FP32 engine's on 256
    held-out sentences, for each calibrator; then the layers ``kiln debug precision`` keeps.
 2. Latency, as ratios of medians of runs timed in alternation: kiln INT8 / kiln FP32 on
-   MiniLM and BERT-base, and kiln / onnxruntime on onnxruntime's own quantized MiniLM (``quantize_static`` QDQ and
-   ``quantize_dynamic`` QOperator). ``--threads`` (default 1: the machine these numbers came
+   MiniLM and BERT-base, and kiln / onnxruntime on onnxruntime's own quantized MiniLM
+   (``quantize_static`` QDQ and ``quantize_dynamic`` QOperator). ``--threads`` (default 1: the machine these numbers came
    from is shared, and 2-thread runs there measure the scheduler) applies to all of them.
 """
 
