@@ -10,8 +10,9 @@ CPU, in one process on the same inputs:
    held-out sentences, for each calibrator; then the layers ``kiln debug precision`` keeps.
 2. Latency, as ratios of medians of runs timed in alternation: kiln INT8 / kiln FP32 on
    MiniLM and BERT-base, and kiln / onnxruntime on onnxruntime's own quantized MiniLM
-   (``quantize_static`` QDQ and ``quantize_dynamic`` QOperator). ``--threads`` (default 1: the machine these numbers came
-   from is shared, and 2-thread runs there measure the scheduler) applies to all of them.
+   (``quantize_static`` QDQ and ``quantize_dynamic`` QOperator). ``--threads`` (default 1:
+   the machine these numbers came from is shared, and 2-thread runs there measure the
+   scheduler) applies to all of them.
 """
 
 from __future__ import annotations
