@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kiln.cli import bench, build, compare, debug, demo, inspect, ops, quantize, run
+from kiln.cli import bench, build, compare, debug, demo, inspect, ops, quantize, run, serve
 
-TOOLS = [build, run, inspect, bench, ops, demo, quantize, compare, debug]
+TOOLS = [build, run, inspect, bench, ops, demo, serve, quantize, compare, debug]
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -21,6 +21,7 @@ from kiln.kernels.torch import (  # noqa: F401
     reduce,
     rnn,
     signal,
+    squeeze_excite,
     tensor,
     tensor_more,
     text_ml,
