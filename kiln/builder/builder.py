@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from kiln.builder import autotune
+from kiln.builder.calibration import apply_int8, first_nonfinite
 from kiln.builder.config import BuilderConfig
 from kiln.builder.precision import lower_precision
 from kiln.engine.engine import Engine, TensorInfo
@@ -18,6 +19,9 @@ from kiln.ir import Graph
 from kiln.kernels.registry import kernels_for
 from kiln.passes.fusion.match import NOT_FUSED
 from kiln.passes.pipeline import optimize
+from kiln.passes.quantize.data import load_batches
+from kiln.passes.quantize.dynamic import fold_dynamic_quant
+from kiln.passes.quantize.qdq import fold_qdq
 
 
 class Builder:
@@ -57,12 +61,16 @@ class Builder:
         for p in cfg.profiles:
             validate_profile(p, [TensorInfo.of(v) for v in graph.inputs])
         before, near = graph.op_counts(), []
+        self.report = {}
+        explicit = {**fold_qdq(graph, self.log), **fold_dynamic_quant(graph, self.log)}
         if cfg.optimize:
             graph = optimize(graph, log=_near_misses(self.log, near), device=cfg.device)
+        keep_fp32 = [k for k, p in cfg.layer_precision.items() if p == "fp32"]
+        if cfg.int8 or cfg.fp8 or explicit:
+            self.report["int8"] = apply_int8(graph, cfg, explicit, self.log)
         if cfg.fp16 or cfg.bf16:  # FP16 when both are allowed: more mantissa, same speed
             lower_precision(graph, "fp16" if cfg.fp16 else "bf16", log=self.log,
-                            io=cfg.low_precision_io)
-        self.report = {}
+                            io=cfg.low_precision_io, keep_fp32=keep_fp32)
         tuned = self._autotune(graph)  # picks per profile, or None
         choices, tactics = self._choose_kernels(graph, tuned[0] if tuned else None)
         variants = [self._choose_kernels(graph, p) for p in (tuned or [])[1:]]
@@ -79,7 +87,31 @@ class Builder:
         if "autotune" in self.report and getattr(self, "_tuning_complete", True):
             self._record_binaries(engine)  # a CUDA build with the Triton kernels, whose tuning
             # run took random inputs (the recording run takes the same: they would fail there)
+        if cfg.check_finite and (cfg.fp16 or cfg.bf16 or "int8" in self.report):
+            self._check_finite(engine)
         return engine
+
+    def _check_finite(self, engine: Engine) -> None:
+        """Run the engine once on the first calibration batch (or random inputs) and report
+        the first layer whose output holds NaN or Inf (``report["nonfinite"]``)."""
+        from kiln.engine.inputs import random_inputs
+
+        cfg = self.config
+        try:
+            if cfg.calib is not None:
+                feeds = load_batches(cfg.calib, [i.name for i in engine.inputs])[0]
+            else:
+                feeds = random_inputs(engine.inputs, {}, (cfg.profiles or [None])[0], seed=0)
+            bad = first_nonfinite(engine.executor_for(0), feeds)
+        except Exception as e:  # data the check cannot run on: say so, the build stands
+            self.log(f"NaN/Inf check: not run ({type(e).__name__}: {str(e)[:200]})")
+            return
+        self.report["nonfinite"] = bad
+        if bad is not None:
+            self.log(f"WARNING: layer '{bad[0]}' outputs NaN or Inf (tensor {bad[1]}) on the "
+                     "check data; pin it with --layer-precision NAME:fp32")
+        else:
+            self.log("NaN/Inf check: every layer's output is finite on the check data")
 
     def _log_host_fallbacks(self, graph: Graph) -> None:
         """Name every layer a CUDA engine runs on the host (none should run there silently)."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from kiln.engine.profile import Profile
+
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
 
 
 @dataclass
@@ -15,6 +18,8 @@ class BuilderConfig:
         device: ``"cpu"`` or ``"cuda"``.
         fp16, bf16, int8: precisions the builder may use in addition to FP32 (permissions,
             as in TensorRT: a layer runs in the fastest allowed precision that has a kernel).
+        fp8: matrix products with constant weights run in FP8 e4m3 (``torch._scaled_mm`` on
+            Hopper, emulated elsewhere), scaled from the INT8 calibration (``amax / 448``).
         tf32: allow TF32 math for FP32 layers on CUDA.
         low_precision_io: with ``fp16``/``bf16``, the model's float32 inputs and outputs take
             that precision too (trtexec's ``--inputIOFormats``/``--outputIOFormats``): callers
@@ -29,6 +34,21 @@ class BuilderConfig:
             25%). cuDNN makes a plan per layer shape at an engine's first run (milliseconds
             each); kernels that don't make an engine's load + first inference fast. 0 keeps
             the fastest kernel everywhere.
+        calib: INT8 calibration data: a folder of .npz/.npy batches, a Python file defining
+            ``batches()``, or an iterable of ``{input name: array}`` (see
+            :mod:`kiln.passes.quantize.data`).
+        calibrator: ``"entropy"`` (TensorRT's EntropyCalibrator2, default), ``"percentile"``
+            (99.99) or ``"minmax"``.
+        int8_asymmetric: activations get asymmetric INT8 ranges ``[min, max]`` clipped to
+            the calibrated ``amax`` (twice the resolution for GELU/ReLU outputs); the cache
+            then carries zero points (a kiln extension of TensorRT's format).
+        calib_cache: calibration cache file (TensorRT's text format): read instead of
+            calibrating when it exists and matches, written after calibrating otherwise.
+        layer_precision: layer name (or part of a fused name) -> ``"fp32"``, ``"fp16"``,
+            ``"bf16"`` or ``"int8"``: pins the layer (``kiln build --layer-precision``).
+        check_finite: after an FP16/BF16/INT8 build, run the engine once on the first
+            calibration batch (or random inputs) and report the first layer whose output holds
+            NaN or Inf.
         verbose: log every step (fusions, kernel choices).
     """
 
@@ -36,6 +56,7 @@ class BuilderConfig:
     fp16: bool = False
     bf16: bool = False
     int8: bool = False
+    fp8: bool = False
     tf32: bool = True
     low_precision_io: bool = False
     profiles: list[Profile] = field(default_factory=list)
@@ -44,6 +65,12 @@ class BuilderConfig:
     timing_cache: str | None = None
     plan_margin: float = 0.25
     cuda_graph: bool = True
+    calib: object = None
+    calibrator: str = "entropy"
+    calib_cache: str | None = None
+    int8_asymmetric: bool = False
+    layer_precision: dict[str, str] = field(default_factory=dict)
+    check_finite: bool = True
     verbose: bool = False
 
     def __post_init__(self):
@@ -53,11 +80,22 @@ class BuilderConfig:
             raise ValueError("low_precision_io needs fp16 or bf16 (it gives the model's float32 "
                              "inputs and outputs that precision)")
 
+        from kiln.passes.quantize.calibrate import CALIBRATORS
+
+        if self.calibrator not in CALIBRATORS:
+            raise ValueError(f"calibrator must be one of {sorted(CALIBRATORS)}, "
+                             f"not {self.calibrator!r}")
+        bad = {k: v for k, v in self.layer_precision.items() if v not in PRECISIONS}
+        if bad:
+            raise ValueError(f"layer precision must be one of {PRECISIONS}: {bad}")
         if not 0.0 <= self.plan_margin <= 10.0:
             raise ValueError(f"plan_margin must be a fraction between 0 and 10 (0.25: 25%), "
                              f"not {self.plan_margin!r}")
 
     def to_json(self) -> dict:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["profiles"] = [p.to_json() for p in self.profiles]
+        d["layer_precision"] = dict(self.layer_precision)
+        d["calib"] = str(self.calib) if isinstance(self.calib, (str, Path)) else (
+            None if self.calib is None else "<iterable>")
         return d

@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from kiln.ir import DType, Graph, InferCtx, Node, TensorType, Value
+from kiln.ops import int8 as I8
 from kiln.ops import math as M
 from kiln.ops import nn as N
 from kiln.ops import quant as Q
@@ -59,6 +60,8 @@ FP32_OPS = frozenset({
 FP32_INPUTS: dict = {
     N.LayerNormalization: (1, 2), N.GroupNormalization: (1, 2), N.RMSNormalization: (1,),
     V.Resize: (1, 2), V.Upsample: (1,),
+    # INT8/FP8 layers take and give the low precision; their weight scales stay float32
+    I8.Int8MatMul: (2,), I8.Int8Conv: (2,), I8.Fp8MatMul: (2,),
 }
 
 

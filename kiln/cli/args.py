@@ -37,10 +37,51 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp16", action="store_true", help="allow FP16 layers")
     g.add_argument("--bf16", action="store_true", help="allow BF16 layers")
     g.add_argument("--int8", action="store_true", help="allow INT8 layers")
+    g.add_argument("--fp8", action="store_true",
+                   help="FP8 (e4m3) matrix products, scaled by INT8 calibration (Hopper)")
     g.add_argument("--no-tf32", action="store_true", help="disallow TF32 for FP32 layers")
     g.add_argument("--low-precision-io", action="store_true",
                    help="with --fp16/--bf16: float32 inputs and outputs take that precision "
                         "too (no Casts at the edges; pass and get FP16/BF16 arrays)")
+
+
+def add_calibration_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("INT8 calibration")
+    g.add_argument("--calib", metavar="DIR",
+                   help="calibration data: a folder of .npz batches (keys: input names) or of "
+                        ".npy batches (one-input models), or a Python file defining batches()")
+    g.add_argument("--calibrator", choices=["entropy", "percentile", "minmax"],
+                   default="entropy", help="how activation ranges are chosen (default: "
+                                           "entropy, TensorRT's EntropyCalibrator2)")
+    g.add_argument("--asymmetric", action="store_true",
+                   help="asymmetric INT8 ranges [min, max] for activations; more accurate, "
+                        "and the cache carries zero points (kiln's extension)")
+    g.add_argument("--calib-cache", metavar="FILE",
+                   help="calibration cache (TensorRT text format): read when it exists, "
+                        "written after calibrating otherwise")
+
+
+def add_layer_precision_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layer-precision", metavar="NAME:PREC,...",
+                   help="pin layers to a precision (fp32, fp16, bf16, int8), e.g. "
+                        "'/encoder/layer.0/output/dense/MatMul:fp32'; a fused layer matches "
+                        "by any of its parts")
+
+
+def parse_layer_precision(text: str | None) -> dict[str, str]:
+    """``"a:fp32,b:fp16"`` -> ``{"a": "fp32", "b": "fp16"}`` (names may hold ':')."""
+    from kiln.builder.config import PRECISIONS
+
+    out: dict[str, str] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, sep, prec = item.strip().rpartition(":")
+        if not sep or not name or prec not in PRECISIONS:
+            raise KilnError(f"bad --layer-precision item '{item}': write NAME:PRECISION with "
+                            f"PRECISION one of {', '.join(PRECISIONS)}")
+        out[name] = prec
+    return out
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import time
 
-from kiln.cli.args import add_common_args, add_precision_args, add_shape_args, profile_from_args
+from kiln.cli.args import (
+    add_calibration_args,
+    add_common_args,
+    add_layer_precision_arg,
+    add_precision_args,
+    add_shape_args,
+    parse_layer_precision,
+    profile_from_args,
+)
 from kiln.cli.progress import Stages, human_bytes
 
 NAME = "build"
@@ -16,6 +24,8 @@ def add_arguments(p):
     p.add_argument("-o", "--output", help="engine file to write (default: MODEL.kiln)")
     add_shape_args(p)
     add_precision_args(p)
+    add_calibration_args(p)
+    add_layer_precision_arg(p)
     p.add_argument("--no-optimize", action="store_true", help="skip the graph optimizer")
     p.add_argument("--timing-cache", help="timing cache file for kernel selection")
     p.add_argument("--plan-margin", type=float, default=0.25, metavar="F",
@@ -27,18 +37,28 @@ def add_arguments(p):
     add_common_args(p)
 
 
+def _precision_lines(msg: str) -> None:
+    """Without --verbose, the build still says what precision did: INT8 layers kept in
+    float and why, calibration, NaN/Inf findings."""
+    if msg.startswith(("int8:", "calibration:", "WARNING", "explicit quantization")):
+        print(msg)
+
+
 def main(args) -> int:
     from kiln.builder import Builder, BuilderConfig
 
     profile = profile_from_args(args)
     cfg = BuilderConfig(device=args.device, fp16=args.fp16, bf16=args.bf16, int8=args.int8,
-                        tf32=not args.no_tf32, profiles=[profile] if profile else [],
+                        fp8=args.fp8, tf32=not args.no_tf32, profiles=[profile] if profile else [],
                         low_precision_io=args.low_precision_io,
                         optimize=not args.no_optimize, timing_cache=args.timing_cache,
                         plan_margin=args.plan_margin, cuda_graph=not args.no_cuda_graph,
+                        calib=args.calib, calibrator=args.calibrator,
+                        calib_cache=args.calib_cache, int8_asymmetric=args.asymmetric,
+                        layer_precision=parse_layer_precision(args.layer_precision),
                         verbose=args.verbose)
     out = args.output or (args.model.rsplit(".", 1)[0] + ".kiln")
-    log = print if args.verbose else (lambda m: None)
+    log = print if args.verbose else _precision_lines
     stages = Stages(2)
     t0 = time.perf_counter()
     builder = Builder(cfg, log=log)

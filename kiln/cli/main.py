@@ -9,16 +9,19 @@ from kiln.cli import (
     bench,
     bench_llm,
     build,
+    compare,
+    debug,
     demo,
     generate,
     inspect,
     ops,
+    quantize,
     run,
     serve,
     serve_llm,
 )
 
-TOOLS = [build, run, inspect, bench, ops, demo, serve]
+TOOLS = [build, run, inspect, bench, ops, demo, serve, quantize, compare, debug]
 TOOLS += [generate, serve_llm, bench_llm]
 
 

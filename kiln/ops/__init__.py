@@ -6,6 +6,7 @@ from kiln.ops import (
     control,  # noqa: F401
     fused_conv,  # noqa: F401
     fused_transformer,  # noqa: F401
+    int8,  # noqa: F401
     math,  # noqa: F401
     nn,  # noqa: F401
     quant,  # noqa: F401

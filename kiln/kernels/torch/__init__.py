@@ -9,6 +9,8 @@ from kiln.kernels.torch import (  # noqa: F401
     control,
     fused_conv,
     fused_transformer,
+    int8,
+    low_bit_cuda,
     math,
     math_act,
     nn,

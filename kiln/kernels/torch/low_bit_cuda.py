@@ -1,0 +1,83 @@
+"""Kernels for the low-bit layers on CUDA (and FP8 everywhere): Int8MatMul by ``torch._int_mm``
+(cuBLASLt int8 GEMM, int32 accumulation) and Fp8MatMul by ``torch._scaled_mm`` (FP8 e4m3
+tensor cores, Hopper and newer), with the dequantize + bias + activation epilogue after. FP8
+layers on other devices are emulated: the same float8 roundings, products in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.kernels.registry import register
+from kiln.kernels.torch.fused_conv import epilogue
+from kiln.kernels.torch.int8 import _cached, _int8_matmul_emulated
+from kiln.ops import int8 as I8
+
+E4M3_MAX = 448.0
+
+
+def to_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.div(x.float(), scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _int_mm_ok(x2: torch.Tensor, wq: torch.Tensor) -> bool:
+    m, (k, n) = x2.shape[0], wq.shape
+    return x2.is_cuda and m > 16 and k % 8 == 0 and n % 8 == 0
+
+
+@register(I8.Int8MatMul, backend="cuda", name="CudaInt8MatMul")
+def cuda_int8_matmul(n, x, wq, w_scale, b=None, r=None):
+    a = n.a
+    k, m = wq.shape
+    x2 = x.reshape(-1, k)
+    if not _int_mm_ok(x2, wq):
+        return _int8_matmul_emulated(n, x, wq, w_scale, b, r)
+    # signed codes c - 128; an asymmetric zero point z adds (128 - z) * colsum(Wq)
+    xs = torch.div(x2.float(), a.x_scale).round_().add_(a.x_zero - 128).clamp_(-128, 127)
+    acc = torch._int_mm(xs.to(torch.int8), wq)
+    if a.x_zero != 128:
+        colsum = _cached(n, "colsum", lambda: wq.sum(0, dtype=torch.int32))
+        acc = acc - (a.x_zero - 128) * colsum
+    y = acc.float().mul_(w_scale * a.x_scale)
+    if b is not None:
+        y = y.add_(b)
+    return epilogue(y.reshape(*x.shape[:-1], m).to(x.dtype), a, r)
+
+
+def _fp8_emulated(n, x, wf8, w_scale, b, r):
+    a = n.a
+    xq = to_e4m3(x, a.x_scale).float() * a.x_scale
+    y = torch.matmul(xq, wf8.float()) * w_scale
+    if b is not None:
+        y = y + b
+    return epilogue(y.to(x.dtype), a, r)
+
+
+@register(I8.Fp8MatMul)
+def fp8_matmul(n, x, wf8, w_scale, b=None, r=None):
+    return _fp8_emulated(n, x, wf8, w_scale, b, r)
+
+
+def _scaled_mm_ok(x2, wf8) -> bool:
+    if not (x2.is_cuda and torch.cuda.get_device_capability(x2.device) >= (8, 9)):
+        return False
+    k, n = wf8.shape
+    return k % 16 == 0 and n % 16 == 0
+
+
+@register(I8.Fp8MatMul, backend="cuda", name="CudaFp8MatMul")
+def cuda_fp8_matmul(n, x, wf8, w_scale, b=None, r=None):
+    a = n.a
+    k, m = wf8.shape
+    x2 = x.reshape(-1, k)
+    if not _scaled_mm_ok(x2, wf8):
+        return _fp8_emulated(n, x, wf8, w_scale, b, r)
+    wt = _cached(n, "w_t", lambda: wf8.t().contiguous().t())  # column-major [K, N]
+    one = _cached(n, "one", lambda: torch.ones((), device=x.device))
+    sx = _cached(n, "sx", lambda: torch.tensor(a.x_scale, device=x.device))
+    y = torch._scaled_mm(to_e4m3(x2, a.x_scale), wt, scale_a=sx, scale_b=one,
+                         out_dtype=torch.bfloat16)
+    y = y.float().mul_(w_scale)
+    if b is not None:
+        y = y.add_(b)
+    return epilogue(y.reshape(*x.shape[:-1], m).to(x.dtype), a, r)

@@ -1,0 +1,34 @@
+"""INT8 layers kiln's quantizer creates (kiln.passes.quantize.int8) from float ones.
+
+Both compute ``act(dequant(quant(X) * Wq) + bias + R)``: the activation X is quantized per
+tensor with the calibrated ``x_scale`` and ``x_zero`` (uint8 codes ``round(X / x_scale) +
+x_zero``), the weight is stored quantized per output channel (``Wq`` int8, ``w_scale`` float32
+per channel), the products accumulate in int32, and the epilogue (dequantize, bias, residual,
+activation) runs on the float result. The output is float32, as the layer's was.
+"""
+
+from __future__ import annotations
+
+from kiln.ir.opdef import REQUIRED, Attr
+from kiln.ops.fused_conv import _CONV_ATTRS, _EPILOGUE
+from kiln.ops.nn import _conv_rule, _matmul_rule
+from kiln.ops.schema import kiln_op
+
+# x_scale 0: the activation is quantized on every call from its own range (dynamic)
+_QUANT = {"x_scale": Attr("float", REQUIRED), "x_zero": Attr("int", 0)}
+
+Int8MatMul = kiln_op(
+    "Int8MatMul", {**_QUANT, **_EPILOGUE}, _matmul_rule,
+    doc="act(X @ (Wq * w_scale) + bias + R) with X quantized by x_scale/x_zero; inputs X "
+        "(float, N-D), Wq (int8 [K, N]), w_scale (float32 [N]), bias (optional), R (optional)")
+
+Int8Conv = kiln_op(
+    "Int8Conv", {**_QUANT, **_CONV_ATTRS, **_EPILOGUE}, _conv_rule,
+    doc="act(Conv(X, Wq * w_scale) + bias + R) with X quantized by x_scale/x_zero; inputs X, "
+        "Wq (int8 [M, C/group, k...]), w_scale (float32 [M]), bias (optional), R (optional)")
+
+Fp8MatMul = kiln_op(
+    "Fp8MatMul", {"x_scale": Attr("float", REQUIRED), **_EPILOGUE}, _matmul_rule,
+    doc="act(X @ (Wf8 * w_scale) + bias + R) with X cast to float8 e4m3 after dividing by "
+        "x_scale (saturating at 448); inputs X, Wf8 (float8e4m3fn [K, N]), w_scale (float32 "
+        "[N]), bias (optional), R (optional). FP8 tensor cores on Hopper, emulated elsewhere")

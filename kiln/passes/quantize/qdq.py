@@ -1,0 +1,155 @@
+"""Explicit quantization: Q/DQ pairs in, and QDQ models out.
+
+In (:func:`fold_qdq`, before the optimizer): an activation quantized and dequantized on its way
+into a layer carries the scale the model's quantizer chose::
+
+    x ──QuantizeLinear(s, z)──DequantizeLinear(s, z)──▶ MatMul(·, DQ(Wq))
+                   ==>  x ──▶ MatMul(·, W)       and x's scale (s, z) recorded
+
+The pair is removed and ``(s, z)`` kept for :func:`kiln.passes.quantize.int8.quantize_graph`,
+which turns the layer into an INT8 one with exactly that scale (DQ → op → Q becomes a quantized
+op). Weight DequantizeLinears of constants fold into float weights, which the INT8 rewrite
+quantizes per channel again. Only per-tensor pairs with constant, equal scales and zero points
+on both sides fold; others stay as they are and run as float ops.
+
+Out (:func:`write_qdq`): the ONNX model with a Q/DQ pair (int8, zero point 0) on the input of
+every MatMul/Gemm/Conv that kiln quantizes, and its weight stored as int8 codes behind a
+per-channel DequantizeLinear, on kiln's weight grid (``W_LEVELS``) so that building the QDQ
+model gives back the same INT8 layers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from kiln.ir import Graph
+from kiln.ir.rewrite import replace_uses
+from kiln.ops import quant as Q
+from kiln.passes.quantize.int8 import W_LEVELS, quantize_weight
+
+
+def _scalar(v):
+    if v is None:
+        return None
+    c = v.const
+    return None if c is None or c.size != 1 else c.reshape(()).item()
+
+
+def _pair_scale(q, d) -> tuple[float, int] | None:
+    """(scale, uint8 zero) of a folding Q -> DQ pair, or None."""
+    qs, ds = _scalar(q.inputs[1]), _scalar(d.inputs[1])
+    qz = _scalar(q.inputs[2]) if len(q.inputs) > 2 else 0
+    dz = _scalar(d.inputs[2]) if len(d.inputs) > 2 else 0
+    if qs is None or qs != ds or qz is None or qz != dz or (q.attrs.block_size or 0):
+        return None
+    codes = getattr(getattr(q.outputs[0], "type", None), "dtype", None)
+    if codes is None or codes.name not in ("int8", "uint8"):
+        return None
+    return float(qs), int(qz) + (128 if codes.name == "int8" else 0)
+
+
+def fold_qdq(graph: Graph, log=lambda m: None) -> dict[str, tuple[float, int]]:
+    """Remove activation Q/DQ pairs (see the module docstring); returns the scales they set:
+    tensor name -> (scale, uint8 zero point)."""
+    scales: dict[str, tuple[float, int]] = {}
+    outputs = {id(v) for v in graph.outputs}
+    dead = set()
+    for d in [n for n in graph.nodes if n.op is Q.DequantizeLinear]:
+        q = d.inputs[0].producer
+        if q is None or q.op is not Q.QuantizeLinear or id(d.outputs[0]) in outputs:
+            continue
+        sz = _pair_scale(q, d)
+        if sz is None:
+            continue
+        x = q.inputs[0]
+        replace_uses(graph, d.outputs[0], x)
+        scales[x.name] = sz
+        dead.add(id(d))
+    graph.nodes = [n for n in graph.nodes if id(n) not in dead]
+    used = {id(v) for n in graph.nodes for v in n.inputs if v is not None} | outputs
+    graph.nodes = [n for n in graph.nodes if not (n.op is Q.QuantizeLinear and
+                                                  id(n.outputs[0]) not in used)]
+    if scales:
+        log(f"explicit quantization: {len(dead)} Q/DQ pair(s) folded, {len(scales)} "
+            "activation scale(s) taken from the model")
+    return scales
+
+
+# ---------------------------------------------------------------- writing QDQ models
+
+_WEIGHT_AXIS = {"MatMul": 1, "Conv": 0}
+
+
+def _weight_axis(node) -> int | None:
+    if node.op_type == "Gemm":
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("transA", 0):
+            return None
+        return 0 if attrs.get("transB", 0) else 1
+    return _WEIGHT_AXIS.get(node.op_type)
+
+
+def write_qdq(model: onnx.ModelProto, scales: dict[str, tuple[float, int]],
+              log=lambda m: None) -> tuple[onnx.ModelProto, int]:
+    """A copy of ``model`` with Q/DQ on the layers whose input has a scale in ``scales``
+    (tensor name -> (scale, uint8 zero point): zero 128 is written as int8 codes with zero
+    point 0, others as uint8 codes). Returns (model, layers)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    inits = {t.name: t for t in g.initializer}
+    opset = next((o.version for o in out.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < 13:
+        raise ValueError(f"writing a QDQ model needs opset >= 13 (per-channel "
+                         f"DequantizeLinear); the model has opset {opset}")
+    new_nodes, done_x, done_w, layers = [], {}, {}, 0
+    for node in g.node:
+        axis = _weight_axis(node)
+        if (axis is not None and len(node.input) > 1 and node.input[0] in scales
+                and node.input[1] in inits):
+            w = numpy_helper.to_array(inits[node.input[1]])
+            if w.dtype == np.float32 and (w.ndim == 2 or node.op_type == "Conv"):
+                x = node.input[0]
+                if x not in done_x:
+                    done_x[x] = _qdq_activation(g, new_nodes, x, scales[x])
+                if node.input[1] not in done_w:
+                    done_w[node.input[1]] = _qdq_weight(g, new_nodes, node.input[1], w, axis)
+                node.input[0], node.input[1] = done_x[x], done_w[node.input[1]]
+                layers += 1
+        new_nodes.append(node)
+    del g.node[:]
+    g.node.extend(new_nodes)
+    still_read = {i for n in g.node for i in n.input}
+    for name in done_w:
+        if name not in still_read:
+            g.initializer.remove(inits[name])
+    log(f"QDQ: {layers} layer(s) quantized, {len(done_x)} activation Q/DQ pair(s)")
+    return out, layers
+
+
+def _qdq_activation(g, nodes, x: str, scale_zero: tuple[float, int]) -> str:
+    scale, zero = scale_zero
+    zp = np.array(0, np.int8) if zero == 128 else np.array(zero, np.uint8)
+    s, z = f"{x}_scale", f"{x}_zero_point"
+    g.initializer.extend([numpy_helper.from_array(np.array(scale, np.float32), s),
+                          numpy_helper.from_array(zp, z)])
+    nodes.append(helper.make_node("QuantizeLinear", [x, s, z], [f"{x}_quantized"],
+                                  name=f"{x}_QuantizeLinear"))
+    nodes.append(helper.make_node("DequantizeLinear", [f"{x}_quantized", s, z],
+                                  [f"{x}_dequantized"], name=f"{x}_DequantizeLinear"))
+    return f"{x}_dequantized"
+
+
+def _qdq_weight(g, nodes, name: str, w: np.ndarray, axis: int) -> str:
+    q, scale = quantize_weight(w, axis)
+    assert np.abs(q).max() <= W_LEVELS
+    g.initializer.extend([
+        numpy_helper.from_array(q, f"{name}_quantized"),
+        numpy_helper.from_array(scale, f"{name}_scale"),
+        numpy_helper.from_array(np.zeros(scale.shape, np.int8), f"{name}_zero_point")])
+    nodes.append(helper.make_node(
+        "DequantizeLinear", [f"{name}_quantized", f"{name}_scale", f"{name}_zero_point"],
+        [f"{name}_dequantized"], name=f"{name}_DequantizeLinear", axis=axis))
+    return f"{name}_dequantized"

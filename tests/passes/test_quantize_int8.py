@@ -1,0 +1,318 @@
+"""INT8 builds: kernels against NumPy, calibration end to end, pins, fallbacks, the NaN/Inf
+check, and QDQ models written by ``kiln quantize`` against onnxruntime."""
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from kiln.builder import Builder, BuilderConfig
+from kiln.cli.main import main as kiln_main
+from kiln.engine.engine import load
+from kiln.errors import KilnError
+from kiln.ir import DType, Graph, Node, TensorType, Value
+from kiln.kernels.registry import Call
+from kiln.kernels.torch import int8 as K
+from kiln.ops import int8 as I8
+from kiln.passes.quantize.data import load_batches
+from kiln.passes.quantize.int8 import W_LEVELS, quantize_weight, scales_from_amax
+
+RNG = np.random.default_rng(0)
+
+
+def _call(op, **attrs):
+    return Call(op.make_attrs(**attrs), 1, 5)
+
+
+def _reference_matmul(x, wq, ws, b, s, z, act=None):
+    codes = np.clip(np.rint(x / s) + z, 0, 255) - z  # what the layer sees of x
+    acc = codes.astype(np.int64) @ wq.astype(np.int64)  # exact int accumulation
+    y = acc * (s * ws) + (0 if b is None else b)
+    return np.maximum(y, 0) if act == "Relu" else y
+
+
+@pytest.mark.parametrize("act,with_bias,zero", [("", True, 128), ("Relu", False, 128),
+                                                ("", True, 40)])
+def test_int8_matmul_matches_numpy(act, with_bias, zero):
+    x = RNG.standard_normal((2, 5, 48)).astype(np.float32)
+    w = RNG.standard_normal((48, 24)).astype(np.float32)
+    wq, ws = quantize_weight(w, 1)
+    b = RNG.standard_normal(24).astype(np.float32) if with_bias else None
+    s = float(np.abs(x).max() / 127)
+    args = [torch.from_numpy(x), torch.from_numpy(wq), torch.from_numpy(ws)]
+    args += [torch.from_numpy(b)] if with_bias else []
+    call = _call(I8.Int8MatMul, x_scale=s, x_zero=zero, activation=act)
+    want = _reference_matmul(x, wq, ws, b, s, zero, act)
+    got = K.int8_matmul(call, *args).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    emulated = K._int8_matmul_emulated(call, *args, *([None] * (5 - len(args))))
+    np.testing.assert_allclose(emulated.numpy(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_int8_matmul_residual_before_activation():
+    x = RNG.standard_normal((6, 16)).astype(np.float32)
+    wq, ws = quantize_weight(RNG.standard_normal((16, 8)).astype(np.float32), 1)
+    r = RNG.standard_normal((6, 8)).astype(np.float32)
+    s = float(np.abs(x).max() / 127)
+    call = _call(I8.Int8MatMul, x_scale=s, x_zero=128, activation="Relu", has_residual=1)
+    got = K.int8_matmul(call, *map(torch.from_numpy, (x, wq, ws)), None, torch.from_numpy(r))
+    want = np.maximum(_reference_matmul(x, wq, ws, None, s, 128) + r, 0)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_conv_matches_emulation():
+    x = torch.randn(2, 4, 9, 9)
+    wq, ws = quantize_weight(RNG.standard_normal((6, 4, 3, 3)).astype(np.float32), 0)
+    b = torch.randn(6)
+    s = float(x.abs().max() / 127)
+    call = Call(I8.Int8Conv.make_attrs(x_scale=s, x_zero=128, pads=(1, 1, 1, 1),
+                                       strides=(2, 2), activation="Relu"), 1, 5)
+    args = (x, torch.from_numpy(wq), torch.from_numpy(ws), b)
+    got = K.int8_conv(call, *args)
+    want = K._int8_conv_emulated(call, *args, None)
+    torch.testing.assert_close(got.contiguous(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_weight_quantization_per_channel():
+    w = np.array([[1.0, -0.5], [-2.0, 0.25]], np.float32)  # channels are columns (axis 1)
+    q, s = quantize_weight(w, 1)
+    np.testing.assert_allclose(s, [2.0 / W_LEVELS, 0.5 / W_LEVELS])
+    assert q[1, 0] == -W_LEVELS and q[0, 1] == -W_LEVELS
+
+
+def test_scales_symmetric_and_one_sided():
+    sym = scales_from_amax({"a": 12.7})
+    assert sym["a"] == pytest.approx((0.1, 128))
+    asym = scales_from_amax({"a": 10.0, "b": 5.0}, {"a": -0.17, "b": -9.0}, {"a": 10.0, "b": 4.0})
+    s, z = asym["a"]
+    assert s == pytest.approx(10.17 / 255) and z == round(0.17 / s)
+    s, z = asym["b"]  # [-9, 4] clipped to amax 5: [-5, 4]
+    assert s == pytest.approx(9.0 / 255) and z == round(5.0 / s)
+
+
+# ---------------------------------------------------------------- whole builds
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.fc1 = torch.nn.Linear(8 * 8 * 8, 64)
+        self.fc2 = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x)).flatten(1)
+        return self.fc2(torch.relu(self.fc1(y)))
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory):
+    d = tmp_path_factory.mktemp("int8")
+    torch.manual_seed(0)
+    path = d / "net.onnx"
+    torch.onnx.export(_Net().eval(), (torch.randn(4, 3, 8, 8),), str(path), input_names=["x"],
+                      output_names=["y"], dynamo=False)
+    calib = d / "calib"
+    calib.mkdir()
+    for i in range(4):
+        np.savez(calib / f"b{i}.npz", x=np.random.default_rng(i).standard_normal(
+            (4, 3, 8, 8)).astype(np.float32))
+    return d, path, calib
+
+
+def _feeds(seed=9):
+    return {"x": np.random.default_rng(seed).standard_normal((4, 3, 8, 8)).astype(np.float32)}
+
+
+def _run(engine, feeds=None):
+    return engine.create_context().run(feeds or _feeds())["y"]
+
+
+def test_build_int8_close_to_fp32(net):
+    _, path, calib = net
+    logs = []
+    b = Builder(BuilderConfig(int8=True, calib=str(calib)), log=logs.append)
+    e = b.build(path)
+    kinds = sorted(set(e.choices.values()))
+    assert "TorchInt8Conv" in kinds and "TorchInt8MatMul" in kinds
+    assert len(b.report["int8"]["int8"]) == 3
+    ref = _run(Builder(BuilderConfig()).build(path))
+    got = _run(e)
+    cos = (got * ref).sum() / np.linalg.norm(got) / np.linalg.norm(ref)
+    assert cos > 0.99 and not np.allclose(got, ref, atol=1e-6)  # quantized, and close
+    assert any("NaN/Inf check: every layer" in m for m in logs)
+
+
+def test_build_int8_layer_precision_pins(net):
+    _, path, calib = net
+    logs = []
+    cfg = BuilderConfig(int8=True, calib=str(calib), layer_precision={"/fc2/Gemm": "fp32"})
+    e = Builder(cfg, log=logs.append).build(path)
+    assert e.choices["/fc2/Gemm"] != "TorchInt8MatMul"
+    assert any("'/fc2/Gemm' kept in float: pinned by --layer-precision" in m for m in logs)
+
+
+def test_build_int8_needs_calibration(net):
+    _, path, _ = net
+    with pytest.raises(KilnError, match="--int8 needs calibration data"):
+        Builder(BuilderConfig(int8=True)).build(path)
+
+
+def test_build_int8_cache_written_then_used(net, tmp_path):
+    _, path, calib = net
+    cache = tmp_path / "net.cache"
+    first = _run(Builder(BuilderConfig(int8=True, calib=str(calib),
+                                       calib_cache=str(cache))).build(path))
+    assert cache.read_text().startswith("TRT-8601-EntropyCalibration2\n")
+    logs = []
+    again = Builder(BuilderConfig(int8=True, calib_cache=str(cache)), log=logs.append).build(path)
+    assert any("scales read from" in m for m in logs)
+    np.testing.assert_array_equal(_run(again), first)
+    with pytest.raises(KilnError, match="not MinMaxCalibration"):
+        Builder(BuilderConfig(int8=True, calib_cache=str(cache),
+                              calibrator="minmax")).build(path)
+
+
+def test_cli_build_int8_and_qdq_round_trip(net, tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    _, path, calib = net
+    cache, qdq = tmp_path / "c.cache", tmp_path / "net.qdq.onnx"
+    assert kiln_main(["build", str(path), "--int8", "--calib", str(calib), "--calib-cache",
+                      str(cache), "-o", str(tmp_path / "a.kiln")]) == 0
+    assert kiln_main(["quantize", str(path), "--calib-cache", str(cache), "-o", str(qdq)]) == 0
+    ops = [n.op_type for n in onnx.load(str(qdq)).graph.node]
+    assert ops.count("QuantizeLinear") == 3 and ops.count("DequantizeLinear") == 6
+    assert kiln_main(["build", str(qdq), "-o", str(tmp_path / "b.kiln")]) == 0
+    direct = _run(load(tmp_path / "a.kiln"))
+    from_qdq = _run(load(tmp_path / "b.kiln"))
+    by_ort = ort.InferenceSession(str(qdq)).run(None, _feeds())[0]
+    np.testing.assert_allclose(from_qdq, direct, atol=1e-5)  # the same engine back
+    np.testing.assert_allclose(by_ort, from_qdq, atol=1e-4)
+
+
+def _relu_net_with_overflow(tmp_path):
+    """y = MatMul(Mul(x, 1e30) -> ...): FP16 overflows to Inf in the Mul."""
+    w = numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
+    big = numpy_helper.from_array(np.array(1e6, np.float32), "big")
+    nodes = [helper.make_node("Mul", ["x", "big"], ["h"], name="scale_up"),
+             helper.make_node("MatMul", ["h", "w"], ["y"], name="mm")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                     [2, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+                          [w, big])
+    path = tmp_path / "overflow.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_fp16_build_names_first_nonfinite_layer(tmp_path):
+    path = _relu_net_with_overflow(tmp_path)
+    logs = []
+    b = Builder(BuilderConfig(fp16=True, calib=[{"x": np.full((2, 4), 1.0, np.float32)}]),
+                log=logs.append)
+    b.build(path)
+    assert b.report["nonfinite"][0] == "scale_up"
+    assert any("layer 'scale_up' outputs NaN or Inf" in m for m in logs)
+
+
+def test_calibration_data_errors(tmp_path):
+    with pytest.raises(KilnError, match="no such file"):
+        load_batches(tmp_path / "nope", ["x"])
+    np.save(tmp_path / "a.npy", np.zeros(3))
+    with pytest.raises(KilnError, match=".npy batches need a model with one input"):
+        load_batches(tmp_path, ["x", "y"])
+    with pytest.raises(KilnError, match="missing y; unknown z"):
+        load_batches([{"x": 1, "z": 2}], ["x", "y"])
+    (tmp_path / "gen.py").write_text("import numpy as np\n"
+                                     "def batches():\n    yield {'x': np.ones(2)}\n")
+    assert load_batches(tmp_path / "gen.py", ["x"])[0]["x"].tolist() == [1.0, 1.0]
+
+
+def test_int8_graph_types():
+    g = Graph()
+    x = Value("x", TensorType(DType.float32, (2, 4)))
+    g.inputs = [x]
+    wq = g.add_weight("wq", np.ones((4, 3), np.int8), TensorType(DType.int8, (4, 3)))
+    ws = g.add_weight("ws", np.ones(3, np.float32), TensorType(DType.float32, (3,)))
+    y = Value("y", TensorType(DType.float32, (2, 3)))
+    n = Node(I8.Int8MatMul, "mm", [x, wq, ws], [y], I8.Int8MatMul.make_attrs(x_scale=0.1))
+    from kiln.ir import InferCtx
+    ctx = InferCtx(n.attrs, [v.type for v in n.inputs], [None, wq.const, ws.const],
+                   [None] * 3, 1)
+    (t,) = I8.Int8MatMul.infer(ctx)
+    assert t.dtype is DType.float32 and tuple(t.shape) == (2, 3)
+
+
+def test_cuda_int8_kernel_arithmetic_on_cpu(monkeypatch):
+    """The CUDA kernel's signed-code trick (c - 128, plus (128 - z) * colsum(W) for an
+    asymmetric zero point) on CPU tensors, where torch._int_mm runs too."""
+    from kiln.kernels.torch import low_bit_cuda as L
+
+    monkeypatch.setattr(L, "_int_mm_ok", lambda x2, wq: True)
+    x = RNG.standard_normal((32, 64)).astype(np.float32)
+    wq, ws = quantize_weight(RNG.standard_normal((64, 16)).astype(np.float32), 1)
+    for zero in (128, 30):
+        s = float(np.abs(x).max() / 127)
+        call = _call(I8.Int8MatMul, x_scale=s, x_zero=zero)
+        got = L.cuda_int8_matmul(call, *map(torch.from_numpy, (x, wq, ws)))
+        want = _reference_matmul(x, wq, ws, None, s, zero)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_fp8_matmul_emulation_matches_ml_dtypes():
+    import ml_dtypes
+
+    from kiln.kernels.torch import low_bit_cuda as L
+    from kiln.passes.quantize.int8 import quantize_weight_fp8
+
+    x = RNG.standard_normal((4, 32)).astype(np.float32)
+    w = RNG.standard_normal((32, 8)).astype(np.float32)
+    wf8, ws = quantize_weight_fp8(w)
+    s = float(np.abs(x).max() / 448)
+    call = _call(I8.Fp8MatMul, x_scale=s)
+    got = L.fp8_matmul(call, torch.from_numpy(x), torch.from_numpy(wf8.view(np.uint8)).view(
+        torch.float8_e4m3fn), torch.from_numpy(ws))
+    xq = (x / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * s
+    want = xq @ (wf8.astype(np.float32) * ws)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+    assert np.abs(want - x @ w).max() < 0.1 * np.abs(x @ w).max()  # FP8 is close, not exact
+
+
+def test_build_fp8_saves_and_loads(net, tmp_path):
+    _, path, calib = net
+    b = Builder(BuilderConfig(fp8=True, calib=str(calib)))
+    e = b.build(path)
+    assert sorted(set(e.choices.values()) & {"TorchFp8MatMul", "TorchInt8Conv"}) == [
+        "TorchFp8MatMul"]
+    assert list(b.report["int8"]["float"].values()) == ["no FP8 convolution kernel"]
+    e.save(tmp_path / "f.kiln")
+    ref = _run(Builder(BuilderConfig()).build(path))
+    got = _run(load(tmp_path / "f.kiln"))
+    assert (got * ref).sum() / np.linalg.norm(got) / np.linalg.norm(ref) > 0.98
+
+
+def test_quantize_dynamic_model_runs_int8_layers(tmp_path):
+    """onnxruntime's quantize_dynamic output (DynamicQuantizeLinear + MatMulInteger + Cast +
+    Mul) becomes Int8MatMul layers quantizing per call, close to onnxruntime's outputs."""
+    ort = pytest.importorskip("onnxruntime")
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    src, dyn = tmp_path / "mlp.onnx", tmp_path / "mlp.dyn.onnx"
+    torch.onnx.export(mlp.eval(), (torch.randn(2, 8, 32),), str(src), input_names=["x"],
+                      output_names=["y"], dynamo=False)
+    quantize_dynamic(str(src), str(dyn), weight_type=QuantType.QInt8)
+    logs = []
+    e = Builder(BuilderConfig(), log=logs.append).build(dyn)
+    assert list(e.choices.values()).count("TorchInt8MatMul") == 2
+    assert not any(k in ("TorchMatMulInteger", "TorchDynamicQuantizeLinear")
+                   for k in e.choices.values())
+    assert any("2 MatMulInteger layer(s) made INT8 layers" in m for m in logs)
+    x = {"x": np.random.default_rng(1).standard_normal((2, 8, 32)).astype(np.float32)}
+    got = e.create_context().run(x)["y"]
+    want = ort.InferenceSession(str(dyn)).run(None, x)[0]
+    fp32 = mlp(torch.from_numpy(x["x"])).detach().numpy()
+    cos = (got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want)
+    assert cos > 0.995 and np.abs(got - fp32).max() < 0.05 * np.abs(fp32).max()
