@@ -227,6 +227,45 @@ def _concat_strides(shape, first: Val) -> tuple:
     return contiguous_strides(shape)
 
 
+def _pad_op(pc, st, ins, outs):
+    """Constant Pad with non-negative constant pads: the fill, then the input copied in."""
+    x = ins[0]
+    if x is None or len(outs) != 1 or (st.node.attrs.mode or "constant") != "constant":
+        return None
+    consts = [pc.consts.get(i) if i >= 0 else None for i in st.ins[1:]]
+    if len(st.ins) < 2 or consts[0] is None or any(
+            st.ins[k + 1] >= 0 and c is None for k, c in enumerate(consts)):
+        return None
+    pads = [int(p) for p in consts[0].reshape(-1).tolist()]
+    rank = len(x.shape)
+    axes = list(range(rank)) if len(consts) < 3 or consts[2] is None else [
+        int(a) % rank for a in consts[2].reshape(-1).tolist()]
+    if min(pads, default=0) < 0 or len(pads) != 2 * len(axes):
+        return None
+    value = 0.0
+    if len(consts) > 1 and consts[1] is not None and consts[1].numel():
+        value = float(consts[1].reshape(-1)[0])
+    before = [0] * rank
+    for j, a in enumerate(axes):
+        before[a] = pads[j]
+    shape = outs[0].shape
+    y = pc.alloc(shape, _dense_like(shape, x))
+    fill = _scalar(pc, value)
+    if not emit_copy(pc, fill, y):
+        return None
+    start = sum(b * s for b, s in zip(before, y.strides))
+    if not emit_copy(pc, x, Val(x.shape, y.strides, y.buf, y.off + start, y.root)):
+        return None
+    return [y]
+
+
+def _scalar(pc, value: float) -> Val:
+    import torch
+
+    t = torch.tensor(value, dtype=torch.float32)
+    return Val((), (), pc.fixed(t), 0, -1)
+
+
 # ---- pooling ----------------------------------------------------------------------------------
 
 def _pool(kind: str):
@@ -350,7 +389,7 @@ PLANNERS = {op: _elementwise(name) for op, name in _OP_NAMES.items()}
 PLANNERS.update({
     FT.FusedPointwise: _fused_pointwise,
     T.Reshape: _reshape, T.Flatten: _reshape, T.Squeeze: _reshape, T.Unsqueeze: _reshape,
-    T.Identity: _identity, T.Transpose: _transpose, T.Concat: _concat,
+    T.Identity: _identity, T.Transpose: _transpose, T.Concat: _concat, T.Pad: _pad_op,
     N.MaxPool: _pool("max"), N.AveragePool: _pool("avg"),
     N.GlobalAveragePool: _global_pool("avg"), N.GlobalMaxPool: _global_pool("max"),
     FC.FusedConv: _fused_conv,
