@@ -311,6 +311,7 @@ def _plan_conv(n, x, w, b, r, geo):
             if name is None:
                 name, y = _select({"onednn": onednn, "kiln": kiln}, x, r, CONV_TACTICS)
                 _choices[sig] = name
+            _note(sig, name)
     fn = onednn if name == "onednn" else kiln
     fn.tactic = name
     return y, fn
@@ -392,6 +393,57 @@ _SLICE_N = 4096
 
 _choices: dict = {}  # signature -> tactic name, for the whole process
 _choices_lock = threading.Lock()
+_recorders: list[dict] = []  # open record_picks() blocks
+
+
+def _note(sig, name: str) -> None:
+    for r in _recorders:
+        r[sig] = name
+
+
+class record_picks:
+    """``with record_picks() as picks:`` collects every CPU GEMM and conv tactic pick (made or
+    read) in the block, signature -> tactic: what the builder stores in a CPU engine."""
+
+    def __enter__(self) -> dict:
+        self.picks: dict = {}
+        with _choices_lock:
+            _recorders.append(self.picks)
+        return self.picks
+
+    def __exit__(self, *exc) -> None:
+        with _choices_lock:
+            _recorders.remove(self.picks)
+
+
+def preload_picks(picks: dict) -> None:
+    """Make these picks (from an engine file or the timing cache) the process's, so that the
+    first run of the kernels they cover times nothing."""
+    with _choices_lock:
+        for sig, name in picks.items():
+            if name in TACTICS or name in CONV_TACTICS:
+                _choices.setdefault(sig, name)
+
+
+def picks_to_json(picks: dict) -> list:
+    return [[list(_jsonable(k)), v] for k, v in picks.items()]
+
+
+def picks_from_json(rows) -> dict:
+    """Signature tuples back from :func:`picks_to_json`'s lists; raises ValueError on a
+    malformed table."""
+    try:
+        return {_tuples(k): str(v) for k, v in rows}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"a malformed CPU tactic table ({e})") from None
+
+
+def _jsonable(x):
+    return [_jsonable(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tuples(x):
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
 def _linear_ok(x, wt, b, r) -> bool:
@@ -578,6 +630,7 @@ def _plan(x, wt, b, a, r):
                     fn = fns[name]
                 _choices[sig] = name
                 del fns
+            _note(sig, name)
         if y is None:
             fn = _build(name, x, wt, b, a, r)
     fn.tactic = name
