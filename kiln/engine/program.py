@@ -31,6 +31,11 @@ from kiln.errors import KilnError
 
 OP_TORCH = 100  # a record the C library does not know: [OP_TORCH, fallback index]
 _MAX_PLANS = 4
+# A torch record touching fewer elements than this (inputs, weights and outputs) runs on one
+# thread: an OpenMP region costs more than such an op's work, and on a busy machine far more
+# (the second thread waits for a core: torch.tanh of 1,024 floats took 26 ms on 2 threads of a
+# loaded 2-core VM, 9 us on one; a [1, 128] x [128, 512] matmul 134 us against 14 us)
+SMALL_WORK = 1 << 17
 _F32 = torch.float32
 
 
@@ -92,6 +97,7 @@ class _Fallback(NamedTuple):
     outs: tuple
     native_outs: tuple  # (slot, buffer, shape, strides) of float32 results records read
     drop: tuple  # env slots not read again from here on
+    single: bool  # small work: run on one thread (see SMALL_WORK)
 
 
 class _Plan:
@@ -108,6 +114,10 @@ class _Plan:
         self.arena_vals = {s: v._replace(off=pc.arena_off[v.root] + v.off)
                            for s, v in pc.vals.items()
                            if v.buf == pc.arena_buf and v.root in pc.arena_off}
+        # views of inputs, torch results and constants that torch records read: (source slot,
+        # whether it is a constant, shape, strides, offset)
+        self.views = {s: (*pc.buf_src[v.buf], v.shape, v.strides, v.off)
+                      for s, v in pc.vals.items() if v.buf in pc.buf_src}
         self.fallbacks = fallbacks
         self.ext = ext  # (slot, buffer) of the float32 inputs
         self.outputs = outputs  # per graph output: ("env", slot) or ("own", buffer, shape)
@@ -176,12 +186,12 @@ class Program:
         for s in self.input_slots:
             m = metas.get(s)
             if m is not None and m.dtype == _F32 and len(m.shape) <= 6:
-                b = pc.new_buf()
+                b = pc.new_buf((s, False))
                 pc.vals[s] = Val(m.shape, m.strides, b, 0, s)
                 ext.append((s, b))
         for s, c in self.consts.items():
             if isinstance(c, torch.Tensor) and c.dtype == _F32 and c.dim() <= 6:
-                pc.vals[s] = Val(tuple(c.shape), tuple(c.stride()), pc.fixed(c), 0, s)
+                pc.vals[s] = Val(tuple(c.shape), tuple(c.stride()), pc.fixed(c, s), 0, s)
         fallbacks = []
         for k, st in enumerate(self.steps):
             pc.step = k
@@ -194,7 +204,10 @@ class Program:
             if made is not None:
                 pc.vals.update(zip(st.outs, made))
                 continue
-            fallbacks.append(self._torch_record(pc, st, ins, outs, len(fallbacks)))
+            work = sum(math.prod(m.shape) for i in st.ins + st.outs if i >= 0
+                       for m in [metas.get(i)] if m is not None)
+            fallbacks.append(self._torch_record(pc, st, ins, outs, len(fallbacks),
+                                                work < SMALL_WORK))
         pc.step = len(self.steps)
         outputs = []
         for s in self.output_slots:
@@ -211,7 +224,7 @@ class Program:
                      arena_floats)
 
     @staticmethod
-    def _torch_record(pc, st, ins, outs, index) -> _Fallback:
+    def _torch_record(pc, st, ins, outs, index, single) -> _Fallback:
         pc.prog += [OP_TORCH, index]
         pc.torch_at.append(pc.step)
         for i, v in zip(st.ins, ins):
@@ -225,10 +238,10 @@ class Program:
             roots = [ins[i].root for i in m.view_of if ins[i] is not None]
             for r in roots[1:]:
                 pc.alias.setdefault(roots[0], []).append(r)
-            b = pc.new_buf()
+            b = pc.new_buf((s, False))
             pc.vals[s] = Val(m.shape, m.strides, b, 0, roots[0] if roots else s)
             nat.append((s, b, m.shape, m.strides))
-        return _Fallback(st, st.ins, st.outs, tuple(nat), ())
+        return _Fallback(st, st.ins, st.outs, tuple(nat), (), single)
 
     # -- running a plan -------------------------------------------------------------------------
     def _run(self, plan, args) -> list:
@@ -236,7 +249,7 @@ class Program:
         env: dict = dict(zip(self.input_slots, args))
         for s, b in plan.ext:
             table[b] = env[s].data_ptr()
-        arena = views = None
+        arena, views = None, {}
         if plan.arena_floats:
             with plan.lock:
                 got = plan.pool.pop() if plan.pool else None
@@ -263,7 +276,7 @@ class Program:
             return [own[o[1]] if o[0] == "own" else self._value(plan, o[1], env, arena, views)
                     for o in plan.outputs]
         finally:
-            if arena is not None:
+            if arena is not None:  # (its views stay with it: the next call reuses them)
                 with plan.lock:
                     plan.pool.append((arena, views))
 
@@ -273,20 +286,31 @@ class Program:
         if s in self.consts:
             return self.consts[s]
         v = views.get(s)
-        if v is None:
-            a = plan.arena_vals[s]
+        if v is not None:
+            return v
+        a = plan.arena_vals.get(s)
+        if a is not None:  # views of the arena are kept with the arena
             v = views[s] = arena.as_strided(a.shape, a.strides, a.off)
-        return v
+            return v
+        src, is_const, shape, strides, off = plan.views[s]
+        t = self.consts[src] if is_const else env[src]
+        return t.as_strided(shape, strides, t.storage_offset() + off)
 
     def _fallback(self, plan, fb: _Fallback, env, arena, views, table) -> None:
         st = fb.step
         xs = [None if i < 0 else self._value(plan, i, env, arena, views) for i in fb.ins]
+        threads = torch.get_num_threads() if fb.single else 1
+        if threads > 1:
+            torch.set_num_threads(1)
         try:
             out = st.fn(st.call, *xs)
         except KilnError:
             raise
         except Exception as e:
             raise kernel_error(st, e) from e
+        finally:
+            if threads > 1:
+                torch.set_num_threads(threads)
         store_outputs(st, env, out)
         for s, b, shape, strides in fb.native_outs:
             t = env[s]
@@ -341,14 +365,21 @@ class PlanContext:
         self.slot_read: dict[int, int] = {}  # env slot -> last torch record step reading it
         self._next_tmp = -2
         self._patches: list[tuple[int, int]] = []  # (program position, arena root)
+        self.buf_src: dict[int, tuple[int, bool]] = {}  # buffer -> (slot, is a constant)
 
-    def new_buf(self) -> int:
+    def new_buf(self, src: tuple | None = None) -> int:
+        """A buffer filled per call; ``src`` = (slot, False): the env value it is."""
         self.table.append(0)
+        if src is not None:
+            self.buf_src[len(self.table) - 1] = src
         return len(self.table) - 1
 
-    def fixed(self, t: torch.Tensor) -> int:
+    def fixed(self, t: torch.Tensor, slot: int | None = None) -> int:
+        """A buffer whose address is fixed (a constant: ``slot`` its slot)."""
         self.keep.append(t)
         self.table.append(t.data_ptr())
+        if slot is not None:
+            self.buf_src[len(self.table) - 1] = (slot, True)
         return len(self.table) - 1
 
     def fparam(self, *xs: float) -> int:

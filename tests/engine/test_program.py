@@ -119,3 +119,25 @@ def test_program_outputs_are_fresh_tensors(tmp_path):
     keep = first.copy()
     ctx.run({"x": -x})
     assert np.array_equal(first, keep)
+
+
+def test_torch_record_reads_views_of_torch_results_and_constants(tmp_path):
+    """Softmax (a torch record) -> Reshape (a view, no record) -> Softmax: the second torch
+    record gets a tensor viewing the first one's result; likewise for a reshaped constant."""
+    rng = np.random.default_rng(0)
+    mk = helper.make_node
+    inits = [numpy_helper.from_array(np.array([2, 12], np.int64), "shape"),
+             numpy_helper.from_array(rng.standard_normal((3, 8)).astype(np.float32), "c"),
+             numpy_helper.from_array(np.array([2, 12], np.int64), "shape2")]
+    nodes = [mk("Softmax", ["x"], ["s1"], axis=-1), mk("Reshape", ["s1", "shape"], ["r"]),
+             mk("Softmax", ["r"], ["s2"], axis=-1), mk("Reshape", ["c", "shape2"], ["rc"]),
+             mk("Erf", ["rc"], ["e"]), mk("Add", ["s2", "e"], ["y"])]
+    g = helper.make_graph(nodes, "views", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [4, 6])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, [2, 12])], inits)
+    engine, sess = _build(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]),
+                          tmp_path)
+    ctx = engine.create_context()
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+    for _ in range(3):
+        assert _err(ctx.run({"x": x})["y"], sess.run(None, {"x": x})[0]) <= 1e-5
