@@ -2,5 +2,5 @@
 
     python -m bench.run --device cpu --markdown
 
-See bench/README.md for what is measured and how.
+See docs/bench.md for what is measured and how.
 """

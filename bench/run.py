@@ -54,6 +54,9 @@ def parse_args(argv=None):
                    help="JSON file (default bench/results/<device>-<date>.json); the Markdown "
                         "table is written next to it (.md)")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--readme", action="store_true",
+                   help="afterwards regenerate README.md's benchmark tables from bench/results "
+                        "(python -m bench.readme)")
     return p.parse_args(argv)
 
 
@@ -251,6 +254,10 @@ def main(argv=None) -> int:
     print(report.table(result, markdown=args.markdown), end="")
     js, mdp = report.write(result, path)
     _log(f"wrote {js} and {mdp}")
+    if args.readme:
+        from bench import readme
+
+        _log("README.md " + ("updated" if readme.update() else "already current"))
     return 0
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kiln.cli import bench, build, demo, inspect, ops, run
+from kiln.cli import bench, build, demo, inspect, ops, run, serve
 
-TOOLS = [build, run, inspect, bench, ops, demo]
+TOOLS = [build, run, inspect, bench, ops, demo, serve]
 
 
 def make_parser() -> argparse.ArgumentParser:

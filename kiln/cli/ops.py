@@ -5,7 +5,7 @@ from __future__ import annotations
 from kiln.cli.args import add_common_args
 
 NAME = "ops"
-HELP = "list the supported operators (the README's table comes from --markdown)"
+HELP = "list the supported operators (docs/supported-ops.md comes from --markdown)"
 
 
 def add_arguments(p):
