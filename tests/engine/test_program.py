@@ -141,3 +141,14 @@ def test_torch_record_reads_views_of_torch_results_and_constants(tmp_path):
     x = rng.standard_normal((4, 6)).astype(np.float32)
     for _ in range(3):
         assert _err(ctx.run({"x": x})["y"], sess.run(None, {"x": x})[0]) <= 1e-5
+
+
+def test_plan_of_large_layers_runs_on_the_python_loop(tmp_path):
+    """Layers of 2^18 elements: dispatch does not matter there, the plan is declined (False)
+    and the executor's loop runs the signature, with the same outputs."""
+    engine, sess = _build(chain_model(6, (1, 16, 128, 128)), tmp_path)
+    ctx = engine.create_context()
+    x = np.random.default_rng(0).standard_normal((1, 16, 128, 128)).astype(np.float32)
+    for _ in range(2):
+        assert _err(ctx.run({"x": x})["y"], sess.run(None, {"x": x})[0]) <= 1e-5
+    assert list(engine._executor.program.plans.values()) == [False]
