@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # Triton reads this when its kernels are decorated, i.e. when kiln.kernels.triton is first
@@ -25,3 +26,14 @@ def pytest_terminal_summary(terminalreporter):
             f"ONNX node conformance: {counts['passed']} passed, {counts['failed']} failed, "
             f"{counts['skipped']} skipped of {total} run "
             f"({100.0 * counts['passed'] / total:.1f}% passing)")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_timing_cache():
+    """Builds without a timing-cache file share the process's times (autotune.TimingCache):
+    tests with fake clocks must not see each other's."""
+    from kiln.builder import autotune
+
+    autotune._PROCESS_TIMES.clear()
+    yield
+    autotune._PROCESS_TIMES.clear()

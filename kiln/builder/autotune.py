@@ -127,17 +127,24 @@ def signature(op, kernel_name: str, tactic: dict | None, attrs, inputs) -> str:
                       sort_keys=True, separators=(",", ":"))
 
 
+_PROCESS_TIMES: dict[str, dict[str, float | str]] = {}  # TimingCache(None): per process
+
+
 class TimingCache:
     """Times per (device, candidate signature), kept in a JSON file.
 
     A missing file starts empty; an unreadable one too (with a warning through ``log``), so a
-    damaged cache costs a re-timing, never a failed build. ``save`` writes atomically."""
+    damaged cache costs a re-timing, never a failed build. ``save`` writes atomically.
+
+    Without a ``path`` the times are the process's: every build in one process shares them,
+    so a second build with the same layer shapes (an FP32 check next to a fixed-profile build,
+    another profile, the same block repeated in another model) times nothing again."""
 
     def __init__(self, path: str | os.PathLike | None, device: dict,
                  log: Callable[[str], None] = lambda msg: None):
         self.path = Path(path) if path else None
         self.device = json.dumps(device, sort_keys=True)
-        self.entries: dict[str, dict[str, float | str]] = {}
+        self.entries: dict[str, dict[str, float | str]] = {} if path else _PROCESS_TIMES
         self.hits = self.misses = 0
         self._dirty = False
         if self.path and self.path.exists():
@@ -319,13 +326,16 @@ def cuda_timer(reps: int = 1, rep_ms: int = 25, cuda_graph: bool = True) -> Call
 
 def tune_graph(graph, profile=None, cache: TimingCache | None = None,
                timer: Callable | None = None, log: Callable[[str], None] = lambda m: None,
-               device: str = "cuda", plan_margin: float = 0.0) -> dict[str, Selection]:
+               device: str = "cuda", plan_margin: float = 0.0,
+               status: dict | None = None) -> dict[str, Selection]:
     """Run ``graph`` once at the profile's opt shapes with the PyTorch kernels on ``device``;
     at every node that has CUDA kernels, time its candidates on the live inputs first
     (``plan_margin``: see :func:`select`).
 
     Returns a :class:`Selection` per tuned node (nodes with only the PyTorch kernel are not
-    listed). Saves ``cache`` at the end."""
+    listed). Saves ``cache`` at the end. ``status["complete"]``: whether the run on random
+    inputs reached the end (random indices out of range stop it before a CUDA kernel would
+    assert and take the process's CUDA context with it)."""
     import kiln.kernels.triton  # noqa: F401  (registers the CUDA kernels)
     from kiln.engine.engine import TensorInfo
     from kiln.engine.executor import Executor
@@ -334,13 +344,17 @@ def tune_graph(graph, profile=None, cache: TimingCache | None = None,
 
     timer = timer or cuda_timer()
     picks: dict[str, Selection] = {}
+    if status is not None:
+        status["complete"] = False
+    if not any(kernels_for(n.op, "cuda") for n in _nodes(graph)):
+        return picks  # nothing to choose between: every layer runs its PyTorch kernel
 
     def choose(node, backend):
         torch_k = vendor_kernel(node.op)
         if torch_k is None:
             raise KilnError(f"node '{node.name}': op {node.op.qualname} has no kernel")
         if not kernels_for(node.op, "cuda"):
-            return _on_device(torch_k, device)
+            return _on_device(_index_checked(torch_k), device)
 
         def tuned(call, *ins):
             ins = tuple(_to(x, device) for x in ins)
@@ -353,10 +367,12 @@ def tune_graph(graph, profile=None, cache: TimingCache | None = None,
             return torch_k.fn(call, *ins)
         return dataclasses.replace(torch_k, fn=tuned)
 
-    args = random_inputs([TensorInfo.of(v) for v in graph.inputs], profile=profile)
-    ex = Executor(graph, "cuda", choose)
     try:
+        args = random_inputs([TensorInfo.of(v) for v in graph.inputs], profile=profile)
+        ex = Executor(graph, "cuda", choose)
         ex.run([_to(to_torch(args[v.name]), device) for v in graph.inputs])
+        if status is not None:
+            status["complete"] = True
     except KilnError as e:  # random data the model cannot take (an index, a k, a shape)
         log(f"autotune: the tuning run stopped on random inputs ({e}); the layers it did "
             "not reach keep their default kernel")
@@ -366,6 +382,51 @@ def tune_graph(graph, profile=None, cache: TimingCache | None = None,
         # the timing streams' cuBLAS workspaces (~33 MiB each) would outlive the build
         torch._C._cuda_clearCublasWorkspaces()
     return picks
+
+
+def _nodes(graph):
+    for n in graph.nodes:
+        yield n
+        for g in n.subgraphs():
+            yield from _nodes(g)
+
+
+def _index_range(op, call, x) -> tuple[int, int] | None:
+    """The [lo, hi) an index input of ``op`` must stay in, or None for ops without one."""
+    from kiln.ops import reduce as R
+    from kiln.ops import tensor as T
+
+    if op in (T.Gather, T.GatherElements):
+        n = x.shape[call.attrs.axis % x.dim()] if x.dim() else 0
+        return -n, n
+    if op in (R.NegativeLogLikelihoodLoss, R.SoftmaxCrossEntropyLoss):
+        return 0, x.shape[1] if x.dim() > 1 else 0  # class indices (ignore_index aside)
+    return None
+
+
+def _index_checked(k: Kernel) -> Kernel:
+    """A Gather, GatherElements or loss whose random indices fall outside the data raises a
+    KilnError (the tuning run stops there) instead of a device-side assert, which no process
+    survives."""
+    from kiln.ops import reduce as R
+    from kiln.ops import tensor as T
+
+    if k.op not in (T.Gather, T.GatherElements, R.NegativeLogLikelihoodLoss,
+                    R.SoftmaxCrossEntropyLoss):
+        return k
+
+    def fn(call, x, idx, *rest, _f=k.fn):
+        rng = _index_range(k.op, call, x)
+        if rng is not None and isinstance(idx, torch.Tensor) and idx.numel():
+            ignore = getattr(call.attrs, "ignore_index", None)
+            bad = (idx < rng[0]) | (idx >= rng[1])
+            if ignore is not None:
+                bad &= idx != ignore
+            if bool(bad.any()):
+                raise KilnError(f"node '{call.node_name}': random indices outside "
+                                f"[{rng[0]}, {rng[1]})")
+        return _f(call, x, idx, *rest)
+    return dataclasses.replace(k, fn=fn)
 
 
 def _to(x, device):

@@ -13,16 +13,19 @@ from kiln.builder.precision import lower_precision
 from kiln.engine.engine import Engine, TensorInfo
 from kiln.engine.profile import validate_profile
 from kiln.errors import KilnError
-from kiln.frontend import import_onnx
+from kiln.frontend import fixed_dims, import_onnx
 from kiln.ir import Graph
 from kiln.kernels.registry import kernels_for
+from kiln.passes.fusion.match import NOT_FUSED
 from kiln.passes.pipeline import optimize
 
 
 class Builder:
     """Builds engines: ``Builder(BuilderConfig(...)).build("model.onnx")``.
 
-    ``log`` receives one line per step (what the CLI prints with ``--verbose``).
+    ``log`` receives one line per step (what the CLI prints with ``--verbose``), including one
+    ``not fused: <pattern> at node '<name>': <why>`` line per candidate a fusion rejected;
+    ``report["near_misses"]`` lists those (without the prefix) after a build.
 
     On ``device="cuda"`` with a GPU present (and Triton importable), every layer that has CUDA
     kernels is autotuned at each optimization profile's opt shapes: its candidates (kernel x
@@ -46,15 +49,16 @@ class Builder:
         Raises :class:`kiln.errors.KilnError` subclasses for unreadable models, unsupported
         ops (all listed at once) and profiles that do not fit the model's inputs."""
         cfg, t0 = self.config, time.perf_counter()
-        graph = import_onnx(model, base_dir)
+        # a profile's fixed dims specialize the graph: its shape arithmetic on them folds away
+        graph = import_onnx(model, base_dir, fixed=fixed_dims(cfg.profiles))
         t_parse = time.perf_counter()
         self.log(f"parsed {len(graph.nodes)} nodes, {len(graph.weights)} weights "
                  f"in {1e3 * (t_parse - t0):.0f} ms")
         for p in cfg.profiles:
             validate_profile(p, [TensorInfo.of(v) for v in graph.inputs])
-        before = graph.op_counts()
+        before, near = graph.op_counts(), []
         if cfg.optimize:
-            graph = optimize(graph, log=self.log, device=cfg.device)
+            graph = optimize(graph, log=_near_misses(self.log, near), device=cfg.device)
         if cfg.fp16 or cfg.bf16:  # FP16 when both are allowed: more mantissa, same speed
             lower_precision(graph, "fp16" if cfg.fp16 else "bf16", log=self.log,
                             io=cfg.low_precision_io)
@@ -64,13 +68,17 @@ class Builder:
         variants = [self._choose_kernels(graph, p) for p in (tuned or [])[1:]]
         t_end = time.perf_counter()
         self.report.update({"nodes_before": before, "nodes_after": graph.op_counts(),
+                            "near_misses": near,
                             "parse_s": t_parse - t0, "total_s": t_end - t0})
+        if cfg.device == "cuda":
+            self._log_host_fallbacks(graph)
         self.log(f"built {len(graph.nodes)} layers in {t_end - t0:.2f} s")
         build = dict(cfg.to_json(), build_seconds=round(t_end - t0, 3))
         engine = Engine(graph, choices, device=cfg.device, profiles=cfg.profiles, build=build,
                         tactics=tactics, variants=variants)
-        if "autotune" in self.report:  # a CUDA build with the Triton kernels
-            self._record_binaries(engine)
+        if "autotune" in self.report and getattr(self, "_tuning_complete", True):
+            self._record_binaries(engine)  # a CUDA build with the Triton kernels, whose tuning
+            # run took random inputs (the recording run takes the same: they would fail there)
         if cfg.device == "cpu":
             self._tune_cpu(engine)
             engine.build_info["build_seconds"] = round(time.perf_counter() - t0, 3)
@@ -116,6 +124,15 @@ class Builder:
                  f"{time.perf_counter() - t0:.2f} s")
         self.report["cpu_tactics"] = {"picks": len(picks), "cached": hit,
                                       "seconds": time.perf_counter() - t0}
+
+    def _log_host_fallbacks(self, graph: Graph) -> None:
+        """Name every layer a CUDA engine runs on the host (none should run there silently)."""
+        from kiln.engine.placement import host_fallbacks
+
+        found = host_fallbacks(graph)
+        self.report["host_fallbacks"] = found
+        for name, why in found.items():
+            self.log(f"host fallback: node '{name}' ({why})")
 
     def _record_binaries(self, engine: Engine) -> None:
         """Run the engine once at each profile's opt shapes (or the default shapes), recording
@@ -191,8 +208,11 @@ class Builder:
         for k, profile in enumerate(cfg.profiles or [None]):
             if len(cfg.profiles) > 1:
                 self.log(f"autotune: profile {k} at its opt shapes {dict(profile.opt)}")
+            status: dict = {}
             per_profile.append(autotune.tune_graph(graph, profile, cache, timer=self.timer,
-                                                   log=self.log, plan_margin=cfg.plan_margin))
+                                                   log=self.log, plan_margin=cfg.plan_margin,
+                                                   status=status))
+            self._tuning_complete = status.get("complete", False)
         timed = sum(s.timed for p in per_profile for s in p.values())
         cached = sum(s.cached for p in per_profile for s in p.values())
         kept = sum(s.plan_free for p in per_profile for s in p.values())
@@ -209,6 +229,16 @@ class Builder:
             self.report["autotune_profiles"] = [
                 {name: s.to_json() for name, s in p.items()} for p in per_profile]
         return per_profile
+
+
+def _near_misses(log: Callable[[str], None], into: list[str]) -> Callable[[str], None]:
+    """``log``, also keeping each fusion's near miss ("attention at node 'x': why") in
+    ``into``: the subgraphs a fusion almost matched."""
+    def both(msg: str) -> None:
+        if msg.startswith(NOT_FUSED):
+            into.append(msg[len(NOT_FUSED):])
+        log(msg)
+    return both
 
 
 def _all_nodes(graph: Graph):

@@ -54,5 +54,8 @@ def main(args) -> int:
         print("nodes per op (before -> after):")
         for op in sorted(set(before) | set(after)):
             print(f"  {op:<28} {before.get(op, 0):>5} -> {after.get(op, 0):>5}")
+    if rep.get("near_misses") and not args.verbose:
+        print(f"{len(rep['near_misses'])} subgraph(s) a fusion almost matched "
+              "(--verbose says which and why)")
     print(f"wrote {out} ({human_bytes(size)}) in {time.perf_counter() - t0:.2f} s")
     return 0

@@ -19,6 +19,7 @@ import torch
 
 import kiln.kernels.torch  # noqa: F401  (registers the CPU kernels)
 from kiln.engine import chains
+from kiln.engine.placement import Placement, host_read_slots
 from kiln.engine.step import Step, kernel_error, store_outputs
 from kiln.errors import KilnError
 from kiln.ir import Graph, Node
@@ -59,6 +60,7 @@ class Executor:
                 slot[id(v)] = len(slot)
             return slot[id(v)]
 
+        self._native: set[int] = set()  # id(step) of steps whose kernel is not PyTorch's
         self.input_slots = [slot_of(v) for v in graph.inputs + graph.captures]
         self.consts = [(slot_of(v), to_torch(v.const)) for v in graph.weights.values()]
         for n in graph.nodes:  # folded constants that live on node-less values
@@ -80,13 +82,17 @@ class Executor:
                 _plan_frees(self.run_steps, self.output_slots, self.const_slots)
         self.program = _native_program(self)
         self._device_consts: dict[int, torch.Tensor] = {}  # host constants a kernel needed up
+        # CUDA: which steps run under the device context, and host outputs moved up
+        self.placement = (Placement(self.device, self._native) if self.device is not None
+                          else None)
         if consts_from is not None:
             if consts_from.graph is not graph or consts_from.n_slots != self.n_slots:
                 raise ValueError("consts_from must be an executor of the same graph")
             self.consts = list(consts_from.consts)
             self._device_consts = consts_from._device_consts
         elif self.device is not None:
-            self.consts = [(s, _place(c, self.device)) for s, c in self.consts]
+            host_reads = host_read_slots(self.steps)
+            self.consts = [(s, _place(c, self.device, s in host_reads)) for s, c in self.consts]
             _conv_weights_channels_last(self)
 
     @property
@@ -105,7 +111,10 @@ class Executor:
                                              self.opset, self.device, self.tactics)
         ins = tuple(-1 if v is None else slot_of(v) for v in node.inputs)
         outs = tuple(slot_of(v) for v in node.outputs)
-        return Step(kernel.fn, call, ins, outs, (), node)
+        st = Step(kernel.fn, call, ins, outs, (), node)
+        if kernel.backend != "cpu":
+            self._native.add(id(st))
+        return st
 
     def run(self, args: list, timer=None, keep: list | None = None) -> list:
         """Run once. ``timer(step_index, seconds)``, when given, receives every step's time
@@ -147,19 +156,26 @@ class Executor:
         if st.upload:
             xs = self._upload(st, xs, keep)
         try:
-            return st.fn(st.call, *xs)
+            return self._launch(st, xs)
         except KilnError:
             raise
         except Exception as e:
-            if self.device is None or not _mixed_devices(xs, e):
+            if self.device is None or not _mixed_devices(xs):
                 raise kernel_error(st, e) from e
+            first = e
         st.upload = tuple(k for k, x in enumerate(xs) if _on_host(x))
         try:
-            return st.fn(st.call, *self._upload(st, xs, keep))
+            return self._launch(st, self._upload(st, xs, keep))
         except KilnError:
             raise
-        except Exception as e:
-            raise kernel_error(st, e) from e
+        except Exception as e:  # not the devices after all: report the kernel's own error
+            st.upload = ()
+            raise kernel_error(st, first) from e
+
+    def _launch(self, st: Step, xs: list):
+        if self.placement is None:
+            return st.fn(st.call, *xs)
+        return self.placement.launch(st, xs)
 
     def _upload(self, st: Step, xs: list, keep: list | None) -> list:
         xs = list(xs)
@@ -233,17 +249,20 @@ def _on_host(x) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == "cpu"
 
 
-def _mixed_devices(xs: list, e: Exception) -> bool:
-    """Did the kernel fail because host and device tensors met?"""
-    devs = {x.device.type for x in xs if isinstance(x, torch.Tensor)}
-    return len(devs) > 1 and "device" in str(e).lower()
+def _mixed_devices(xs: list) -> bool:
+    """Did host and device tensors meet in a kernel's inputs? (Then its failure may be theirs:
+    torch words it many ways — "device", "index is on cpu", "Input type (torch.HalfTensor)
+    and weight type (torch.cuda.HalfTensor)" — so any failure is retried with them up.)"""
+    return len({x.device.type for x in xs if isinstance(x, torch.Tensor)}) > 1
 
 
-def _place(c, device: torch.device):
-    """A constant's home on a CUDA executor: small integer tensors stay on the host."""
+def _place(c, device: torch.device, host_read: bool = False):
+    """A constant's home on a CUDA executor: small integer tensors stay on the host, and so do
+    small ones of any dtype that kernels only read as numbers (``host_read``)."""
     if not isinstance(c, torch.Tensor):
         return c  # dtypes torch lacks (strings) stay numpy
-    if not c.dtype.is_floating_point and not c.dtype.is_complex and c.numel() <= HOST_CONST_MAX:
+    integer = not c.dtype.is_floating_point and not c.dtype.is_complex
+    if (integer or host_read) and c.numel() <= HOST_CONST_MAX:
         return c
     return c.to(device)
 

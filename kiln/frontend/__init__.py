@@ -2,5 +2,6 @@
 
 from kiln.frontend.convert import import_onnx
 from kiln.frontend.loader import load_model
+from kiln.frontend.specialize import fixed_dims
 
-__all__ = ["import_onnx", "load_model"]
+__all__ = ["fixed_dims", "import_onnx", "load_model"]

@@ -11,21 +11,25 @@ from kiln.errors import UnsupportedOpsError
 from kiln.frontend.functions import expand_function, find_function
 from kiln.frontend.infer import infer_node
 from kiln.frontend.loader import load_model
-from kiln.frontend.typeproto import type_from_proto
+from kiln.frontend.specialize import specialize_inputs
+from kiln.frontend.typeproto import name_free_dims, type_from_proto
 from kiln.ir import REGISTRY, DType, Graph, Node, TensorType, Value
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
-def import_onnx(src, base_dir=None) -> Graph:
-    """Load an ONNX model (path, bytes or ModelProto) and return a typed kiln Graph."""
+def import_onnx(src, base_dir=None, fixed: dict | None = None) -> Graph:
+    """Load an ONNX model (path, bytes or ModelProto) and return a typed kiln Graph.
+
+    ``fixed`` (input name -> one int or None per dim, see :func:`fixed_dims`) gives the graph
+    inputs those sizes before any shape is inferred: the graph is specialized to them."""
     model = load_model(src, base_dir)
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     opset = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
     if "" not in opset:
         opset[""] = 1 if model.ir_version < 3 else onnx.defs.onnx_opset_version()
-    conv = _Converter(opset)
+    conv = _Converter(opset, fixed or {})
     graph = conv.graph(model.graph, parent=None)
     if conv.problems:
         raise UnsupportedOpsError(conv.problems)
@@ -58,8 +62,8 @@ class _Scope:
 
 
 class _Converter:
-    def __init__(self, opset: dict[str, int]):
-        self.opset = opset
+    def __init__(self, opset: dict[str, int], fixed: dict):
+        self.opset, self.fixed = opset, fixed
         self.problems: list[str] = []
         self._count = 0
         self._used: set[str] = set()
@@ -78,9 +82,12 @@ class _Converter:
         for vi in gp.input:
             if vi.name in scope.names:  # an initializer overridable as input: treat as weight
                 continue
-            v = Value(vi.name, type_from_proto(vi.type, f"graph input '{vi.name}'"))
+            t = type_from_proto(vi.type, f"graph input '{vi.name}'")
+            v = Value(vi.name, name_free_dims(t, vi.name))
             g.inputs.append(v)
             scope.names[vi.name] = v
+        if parent is None and self.fixed:
+            specialize_inputs(g.inputs, self.fixed)
         hints = {vi.name: vi.type for vi in gp.value_info}
         hints.update({vi.name: vi.type for vi in gp.output})
         for np_ in gp.node:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import onnx
 from onnx import helper
 
@@ -37,10 +39,23 @@ def type_from_proto(tp: onnx.TypeProto, where: str, known: dict | None = None):
 
 def _dim(d, known):
     if d.HasField("dim_value"):
-        return int(d.dim_value)
+        # Paddle and some converters write a dynamic dim as -1 or 0; onnxruntime reads those as
+        # unknown, and so does kiln (a graph input's unknown dims get names at import)
+        return int(d.dim_value) if d.dim_value > 0 else None
     if d.HasField("dim_param") and d.dim_param:
         return dim_from_str(d.dim_param, known) if known is not None else sym(d.dim_param)
     return None
+
+
+def name_free_dims(t, value: str):
+    """``t`` with each unknown dim of a tensor type named after ``value`` and its position
+    (``x_dim0``), so that the shape rules can follow it like a ``dim_param``."""
+    if not isinstance(t, TensorType) or t.shape is None or None not in t.shape:
+        return t
+    base = re.sub(r"\W", "_", value)
+    base = base if base[:1].isalpha() else f"v_{base}"
+    return TensorType(t.dtype, tuple(sym(f"{base}_dim{k}") if d is None else d
+                                     for k, d in enumerate(t.shape)))
 
 
 def type_to_proto(t) -> onnx.TypeProto | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from kiln.ir.opdef import Attr
 from kiln.ops.nn import _conv_rule, _gemm_rule, _matmul_rule
+from kiln.ops.rules import same
 from kiln.ops.schema import kiln_op
 
 # the epilogues the fused ops (and their kernels) know; "" is none
@@ -53,3 +54,12 @@ FusedMatMulLayerNorm = kiln_op(
     "FusedMatMulLayerNorm", {**_EPILOGUE, "epsilon": Attr("float", 1e-5)}, _matmul_rule,
     doc="LayerNormalization over the last dim of act(X @ W + bias + R); inputs X, W, B "
         "(optional), R (optional), Scale, LnBias (optional); CPU builds only")
+
+
+SqueezeExcite = kiln_op(
+    "SqueezeExcite", {"activation": Attr("string", ""), "gate": Attr("string", "Sigmoid"),
+                      "alpha": Attr("float", 0.0), "beta": Attr("float", 0.0)}, same(0),
+    doc="X * gate(Conv1x1(act(Conv1x1(mean of X over H, W, W1, B1)), W2, B2)): a squeeze-excite "
+        "block; inputs X [N, C, H, W], W1 [Cr, C, 1, 1], B1, W2 [C, Cr, 1, 1], B2 (biases "
+        "optional). activation: one of FusedConv's; gate: Sigmoid or HardSigmoid (alpha, "
+        "beta: max(0, min(1, alpha * s + beta))).")

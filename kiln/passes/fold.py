@@ -59,12 +59,21 @@ def _fold_graph(graph: Graph, log) -> int:
             continue
         for v, arr in zip(node.outputs, outs):
             v.const, v.producer = arr, None
+            v.type = _known_shape(v.type, arr)
         folded.append(node)
         log(f"folded {node.name} ({node.op.name}, {how})")
     if folded:
         dead = {id(n) for n in folded}
         graph.nodes = [n for n in graph.nodes if id(n) not in dead]
     return len(folded)
+
+
+def _known_shape(t: TensorType, arr: np.ndarray) -> TensorType:
+    """A folded value's type with the shape its array has (the import may not have known it:
+    the readers' shape rules see it when ``refine_shapes`` runs them again)."""
+    if t.shape is None or (len(t.shape) == arr.ndim and not is_static(t.shape)):
+        return TensorType(t.dtype, tuple(int(d) for d in arr.shape))
+    return t
 
 
 def _foldable(graph: Graph, node: Node) -> bool:

@@ -15,8 +15,9 @@ Pass = Callable[[Graph, Callable[[str], None]], int]  # (graph, log) -> rewrites
 
 def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     # The one ordered list. Each module exposes PASSES: list of (name, fn) in its order.
-    from kiln.passes import eliminate, fold
+    from kiln.passes import eliminate, fold, refine
     from kiln.passes.fusion import (
+        activation,
         attention,
         conv_bias_act,
         conv_bn,
@@ -26,17 +27,20 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
         matmul_add,
         matmul_norm,
         packed_qkv,
+        pad_conv,
         pointwise,
         qkv,
         rmsnorm,
+        squeeze_excite,
     )
 
     # matmul_norm and packed_qkv only where they pay: on the CPU each saves a PyTorch call per
     # block; the CUDA backend tunes FusedMatMul's Triton kernels, its own norm kernels and its
     # attention on separate q, k, v instead
     cpu_only = [matmul_norm, packed_qkv] if device == "cpu" else []
-    order = [fold, eliminate, conv_bn, layernorm, rmsnorm, gelu, attention, qkv, matmul_add,
-             conv_bias_act, *cpu_only, pointwise, layout, eliminate]
+    order = [refine, fold, eliminate, pad_conv, conv_bn, layernorm, rmsnorm, gelu, activation,
+             attention, qkv, matmul_add, squeeze_excite, conv_bias_act, *cpu_only, pointwise,
+             layout, eliminate]
     return [p for m in order for p in getattr(m, "PASSES", [])]
 
 

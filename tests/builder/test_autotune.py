@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -250,15 +251,83 @@ def test_tuning_run_survives_random_inputs_the_model_cannot_take():
 
     from kiln.frontend import import_onnx
 
-    nodes = [helper.make_node("TopK", ["x", "k"], ["v", "i"], name="topk")]
+    nodes = [helper.make_node("TopK", ["x", "k"], ["v", "i"], name="topk"),
+             helper.make_node("Softmax", ["v"], ["p"], name="softmax")]  # has CUDA kernels
     g = helper.make_graph(
         nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6]),
                      helper.make_tensor_value_info("k", TensorProto.INT64, [1])],
-        [helper.make_tensor_value_info("v", TensorProto.FLOAT, None),
+        [helper.make_tensor_value_info("p", TensorProto.FLOAT, None),
          helper.make_tensor_value_info("i", TensorProto.INT64, None)])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     lines: list[str] = []
+    status: dict = {}
     picks = autotune.tune_graph(import_onnx(model), None, None, timer=lambda fn: 1.0,
-                                log=lines.append, device="cpu")
-    assert picks == {}
+                                log=lines.append, device="cpu", status=status)
+    assert picks == {} and status == {"complete": False}
     assert any("stopped on random inputs" in ln and "topk" in ln for ln in lines)
+
+
+def _gather_model(rows: int):
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = numpy_helper.from_array(np.ones((rows, 4), np.float32), "table")
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"], name="embed"),
+             helper.make_node("Softmax", ["e"], ["p"], name="softmax")]
+    g = helper.make_graph(
+        nodes, "m", [helper.make_tensor_value_info("ids", TensorProto.INT64, [64])],
+        [helper.make_tensor_value_info("p", TensorProto.FLOAT, None)], [table])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_tuning_run_stops_at_random_indices_out_of_range():
+    """ids drawn in [0, 100) overflow a 3-row table: on CUDA that is a device-side assert no
+    process survives, so the tuning run checks Gather's indices and stops with a KilnError."""
+    from kiln.frontend import import_onnx
+
+    lines: list[str] = []
+    status: dict = {}
+    autotune.tune_graph(import_onnx(_gather_model(3)), None, None, timer=lambda fn: 1.0,
+                        log=lines.append, device="cpu", status=status)
+    assert status == {"complete": False}
+    assert any("random indices outside [-3, 3)" in ln for ln in lines)
+    autotune.tune_graph(import_onnx(_gather_model(100)), None, None, timer=lambda fn: 1.0,
+                        log=lines.append, device="cpu", status=status)
+    assert status == {"complete": True}
+
+
+def test_tuning_skipped_without_cuda_kernels():
+    from onnx import TensorProto, helper
+
+    from kiln.frontend import import_onnx
+
+    g = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["y"], name="neg")], "m",
+        [helper.make_tensor_value_info("x", TensorProto.STRING, [2])],  # no random data
+        [helper.make_tensor_value_info("y", TensorProto.STRING, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    status: dict = {}
+    assert autotune.tune_graph(import_onnx(model), None, None, timer=lambda fn: 1.0,
+                               device="cpu", status=status) == {}
+    assert status == {"complete": False}
+
+
+def test_tuning_run_stops_at_random_class_indices():
+    """NegativeLogLikelihoodLoss's random targets in [0, 100) overflow 5 classes: a CUDA
+    device-side assert, so the tuning run stops first."""
+    from onnx import TensorProto, helper
+
+    from kiln.frontend import import_onnx
+
+    nodes = [helper.make_node("LogSoftmax", ["x"], ["lp"], name="lsm", axis=1),
+             helper.make_node("NegativeLogLikelihoodLoss", ["lp", "t"], ["loss"], name="nll")]
+    g = helper.make_graph(
+        nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5]),
+                     helper.make_tensor_value_info("t", TensorProto.INT64, [3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    lines: list[str] = []
+    status: dict = {}
+    autotune.tune_graph(import_onnx(model), None, None, timer=lambda fn: 1.0,
+                        log=lines.append, device="cpu", status=status)
+    assert status == {"complete": False}
+    assert any("'nll': random indices outside [0, 5)" in ln for ln in lines)

@@ -17,19 +17,9 @@ with warnings.catch_warnings():
     CASES = load_model_tests(kind="node")
 
 import kiln.onnx_backend as backend
+from bench.conformance import read_skips
 
-
-def _skips() -> dict[str, str]:
-    out = {}
-    for line in (pathlib.Path(__file__).parent / "skips.txt").read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            name, _, reason = line.partition("#")
-            out[name.strip()] = reason.strip() or "no reason given"
-    return out
-
-
-SKIPS = _skips()
+SKIPS = read_skips(pathlib.Path(__file__).parent / "skips.txt")
 
 
 @pytest.mark.conformance

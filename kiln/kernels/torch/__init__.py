@@ -19,6 +19,7 @@ from kiln.kernels.torch import (  # noqa: F401
     reduce,
     rnn,
     signal,
+    squeeze_excite,
     tensor,
     tensor_more,
     text_ml,

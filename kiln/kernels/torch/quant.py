@@ -1,8 +1,9 @@
 """PyTorch kernels: Cast, CastLike and BitCast (the quantization ops are in quant_linear.py).
 
-Casts between dtypes torch has run as torch ops. Dtypes torch lacks (int4/uint4/int2/uint2,
-float4e2m1, float6, strings) and the non-saturating float8 conversions go through numpy with
-ml_dtypes, which rounds to nearest-even exactly as the ONNX reference does.
+Casts between dtypes torch has run as torch ops (on the device the input is on), the
+non-saturating float8 conversions too. Dtypes torch lacks (int4/uint4/int2/uint2, float4e2m1,
+float6, strings) go through numpy with ml_dtypes, which rounds to nearest-even exactly as the
+ONNX reference does.
 """
 
 from __future__ import annotations
@@ -36,6 +37,27 @@ def _saturate_f8(x: torch.Tensor, tdt: torch.dtype) -> torch.Tensor:
     """Out-of-range values (and +-inf) become +-max finite; NaN stays NaN (clamp keeps it)."""
     info = torch.finfo(tdt)
     return _float_source(x).clamp(info.min, info.max).to(tdt)
+
+
+# non-saturating float8: |x| past this overflows (after round-to-nearest-even; ``strict``: the
+# halfway value itself rounds down to max, whose mantissa is even) to NaN, or inf for e5m2
+_F8_OVERFLOW = {DType.float8e4m3fn: (464.0, True, float("nan")),
+                DType.float8e4m3fnuz: (248.0, False, float("nan")),
+                DType.float8e5m2: (61440.0, False, float("inf")),
+                DType.float8e5m2fnuz: (61440.0, False, float("nan"))}
+
+
+def _overflow_f8(x: torch.Tensor, to: DType, tdt: torch.dtype) -> torch.Tensor:
+    """Cast with ONNX's saturate=0: in-range values round as torch rounds them, values that
+    round past the largest finite one (and +-inf) become NaN (+-inf for e5m2)."""
+    lim, strict, special = _F8_OVERFLOW[to]
+    f = _float_source(x).to(torch.float32)
+    info = torch.finfo(tdt)
+    y = f.clamp(info.min, info.max).to(tdt).to(torch.float32)
+    a = f.abs()
+    over = a > lim if strict else a >= lim
+    y = torch.where(over, torch.copysign(torch.full_like(f, special), f), y)
+    return y.to(tdt)
 
 
 def to_e8m0(x: torch.Tensor, saturate: bool, round_mode: str) -> torch.Tensor:
@@ -109,9 +131,8 @@ def cast(x, to: DType, saturate: bool = True, round_mode: str = "up"):
     if to == DType.float8e8m0:
         return to_e8m0(x, saturate, round_mode)
     if to in FLOAT8:
-        # torch saturates e4m3fn overflow instead of making NaN: the non-saturating
-        # conversions use ml_dtypes
-        return _saturate_f8(x, tdt) if saturate else _np_cast(x, to, False, round_mode)
+        # torch saturates e4m3fn overflow instead of making NaN: overflow is set apart
+        return _saturate_f8(x, tdt) if saturate else _overflow_f8(x, to, tdt)
     try:
         return x.to(tdt)
     except (RuntimeError, TypeError):  # a pair torch has no direct conversion for

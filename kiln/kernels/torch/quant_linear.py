@@ -33,7 +33,8 @@ def widen(v, wide: bool = False) -> torch.Tensor:
     """A quantized value (torch, or numpy for 4/2-bit types) as float32, or float64 when
     ``wide`` or when the value is a 32/64-bit int that float32 would round."""
     if isinstance(v, np.ndarray):
-        return torch.from_numpy(v.astype(np.float64 if wide else np.float32))
+        # as_tensor, not from_numpy: made on the device a CUDA engine runs the kernel under
+        return torch.as_tensor(v.astype(np.float64 if wide else np.float32))
     wide = wide or v.dtype in _WIDE_INTS or v.dtype == torch.float64
     return v.to(torch.float64 if wide else torch.float32)
 
@@ -65,7 +66,7 @@ def to_quant(q: torch.Tensor, to: DType):
     tdt = TORCH_DTYPE.get(to)
     if tdt is not None:
         return q.to(tdt)
-    return q.to(torch.int8).numpy().astype(to.np)
+    return q.to(torch.int8).cpu().numpy().astype(to.np)
 
 
 @register(Q.QuantizeLinear)

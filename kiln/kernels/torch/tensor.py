@@ -60,7 +60,8 @@ def constant_of_shape(n, shape):
     dims = ints(shape)
     if _is_np(fill):
         return np.full(dims, fill[0], dtype=fill.dtype)
-    return fill.reshape(()).expand(dims).clone()
+    # full, not the (host) fill tensor expanded: made on the device a CUDA engine runs it under
+    return torch.full(dims, fill.reshape(()).item(), dtype=fill.dtype)
 
 
 @register(T.Shape)

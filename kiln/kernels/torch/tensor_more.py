@@ -266,11 +266,11 @@ def dropout(n, x, ratio=None, training_mode=None):
     r = float(ratio.reshape(-1)[0].item()) if ratio is not None else (
         n.a.ratio if n.a.ratio is not None else 0.5)
     if not training or r == 0:
-        return (x, torch.ones(x.shape, dtype=torch.bool)) if n.n_out > 1 else x
+        return (x, torch.ones(x.shape, dtype=torch.bool, device=x.device)) if n.n_out > 1 else x
     if n.a.seed is not None:  # a seeded mask is reproducible: MT19937, as numpy (and ONNX) draw it
         u = np.random.RandomState(int(n.a.seed)).uniform(0.0, 1.0, tuple(x.shape))
-        mask = torch.from_numpy(u >= r)
+        mask = torch.as_tensor(u >= r, device=x.device)
     else:
-        mask = torch.rand(x.shape) >= r
+        mask = torch.rand(x.shape, device=x.device) >= r
     y = torch.where(mask, x * (1.0 / (1.0 - r)), torch.zeros((), dtype=x.dtype))
     return (y, mask) if n.n_out > 1 else y

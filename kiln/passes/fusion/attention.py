@@ -17,6 +17,16 @@ Causality is recognised only from constants: a lower-triangular keep-mask (Where
 additive mask (Add), optionally cut to [:Sq, :Sk] by Slices starting at 0 — exactly the top-left
 aligned mask SDPA's ``is_causal`` applies. Any other Add operand stays an additive mask input; a
 mask added before the scale is not fused (its effect would be scaled too).
+
+Hugging Face's SDPA path, as torch.onnx exports it, differs in three ways, all absorbed:
+
+    Q ──Mul(c)──┐                           the scale split as c = 1/√√D on each side
+    Kᵀ ─Mul(c)──┴─MatMul ─Add(Where(mask, 0, -inf)) ─Softmax ─▶ p
+    p ─IsNaN─▶ Where(·, 0, p) ─MatMul(V)      "safe softmax": a fully masked row gives zeros
+
+The guard is what the fused kernels do anyway (a row whose scores are all -inf comes out as
+zeros), so it goes; the two Muls multiply into ``scale``. ``fuse_attention`` logs each Softmax
+that feeds a MatMul but does not fuse as ``not fused: attention at <node>: <reason>``.
 """
 
 from __future__ import annotations
@@ -34,10 +44,12 @@ from kiln.passes.fusion.match import (
     Users,
     const_of,
     made_by,
+    reject,
     replace,
     same_dim,
     scalar_of,
     shape_of,
+    split_const,
 )
 
 BIG_NEGATIVE = -1e3  # a masked logit at or below this underflows exp(): the same as -inf
@@ -106,14 +118,17 @@ class Core:
         self.scale, self.causal, self.mask = 1.0, False, None
         self.nodes: list[Node] = []
         self.qk: Node | None = None
+        self.why: list[str] = []  # shared by the trial copies: the first reason a walk stopped
 
 
 def _walk(v: Value, core: Core, users: Users, after_scale: bool) -> Core | None:
     """Walk from the Softmax input back to MatMul(Q, Kᵀ), collecting scale and masks.
     Every value passed on the way must be read by the next node only."""
     p = v.producer
-    if p is None or users.only(v) is None:
-        return None
+    if p is None:
+        return _stop(core, f"'{v.name}' is not computed by a node")
+    if users.only(v) is None:
+        return _stop(core, f"'{v.name}' is also read outside the attention")
     if p.op is N.MatMul:
         core.qk = p
         return core
@@ -125,16 +140,23 @@ def _walk(v: Value, core: Core, users: Users, after_scale: bool) -> Core | None:
         if p.op is M.Mul and scalar_of(p.inputs[0]) not in (None, 0.0):
             core.scale *= scalar_of(p.inputs[0])
             return _step(p, p.inputs[1], core, users, True)
-        return None
+        return _stop(core, f"{p.op.name} '{p.name}' scales the scores by a tensor, not a scalar")
     factor = core.scale if after_scale else 1.0  # a mask before the scale gets scaled
     if p.op is M.Where and not core.causal and scalar_of(p.inputs[2]) is not None:
         if scalar_of(p.inputs[2]) * factor <= BIG_NEGATIVE and _causal_operand(
                 p.inputs[0], p.outputs[0], True, factor) is not None:
             core.causal = True  # Where(keep, s, -big) -> causal
             return _step(p, p.inputs[1], core, users, after_scale)
-        return None
+        return _stop(core, f"Where '{p.name}' on the scores is not a constant causal mask")
     if p.op is M.Add:
         return _walk_add(p, core, users, after_scale)
+    return _stop(core, f"{p.op.name} '{p.name}' between the MatMul and the Softmax is not a "
+                       "scale or a mask")
+
+
+def _stop(core: Core, why: str) -> None:
+    if why and not core.why:
+        core.why.append(why)
     return None
 
 
@@ -164,13 +186,53 @@ def _walk_add(p: Node, core: Core, users: Users, after_scale: bool) -> Core | No
             got = _step(p, s, trial, users, after_scale)
             if got is not None:
                 return got
-    return None
+    return _stop(core, f"Add '{p.name}': no operand is a mask of rank >= 2 that broadcasts over "
+                       "the scores (or the mask comes before the scale)")
 
 
 def _copy(core: Core) -> Core:
     c = Core()
     c.scale, c.causal, c.mask, c.nodes = core.scale, core.causal, core.mask, list(core.nodes)
+    c.why = core.why
     return c
+
+
+def probs_reader(users: Users, sm: Node) -> tuple[Node, list[Node]] | str | None:
+    """The MatMul reading the Softmax's probabilities p, directly or through the safe-softmax
+    guard ``Where(IsNaN(p), 0, p)``: (the MatMul, the guard's nodes); a reason when a MatMul
+    reads them but so does something else; None when no MatMul does."""
+    p = sm.outputs[0]
+    pv = users.only(p)
+    if pv is not None:
+        return (pv, []) if pv.op is N.MatMul and pv.inputs[0] is p else None
+    us = users.of(p)
+    isnan = next((u for u in us if u.op is M.IsNaN), None)
+    where = next((u for u in us if u.op is M.Where), None)
+    if len(us) == 2 and isnan is not None and where is not None and where.inputs[0] is \
+            isnan.outputs[0] and where.inputs[2] is p and scalar_of(where.inputs[1]) == 0.0 \
+            and users.only(isnan.outputs[0]) is where:  # Where(IsNaN(p), 0, p) -> p
+        pv = users.only(where.outputs[0])
+        ok = pv is not None and pv.op is N.MatMul and pv.inputs[0] is where.outputs[0]
+        return (pv, [isnan, where]) if ok else None
+    if any(u.op is N.MatMul and u.inputs[0] is p for u in us):
+        return (f"the probabilities '{p.name}' are also read outside the attention (a graph "
+                "output, or another node)")
+    return None
+
+
+def peel_scale(users: Users, v: Value, core: Core) -> Value:
+    """``v`` = Mul(x, c) or Div(x, c) read only by the QK MatMul -> x, with c in the scale
+    (HF's SDPA export scales Q and Kᵀ by 1/√√D each)."""
+    m = made_by(v, M.Mul, M.Div)
+    got = split_const(m) if m is not None and users.only(v) is not None else None
+    if got is None or got[1] == 0 or (m.op is M.Div and m.inputs[0] is not got[0]):
+        return v
+    x, c = got
+    if shape_of(x) is None or len(shape_of(x)) != len(shape_of(v) or ()):
+        return v  # the constant would broadcast x up a rank
+    core.scale *= c if m.op is M.Mul else 1.0 / c  # (x * c) @ k -> scale c
+    core.nodes.append(m)
+    return x
 
 
 def _perm(n: Node | None) -> tuple | None:
@@ -195,6 +257,32 @@ def split_heads(users: Users, v: Value, perm: tuple) -> tuple[Value, list[Node],
     return x3, [r, t], h
 
 
+def batched_transpose(users: Users, v: Value) -> tuple[Value, list[Node]] | None:
+    """Reshape(Transpose(Reshape(k [B,H,S,D] -> [B*H,S,D]), (0,2,1)) -> [B,H,D,S]) -> (k, nodes):
+    ``k.transpose(-2, -1)`` as the dynamo exporter's SDPA decomposition writes it."""
+    r2 = made_by(v, T.Reshape)
+    t = made_by(r2.inputs[0], T.Transpose) if r2 is not None else None
+    r1 = made_by(t.inputs[0], T.Reshape) if t is not None and _perm(t) == (0, 2, 1) else None
+    if r1 is None or users.only(r1.outputs[0]) is not t or users.only(t.outputs[0]) is not r2:
+        return None
+    k = r1.inputs[0]
+    ks, fs, out = shape_of(k), shape_of(r1.outputs[0]), shape_of(v)
+    if ks is None or fs is None or out is None or (len(ks), len(fs), len(out)) != (4, 3, 4):
+        return None
+    ok = all(same_dim(a, b) for a, b in ((out[0], ks[0]), (out[1], ks[1]), (out[2], ks[3]),
+                                         (out[3], ks[2]), (fs[1], ks[2]), (fs[2], ks[3])))
+    return (k, [r1, t, r2]) if ok else None
+
+
+def key_heads(users: Users, kt: Value) -> tuple[Value, list[Node], int] | None:
+    """split_heads for Kᵀ: one Transpose(0,2,3,1), or Transpose(0,2,1,3) then the dynamo
+    exporter's batched transpose of the last two axes."""
+    got = split_heads(users, kt, (0, 2, 3, 1))
+    bt = batched_transpose(users, kt) if got is None and users.only(kt) is not None else None
+    inner = split_heads(users, bt[0], (0, 2, 1, 3)) if bt is not None else None
+    return got if inner is None else (inner[0], inner[1] + bt[1], inner[2])
+
+
 def merge_heads(users: Users, v: Value) -> tuple[Value, list[Node]] | None:
     """Reshape(Transpose(0,2,1,3)(y [B,H,S,D]) -> [B,S,H*D]) -> (the Reshape's output, nodes)."""
     t = users.only(v)
@@ -212,24 +300,29 @@ def merge_heads(users: Users, v: Value) -> tuple[Value, list[Node]] | None:
 
 
 def match_attention(users: Users, sm: Node):
-    """Softmax node -> (inputs, attrs, nodes, out) of the fused Attention, or None."""
+    """Softmax node -> (inputs, attrs, nodes, out) of the fused Attention, a reason string when
+    the Softmax feeds a MatMul but the rest does not match, or None when it is no candidate."""
     rank = _rank(sm.inputs[0])
     axis = sm.attrs.axis if sm.attrs.axis is not None else -1
     if rank is None or rank < 3 or axis % rank != rank - 1:
         return None
-    pv = users.only(sm.outputs[0])
-    if pv is None or pv.op is not N.MatMul or pv.inputs[0] is not sm.outputs[0]:
-        return None
-    core = _walk(sm.inputs[0], Core(), users, False)
+    got = probs_reader(users, sm)
+    if got is None or isinstance(got, str):
+        return got
+    pv, guard = got
+    start = Core()
+    core = _walk(sm.inputs[0], start, users, False)
     if core is None:
-        return None
-    q, kt, v = core.qk.inputs[0], core.qk.inputs[1], pv.inputs[1]
+        return "the scores do not come from MatMul(Q, Kᵀ)" + (
+            f": {start.why[0]}" if start.why else "")
+    q, kt, v = peel_scale(users, core.qk.inputs[0], core), peel_scale(
+        users, core.qk.inputs[1], core), pv.inputs[1]
     shapes = [shape_of(x) for x in (q, kt, v)]
     if any(s is None or len(s) != rank for s in shapes) or not all(
             same_dim(a, b) and same_dim(a, c) for a, b, c in zip(*[s[:-2] for s in shapes])):
-        return None  # batch and head dims must agree: no broadcasting K/V across heads
-    nodes = [core.qk, *core.nodes, sm, pv]
-    heads = [split_heads(users, q, (0, 2, 1, 3)), split_heads(users, kt, (0, 2, 3, 1)),
+        return "Q, K and V disagree on their batch and head dims (K/V broadcast over heads?)"
+    nodes = [core.qk, *core.nodes, sm, *guard, pv]
+    heads = [split_heads(users, q, (0, 2, 1, 3)), key_heads(users, kt),
              split_heads(users, v, (0, 2, 1, 3))]
     merged = merge_heads(users, pv.outputs[0])
     ins, num_heads, out = [q, kt, v], 0, pv.outputs[0]
@@ -251,10 +344,14 @@ def fuse_attention(graph: Graph, log: Callable[[str], None]) -> int:
             continue
         dt = getattr(sm.outputs[0].type, "dtype", None)
         m = match_attention(users, sm) if dt is not None and dt.is_float else None
+        if isinstance(m, str):
+            reject(log, "attention", sm, m)
+            continue
         if m is None:
             continue
         ins, attrs, nodes, out = m
         if not users.private(nodes, out):
+            reject(log, "attention", sm, "a value inside the pattern is read outside it")
             continue
         replace(graph, nodes, FT.Attention, ins, attrs, out, log,
                 label=f"Attention(heads={attrs.num_heads}, causal={attrs.causal})")

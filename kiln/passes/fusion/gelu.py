@@ -10,6 +10,11 @@ and the tanh form (GPT-2)::
     x ──Mul(x)──Mul(x)──▶ x³ ──Mul(0.044715)──Add(x)──Mul(√(2/π))──▶ Tanh ──Add(1)──▶ a
     a ──(times x and 0.5, in any order)──▶ y        (x³ also as Pow(x, 3))
 
+and the tanh form with the cube factored (Hugging Face's ``gelu_fast``)::
+
+    x ──Mul(√(2/π))──▶ a,  x ──Mul(0.044715)──Mul(x)──Add(1)──▶ b   (0.044715 x² + 1)
+    Tanh(a * b) ──Add(1)── (times x and 0.5)──▶ y
+
 become ``Gelu(x, approximate="none" | "tanh")``: one kernel instead of five or eight.
 """
 
@@ -81,6 +86,41 @@ def tanh_input(tanh: Node) -> tuple[Value, list[Node]] | None:
     return None
 
 
+def _scaled_square(v: Value, x: Value, c: float) -> list[Node] | None:
+    """``v`` = c * x * x in any association (Mul(Mul(x, c), x), Mul(Mul(x, x), c), ...)."""
+    outer = made_by(v, M.Mul)
+    if outer is None:
+        return None
+    got = split_const(outer)
+    if got is not None and abs(got[1] - c) < 1e-6:  # Mul(x², c)
+        sq = made_by(got[0], M.Mul)
+        ok = sq is not None and sq.inputs[0] is x and sq.inputs[1] is x
+        return [sq, outer] if ok else None
+    inner_in = other(outer, x)
+    inner = made_by(inner_in, M.Mul) if inner_in is not None else None
+    got = split_const(inner) if inner is not None else None
+    if got is not None and got[0] is x and abs(got[1] - c) < 1e-6:  # Mul(Mul(x, c), x)
+        return [inner, outer]
+    return None
+
+
+def fast_tanh_input(tanh: Node) -> tuple[Value, list[Node]] | None:
+    """Tanh((x * √(2/π)) * (1 + 0.044715 * x * x)) -> x."""
+    m = made_by(tanh.inputs[0], M.Mul)
+    if m is None:
+        return None
+    for a, b in (m.inputs, m.inputs[::-1]):
+        an, bn = made_by(a, M.Mul), made_by(b, M.Add)
+        got = split_const(an) if an is not None else None
+        one = split_const(bn) if bn is not None else None
+        if got is None or one is None or abs(got[1] - SQRT_2_OVER_PI) > 1e-4 or one[1] != 1.0:
+            continue
+        sq = _scaled_square(one[0], got[0], 0.044715)
+        if sq is not None:
+            return got[0], [an, *sq, bn, m]
+    return None
+
+
 def _factor(users: Users, v: Value, x: Value) -> tuple[list, list[Node]] | None:
     """What one Mul operand contributes: x, a scalar, or a private Mul(x, scalar)."""
     if v is x:
@@ -128,7 +168,8 @@ def fuse_gelu(graph: Graph, log: Callable[[str], None]) -> int:
     for core in list(graph.nodes):
         if core.op not in (M.Erf, M.Tanh) or core not in graph.nodes:
             continue
-        got = erf_input(core) if core.op is M.Erf else tanh_input(core)
+        got = erf_input(core) if core.op is M.Erf else (tanh_input(core) or
+                                                         fast_tanh_input(core))
         one = plus_one(users, core.outputs[0]) if got else None
         tail = times_half_x(users, one.outputs[0], got[0]) if one else None
         if tail is None:

@@ -124,6 +124,15 @@ def replace(graph: Graph, nodes: list[Node], op: OpDef, inputs: list, attrs,
     return fused
 
 
+NOT_FUSED = "not fused: "  # the prefix of a near miss in the log (the builder collects them)
+
+
+def reject(log: Callable[[str], None], pattern: str, at: Node, why: str) -> None:
+    """Log a near miss: ``pattern`` almost matched at node ``at`` but did not, because ``why``
+    (TensorRT's verbose log says why a layer was not fused in the same way)."""
+    log(f"{NOT_FUSED}{pattern} at node '{at.name}': {why}")
+
+
 def add_const(graph: Graph, base: str, array: np.ndarray) -> Value:
     """A new weight holding ``array`` (a transformed or merged parameter)."""
     from kiln.ir import DType, TensorType

@@ -1,0 +1,1 @@
+"""The third-party model corpus: see docs/corpus.md."""

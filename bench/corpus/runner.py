@@ -1,0 +1,161 @@
+"""One corpus model on the CPU: onnxruntime (the FP32 reference) and kiln, side by side in one
+process, 2 threads each. Every stage that can fail is caught and named in the row."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bench.corpus.manifest import Entry
+from bench.corpus.measure import TOLERANCE, describe_error, errors, interleaved, shape_note
+
+
+@dataclass
+class Options:
+    device: str = "cpu"
+    threads: int = 2
+    warmup_s: float = 0.3
+    min_s: float = 1.0
+    min_iters: int = 10
+
+
+def ort_session(path: Path, device: str, threads: int):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()  # default graph optimizations (ORT_ENABLE_ALL)
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    providers = ["CPUExecutionProvider"]
+    if device == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
+        providers.insert(0, "CUDAExecutionProvider")
+    return ort.InferenceSession(str(path), so, providers=providers)
+
+
+def kiln_outputs(out) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v.detach().cpu().float() if hasattr(v, "detach") else v)
+            for k, v in out.items()}
+
+
+def kiln_feeds(engine, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {i.name: feeds[i.name].astype(i.dtype.np, copy=False) for i in engine.inputs}
+
+
+def count_nodes(path: Path) -> int:
+    import onnx
+
+    return len(onnx.load(str(path), load_external_data=False).graph.node)
+
+
+def near_misses(report: dict):
+    """The builder's record of fusions that almost matched, as a count (None: this builder
+    does not record them). The passes helper fills ``Builder.report["near_misses"]``: a list of
+    ``{"fusion": ..., "node": ..., "reason": ...}``."""
+    found = report.get("near_misses")
+    if found is None:
+        return None, []
+    items = list(found.values()) if isinstance(found, dict) else list(found)
+    return len(items), items[:20]
+
+
+def base_row(entry: Entry) -> dict:
+    return {"model": entry.name, "family": entry.family, "source": entry.source,
+            "exporter": entry.exporter, "opset": entry.opset, "bytes": entry.bytes,
+            "status": "ok", "error": "", "correct": None, "max_rel_err": None,
+            "errors": {}, "nodes_in": None, "layers_out": None, "near_misses": None,
+            "kiln_ms": None, "ort_ms": None, "ratio": None, "build_s": None,
+            "kiln_first_run_ms": None, "first_run_ratio": None, "ort_first_run_ms": None}
+
+
+def run_reference(path: Path, feeds: dict, opts: Options, row: dict):
+    """onnxruntime: session + first run timed together; returns (session, outputs)."""
+    t0 = time.perf_counter()
+    sess = ort_session(path, opts.device, opts.threads)
+    names = [o.name for o in sess.get_outputs()]
+    ins = {i.name for i in sess.get_inputs()}
+    outs = dict(zip(names, sess.run(None, {k: v for k, v in feeds.items() if k in ins})))
+    row["ort_first_run_ms"] = 1e3 * (time.perf_counter() - t0)
+    return sess, ins, outs
+
+
+def build_kiln(path: Path, opts: Options, tmp: Path, row: dict) -> Path:
+    import kiln
+
+    # strict FP32 (TF32 off): the check's 1e-4 bound is an FP32 one; TF32 convs miss it by 10x
+    builder = kiln.Builder(kiln.BuilderConfig(device=opts.device, tf32=False))
+    t0 = time.perf_counter()
+    engine = builder.build(str(path))
+    row["build_s"] = time.perf_counter() - t0
+    row["layers_out"] = sum(builder.report.get("nodes_after", {}).values()) or None
+    row["near_misses"], row["near_miss_detail"] = near_misses(builder.report)
+    out = tmp / f"{path.stem}.kiln"
+    engine.save(out)
+    return out
+
+
+def run_model(entry: Entry, corpus: Path, tmp: Path, opts: Options) -> dict:
+    """The row for one model; never raises for the model's own failures."""
+    import torch
+
+    import kiln
+
+    torch.set_num_threads(opts.threads)
+    row = base_row(entry)
+    path = corpus / entry.file
+    feeds = entry.feeds(seed=0)
+    try:
+        row["nodes_in"] = count_nodes(path)
+    except Exception as exc:
+        return dict(row, status="unreadable", error=describe_error("onnx.load", exc))
+    refs = sess = None
+    try:
+        sess, ort_inputs, refs = run_reference(path, feeds, opts, row)
+    except Exception as exc:  # kiln still runs; nothing to check it against
+        row.update(status="no reference", error=describe_error("onnxruntime", exc))
+    try:
+        engine_file = build_kiln(path, opts, tmp, row)
+    except Exception as exc:
+        return dict(row, status="build failed", error=describe_error("kiln build", exc))
+    try:
+        t0 = time.perf_counter()
+        ctx = kiln.load(engine_file).create_context()
+        kfeeds = kiln_feeds(ctx.engine, feeds)
+        outs = kiln_outputs(ctx.run(kfeeds))
+        row["kiln_first_run_ms"] = 1e3 * (time.perf_counter() - t0)
+    except Exception as exc:
+        return dict(row, status="run failed", error=describe_error("kiln run", exc))
+    if refs is not None:
+        check(row, outs, refs)
+    fns = {"kiln": lambda: ctx.run(kfeeds)}
+    if sess is not None:
+        ort_feeds = {k: v for k, v in feeds.items() if k in ort_inputs}
+        fns["ort"] = lambda: sess.run(None, ort_feeds)
+    try:
+        t = interleaved(fns, opts.min_s, opts.min_iters, opts.warmup_s)
+    except Exception as exc:
+        return dict(row, status="run failed", error=describe_error("timing", exc))
+    row["kiln_ms"] = t["kiln"]["median_ms"]
+    row["iterations"] = {k: v["iterations"] for k, v in t.items()}
+    row["first_run_ratio"] = row["kiln_first_run_ms"] / row["kiln_ms"]
+    if "ort" in t:
+        row["ort_ms"] = t["ort"]["median_ms"]
+        row["ratio"] = row["kiln_ms"] / row["ort_ms"]
+    return row
+
+
+def check(row: dict, outs: dict, refs: dict) -> None:
+    try:
+        errs = errors(outs, refs)
+    except KeyError as exc:
+        row.update(status="mismatch", correct=False, error=describe_error("outputs", exc))
+        return
+    row["errors"] = errs
+    row["max_rel_err"] = max(errs.values(), default=0.0)
+    row["correct"] = all(e <= TOLERANCE["fp32"] for e in errs.values())
+    if not row["correct"]:
+        worst = max(errs, key=errs.get)
+        note = shape_note(outs, refs)
+        row.update(status="mismatch", error=note or f"output {worst!r}: max rel err "
+                   f"{errs[worst]:.2e} > {TOLERANCE['fp32']:.0e}")
