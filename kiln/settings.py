@@ -11,6 +11,8 @@
   (H200: first inference 0.84 s with it, 0.40 s without; steady state within 2%).
 - ``KILN_CPU_CHAINS``: ``0`` turns native chains off (:mod:`kiln.engine.chains`): CPU engines
   then run every step on its own.
+- ``KILN_CPU_PROGRAM``: ``0`` turns native programs off (:mod:`kiln.engine.program`): the
+  executor's Python loop then walks the steps.
 - ``KILN_CPU_KEEP_MEMORY``: ``0`` leaves glibc's malloc as it is. By default CPU engines make it
   keep freed memory for the next run instead of returning it to the OS (see
   :mod:`kiln.runtime.host`).
@@ -30,6 +32,7 @@ class Settings:
     cudnn_benchmark: bool = False
     cpu_keep_memory: bool = True
     cpu_chains: bool = True
+    cpu_program: bool = True
 
     @classmethod
     def from_env(cls, env=None) -> Settings:
@@ -38,7 +41,8 @@ class Settings:
                    cpu_conv=env.get("KILN_CPU_CONV", ""),
                    cudnn_benchmark=env.get("KILN_CUDNN_BENCHMARK", "0") == "1",
                    cpu_keep_memory=env.get("KILN_CPU_KEEP_MEMORY", "1") != "0",
-                   cpu_chains=env.get("KILN_CPU_CHAINS", "1") != "0")
+                   cpu_chains=env.get("KILN_CPU_CHAINS", "1") != "0",
+                   cpu_program=env.get("KILN_CPU_PROGRAM", "1") != "0")
 
 
 SETTINGS = Settings.from_env()

@@ -90,6 +90,18 @@ def device_key() -> dict:
             "cuda": torch.version.cuda}
 
 
+def cpu_device_key() -> dict:
+    """The machine a CPU tactic pick belongs to: CPU model, core count, torch version."""
+    model = "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f
+                          if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"device": model, "cores": os.cpu_count(), "torch": torch.__version__}
+
+
 def _jsonable(x):
     if isinstance(x, np.ndarray):
         return {"array": list(x.shape), "dtype": str(x.dtype), "sum": float(x.sum())}
@@ -155,6 +167,16 @@ class TimingCache:
     def put(self, sig: str, ms: float) -> None:
         self.entries.setdefault(self.device, {})[sig] = "failed" if ms == FAILED else ms
         self._dirty = True
+
+    def picks(self) -> dict:
+        """The CPU tactic picks stored under this device (signature JSON -> tactic name)."""
+        return {k[5:]: v for k, v in self.entries.get(self.device, {}).items()
+                if k.startswith("pick:") and isinstance(v, str)}
+
+    def put_picks(self, picks: dict) -> None:
+        for k, v in picks.items():
+            self.entries.setdefault(self.device, {})["pick:" + k] = v
+        self._dirty = self._dirty or bool(picks)
 
     def save(self) -> None:
         if not self.path or not self._dirty:

@@ -87,6 +87,10 @@ class Builder:
         if "autotune" in self.report and getattr(self, "_tuning_complete", True):
             self._record_binaries(engine)  # a CUDA build with the Triton kernels, whose tuning
             # run took random inputs (the recording run takes the same: they would fail there)
+        if cfg.device == "cpu":
+            self._tune_cpu(engine)
+            engine.build_info["build_seconds"] = round(time.perf_counter() - t0, 3)
+            self.report["total_s"] = time.perf_counter() - t0
         if cfg.check_finite and (cfg.fp16 or cfg.bf16 or "int8" in self.report):
             self._check_finite(engine)
         return engine
@@ -112,6 +116,46 @@ class Builder:
                      "check data; pin it with --layer-precision NAME:fp32")
         else:
             self.log("NaN/Inf check: every layer's output is finite on the check data")
+
+    def _tune_cpu(self, engine: Engine) -> None:
+        """Run the engine once at each profile's opt shapes (or the default shapes), so that
+        its CPU GEMM and conv tactics are timed now (their picks stored in the engine file:
+        a loaded engine's first run times nothing) and its weights are packed; picks already
+        in the timing cache are not timed again."""
+        import json
+
+        from kiln.engine.inputs import random_inputs
+        from kiln.kernels.torch import fused_conv as FCK
+
+        t0 = time.perf_counter()
+        cache = autotune.TimingCache(self.config.timing_cache, autotune.cpu_device_key(),
+                                     log=self.log)
+        cached = {}
+        for k, v in cache.picks().items():
+            try:
+                cached.update(FCK.picks_from_json([[json.loads(k), v]]))
+            except ValueError:
+                continue
+        FCK.preload_picks(cached)
+        ctx = engine.create_context()
+        with FCK.record_picks() as picks:
+            for k, p in enumerate(engine.profiles or [None]):
+                ctx.profile = k if p is not None else None
+                try:
+                    ctx.run(random_inputs(engine.inputs, {}, p, seed=0))
+                except Exception as e:  # random data a model cannot take (indices, k, ...)
+                    self.log(f"CPU tactics: the tuning run at profile {k} failed on random "
+                             f"inputs ({type(e).__name__}: {str(e)[:200]}); the layers it did "
+                             "not reach are timed at their first run")
+        engine.cpu_tactics = dict(picks)
+        rows = FCK.picks_to_json(picks)
+        cache.put_picks({json.dumps(s): v for s, v in rows})
+        cache.save()
+        hit = sum(s in cached for s in picks)
+        self.log(f"CPU tactics: {len(picks)} picks ({hit} from the timing cache) in "
+                 f"{time.perf_counter() - t0:.2f} s")
+        self.report["cpu_tactics"] = {"picks": len(picks), "cached": hit,
+                                      "seconds": time.perf_counter() - t0}
 
     def _log_host_fallbacks(self, graph: Graph) -> None:
         """Name every layer a CUDA engine runs on the host (none should run there silently)."""

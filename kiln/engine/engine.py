@@ -98,6 +98,8 @@ class Engine:
         # compiled Triton kernels that travel in the engine file (kiln.kernels.triton.binary)
         self.binaries: dict = {}
         self.binaries_note = ""  # why the file's binaries are not used here, if they are not
+        # CPU GEMM and conv tactic picks (signature -> tactic) timed at build, saved in the file
+        self.cpu_tactics: dict = {}
 
     @staticmethod
     def _chooser(choices: dict[str, str]):
@@ -179,6 +181,10 @@ class Engine:
                  "tactics": {k: v for k, v in t.items() if self.tactics.get(k) != v},
                  "no_tactic": sorted(k for k in self.tactics if k not in t)}
                 for c, t in self.variants]
+        if self.cpu_tactics:
+            from kiln.kernels.torch import fused_conv as FCK
+
+            header["cpu_tactics"] = FCK.picks_to_json(self.cpu_tactics)
         if self.binaries:
             from kiln.kernels.triton import binary
 
@@ -220,9 +226,23 @@ def load(path: str | os.PathLike, portable: bool = False) -> Engine:
                     profiles=[Profile.from_json(p) for p in h.get("profiles", [])],
                     build=h.get("build"), header={k: v for k, v in h.items() if k != "plan"})
     engine.portability_notes = notes
+    if h.get("cpu_tactics"):
+        _preload_cpu_tactics(engine, h["cpu_tactics"], path)
     if dev == "cuda" and "triton_binaries" in h:
         _install_binaries(engine, h["triton_binaries"], ef.tensors, path)
     return engine
+
+
+def _preload_cpu_tactics(engine: Engine, rows, path) -> None:
+    """The build's CPU tactic picks become the process's, so the first run times nothing."""
+    from kiln.kernels.torch import fused_conv as FCK
+
+    try:
+        engine.cpu_tactics = FCK.picks_from_json(rows)
+    except ValueError as e:
+        raise EngineFileError(f"'{path}' has a damaged CPU tactics section ({e}); rebuild the "
+                              "engine") from None
+    FCK.preload_picks(engine.cpu_tactics)
 
 
 def _install_binaries(engine: Engine, section: dict, tensors: dict, path) -> None:

@@ -80,6 +80,7 @@ class Executor:
                                                 self.const_slots, dict(self.consts))
             if len(self.run_steps) != len(self.steps):
                 _plan_frees(self.run_steps, self.output_slots, self.const_slots)
+        self.program = _native_program(self)
         self._device_consts: dict[int, torch.Tensor] = {}  # host constants a kernel needed up
         # CUDA: which steps run under the device context, and host outputs moved up
         self.placement = (Placement(self.device, self._native) if self.device is not None
@@ -121,6 +122,11 @@ class Executor:
         collects host buffers the captured copies read, which must outlive the graph."""
         if timer is not None:
             return self._run_timed(args, timer)
+        if self.program is not None:
+            with torch.inference_mode():
+                outs = self.program.run(args, self._trace_call)
+            if outs is not None:
+                return outs
         env = self._env(args)
         with torch.inference_mode():
             for st in self.run_steps:
@@ -128,6 +134,14 @@ class Executor:
                 for s in st.free:
                     env[s] = None
         return [env[s] for s in self.output_slots]
+
+    def _trace_call(self, st: Step, xs: list):
+        try:
+            return st.fn(st.call, *xs)
+        except KilnError:
+            raise
+        except Exception as e:
+            raise kernel_error(st, e) from e
 
     def _env(self, args: list) -> list:
         env: list = [None] * self.n_slots
@@ -198,6 +212,20 @@ class Executor:
                 timer(k, time.perf_counter() - t0)
                 store_outputs(st, env, out)
         return [env[s] for s in self.output_slots]
+
+
+def _native_program(ex: Executor):
+    """The executor's steps as one native program (kiln.engine.program), on the CPU where
+    kiln's C library is built; None elsewhere."""
+    from kiln import native
+    from kiln.settings import SETTINGS
+
+    if ex.backend != "cpu" or ex.device is not None or not native.available \
+            or not SETTINGS.cpu_program:
+        return None
+    from kiln.engine.program import Program
+
+    return Program(ex.run_steps, ex.input_slots, dict(ex.consts), ex.output_slots)
 
 
 def _plan_frees(steps: list, output_slots: list, const_slots: set) -> None:

@@ -48,7 +48,10 @@ def dim_from_str(s: str, known: dict[str, sympy.Expr] | None = None) -> Dim:
     try:
         expr = sympy.sympify(s, locals={})
         names = {n.name: sym(n.name) for n in expr.free_symbols}
-        return as_dim(expr.subs({n: names[n.name] for n in expr.free_symbols}))
+        # written simplified: no sympy.simplify here (its first call imports sympy.physics,
+        # 1.5 s, and loading an engine with a few such dims took 2.4 s)
+        e = expr.subs({n: names[n.name] for n in expr.free_symbols})
+        return int(e) if e.is_Integer else e
     except (sympy.SympifyError, TypeError, SyntaxError):
         return sym(s)
 

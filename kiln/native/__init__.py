@@ -2,7 +2,8 @@
 
 ``pip install -e .`` (or ``python setup.py build_ext --inplace``) compiles the C files here into
 ``kiln/native/_kernels*.so`` with the system's C compiler: one file per kernel (``gemm.c``,
-``layernorm.c``, ``attention.c``, ``winograd.c``, ``chain.c``), what they share in ``kernels.h``.
+``layernorm.c``, ``attention.c``, ``winograd.c``, ``pointwise.c``, ``pool.c``,
+``depthwise.c``, ``chain.c``), what they share in ``kernels.h``.
 The library is optional: where it was not built, or this CPU lacks AVX2 + FMA, :data:`sgemm` is
 None, :data:`why_not` says why, and the CPU kernels use their library tactics instead.
 
@@ -64,6 +65,14 @@ def _load():
     lib.kiln_wino3x3.restype = _I
     lib.kiln_chain_run.argtypes = [_P, _L, _P, _P, _I]
     lib.kiln_chain_run.restype = _L
+    lib.kiln_pointwise.argtypes = [_I, _I, _P, _P, _P, _P, _P, _P, _P, _F, _F, _I]
+    lib.kiln_pointwise.restype = None
+    lib.kiln_pool2d.argtypes = [_I, _P, _P, _P, _P, _P, _I]
+    lib.kiln_pool2d.restype = None
+    lib.kiln_dw_pack.argtypes = [_L, _L, _L, _P, _P]
+    lib.kiln_dw_pack.restype = None
+    lib.kiln_depthwise.argtypes = [_P, _P, _P, _P, _P, _P, _I, _F, _F, _I]
+    lib.kiln_depthwise.restype = None
     return lib, ""
 
 
@@ -245,11 +254,116 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     return out
 
 
-def chain_run(prog, n: int, fparams, table) -> int:
-    """Run a chain program (ctypes arrays made by :mod:`kiln.engine.chains`) on
-    ``torch.get_num_threads()`` threads; returns ``n``, or the position of the first op the
-    library does not know (nothing from there on ran)."""
-    return _lib.kiln_chain_run(prog, n, fparams, table, torch.get_num_threads())
+def chain_run(prog, n: int, fparams, table, nthreads: int | None = None) -> int:
+    """Run a chain program (ctypes arrays made by :mod:`kiln.engine.chains`, or the address of
+    a position in one) on ``nthreads`` (default ``torch.get_num_threads()``) threads; returns
+    ``n``, or the position of the first op the library does not know (nothing from there on
+    ran)."""
+    return _lib.kiln_chain_run(prog, n, fparams, table,
+                               torch.get_num_threads() if nthreads is None else nthreads)
+
+
+# elementwise op name -> kiln_pointwise's code (pointwise.c); activations keep their ACT_ codes
+POINTWISE = {**{k: v for k, v in ACTIVATIONS.items() if k}, "Copy": 0, "Exp": 10, "Neg": 11,
+             "Abs": 12, "Sqrt": 13, "Reciprocal": 14, "HardSigmoid": 15, "Add": 32, "Sub": 33,
+             "Mul": 34, "Div": 35, "Max": 36, "Min": 37, "PRelu": 38}
+BINARY = frozenset(k for k, v in POINTWISE.items() if v >= 32)
+POOLS = {"max": 0, "avg_pad": 1, "avg": 2}
+
+
+def _strides_arg(t: torch.Tensor, shape) -> ctypes.Array:
+    """``t``'s strides over ``shape`` (broadcast dims 0), as the kernel takes them."""
+    return (_L * max(1, len(shape)))(*t.expand(shape).stride())
+
+
+def pointwise(op: str, a: torch.Tensor, b: torch.Tensor | None = None, p0: float = 0.0,
+              p1: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``op`` (a key of :data:`POINTWISE`) of float32 CPU tensors of any strides, ``b``
+    broadcasting against ``a`` (ONNX/NumPy rules), into ``out`` (default: a new contiguous
+    tensor of the broadcast shape; it may be any strided view). ``p0``/``p1``: Clip's bounds,
+    LeakyRelu's slope (p0), HardSigmoid's alpha and beta. At most 6 dims."""
+    shape = tuple(a.shape) if b is None else tuple(torch.broadcast_shapes(a.shape, b.shape))
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
+    ts = (a, out) if b is None else (a, b, out)
+    if (op not in POINTWISE or (b is not None) != (op in BINARY) or len(shape) > 6
+            or tuple(out.shape) != shape
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts)):
+        raise ValueError(f"pointwise {op}: a {tuple(a.shape)}, b "
+                         f"{None if b is None else tuple(b.shape)}, out {tuple(out.shape)}: "
+                         f"expected float32 CPU tensors of at most 6 dims that broadcast")
+    sb = None if b is None else _strides_arg(b, shape)
+    _lib.kiln_pointwise(POINTWISE[op], len(shape), (_L * max(1, len(shape)))(*shape),
+                        out.data_ptr(), _strides_arg(out, shape), a.data_ptr(),
+                        _strides_arg(a, shape), None if b is None else b.data_ptr(), sb,
+                        p0, p1, torch.get_num_threads())
+    return out
+
+
+def pool2d(kind: str, x: torch.Tensor, kernel, stride, dilation, pads, out_hw) -> torch.Tensor:
+    """Max (``kind="max"``) or average (``"avg_pad"``: padded positions count, ``"avg"``: they
+    do not) pooling of a float32 [N, C, H, W] tensor of any strides; ``pads`` = (top, left),
+    the bottom and right ones being what ``out_hw`` implies. The output has ``x``'s memory
+    format (channels-last stays channels-last)."""
+    n, c, h, w = x.shape
+    cl = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+    y = torch.empty((n, c, *out_hw), dtype=torch.float32,
+                    memory_format=torch.channels_last if cl else torch.contiguous_format)
+    g = (_L * 14)(n, c, h, w, *out_hw, *kernel, *stride, *dilation, *pads)
+    _lib.kiln_pool2d(POOLS[kind], g, x.data_ptr(), (_L * 4)(*x.stride()), y.data_ptr(),
+                     (_L * 4)(*y.stride()), torch.get_num_threads())
+    return y
+
+
+class DepthwiseWeight:
+    """A [C, 1, kh, kw] float32 depthwise conv weight packed [kh, kw, C] for
+    :func:`depthwise_fn`."""
+
+    def __init__(self, w: torch.Tensor):
+        if w.dim() != 4 or w.shape[1] != 1 or w.dtype != torch.float32 or w.device.type != "cpu":
+            raise ValueError(f"DepthwiseWeight: expected a float32 CPU [C, 1, kh, kw] weight, "
+                             f"got {tuple(w.shape)} {w.dtype} on {w.device}")
+        self.c, _, self.kh, self.kw = w.shape
+        w = w.contiguous()
+        self.data = _aligned(self.c * self.kh * self.kw)
+        _lib.kiln_dw_pack(self.c, self.kh, self.kw, w.data_ptr(), self.data.data_ptr())
+
+
+def depthwise_fn(w: DepthwiseWeight, stride, dilation, bias: torch.Tensor | None = None,
+                 activation: str = "", alpha: float | None = None, beta: float | None = None):
+    """A depthwise convolution, its weight, geometry and epilogue bound once: a function
+    ``(x, pad, residual, out) -> out`` computing ``out = act(dwconv(x, W) + bias + residual)``
+    on contiguous float32 NHWC tensors ``x`` [N, H, W, C] and ``out`` (and ``residual``, or
+    None) [N, Ho, Wo, C]; ``pad`` = (top, left), the bottom and right pads being what Ho and Wo
+    imply (they may differ from the top and left ones). ``.params`` holds what a native program
+    record needs."""
+    code, lo, hi, bp = _epilogue("depthwise", w.c, bias, activation, alpha, beta)
+    c, kh, kw, wp = w.c, w.kh, w.kw, w.data.data_ptr()
+    (sh, sw), (dh, dw) = stride, dilation
+
+    def geometry(x, pad, out):
+        n, h, wd, cx = x.shape
+        ho, wo = out.shape[1:3]
+        return (n, h, wd, c, ho, wo, kh, kw, sh, sw, dh, dw, pad[0], pad[1])
+
+    def run(x: torch.Tensor, pad, residual: torch.Tensor | None, out: torch.Tensor):
+        if (x.dim() != 4 or x.shape[3] != c or out.dim() != 4 or out.shape[0] != x.shape[0]
+                or out.shape[3] != c or not x.is_contiguous() or not out.is_contiguous()
+                or x.dtype != torch.float32 or out.dtype != torch.float32 or min(pad) < 0
+                or (residual is not None and (residual.shape != out.shape
+                                              or not residual.is_contiguous()))):
+            raise ValueError(f"depthwise: x {tuple(x.shape)}, pad {pad}, out "
+                             f"{tuple(out.shape)} do not fit a [{c}, 1, {kh}, {kw}] weight "
+                             f"(contiguous NHWC float32)")
+        g = (_L * 14)(*geometry(x, pad, out))
+        _lib.kiln_depthwise(g, x.data_ptr(), wp, bp,
+                            None if residual is None else residual.data_ptr(), out.data_ptr(),
+                            code, lo, hi, torch.get_num_threads())
+        return out
+    run.keep = (w, bias)
+    run.params = {"weight": w.data, "bias": bias, "act": code, "lo": lo, "hi": hi,
+                  "geometry": geometry}
+    return run
 
 
 def gemm_fn(w: PackedWeight, bias: torch.Tensor | None = None, activation: str = "",

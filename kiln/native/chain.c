@@ -1,14 +1,21 @@
-/* Native chains:
- * A straight run of GEMM and LayerNorm ops, encoded by kiln/engine/chains.py as longs, executed
- * in one call so that no Python or PyTorch code runs between them. An operand is a buffer index
+/* Native chains and programs:
+ * A straight run of ops, encoded as longs by kiln/engine/chains.py (GEMM, LayerNorm, attention)
+ * or kiln/engine/program.py (also elementwise ops, pooling, depthwise and Winograd convs),
+ * executed in one call so that no Python or PyTorch code runs between them. A record whose kind
+ * it does not know (the program's torch steps) stops the run there. An operand is a buffer index
  * (into bufs; -1: none), an element offset and a row stride; float parameters are in fp. */
 #include "kernels.h"
 
-enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3 };
+enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, OP_WINO = 7 };
 #define GEMM_LEN 17 /* kind M N K a aoff lda w bias r roff ldr c coff ldc act fparam */
 #define LN_LEN 12   /* kind M N x xoff ldx y yoff ldy gamma beta fparam */
 #define ATTN_LEN 36 /* kind B H Hkv Sq Skv D Dv, (buf off b h s) for q k v, (buf off b h q k) for
                      * the bias, causal, fparam (scale), (buf off b h s) for y */
+#define PW_LEN (3 + PW_RANK + 3 * (2 + PW_RANK) + 1) /* kind op rank shape, (buf off strides)
+                                                      * for y a b, fparam */
+#define POOL_LEN 28 /* kind pool-kind g[14], (buf off strides[4]) for x y */
+#define DW_LEN 25   /* kind g[14] x xoff w bias r roff y yoff act fparam */
+#define WINO_LEN 20 /* kind N H W C K Ho Wo pt pl x xoff w bias r roff y yoff act fparam */
 
 /* Returns n, or the position of the first op it does not know or could not run (nothing
  * from there on ran). */
@@ -36,6 +43,30 @@ long kiln_chain_run(const long *prog, long n, const float *fp, float *const *buf
                                PTR(y[0], y[1]), y[2], y[3], y[4], nthreads) != 0)
                 return i;  /* out of memory */
             i += ATTN_LEN;
+        } else if (p[0] == OP_PW && i + PW_LEN <= n) {
+            const long *sh = p + 3, *y = sh + PW_RANK, *a = y + 2 + PW_RANK, *b = a + 2 + PW_RANK;
+            long fi = b[2 + PW_RANK];
+            kiln_pointwise((int)p[1], (int)p[2], sh, PTR(y[0], y[1]), y + 2, PTR(a[0], a[1]),
+                           a + 2, PTR(b[0], b[1]), b + 2, fp[fi], fp[fi + 1], nthreads);
+            i += PW_LEN;
+        } else if (p[0] == OP_POOL && i + POOL_LEN <= n) {
+            const long *x = p + 16, *y = x + 6;
+            kiln_pool2d((int)p[1], p + 2, PTR(x[0], x[1]), x + 2, PTR(y[0], y[1]), y + 2,
+                        nthreads);
+            i += POOL_LEN;
+        } else if (p[0] == OP_DW && i + DW_LEN <= n) {
+            const long *q = p + 15;
+            kiln_depthwise(p + 1, PTR(q[0], q[1]), PTR(q[2], 0), PTR(q[3], 0), PTR(q[4], q[5]),
+                           PTR(q[6], q[7]), (int)q[8], fp[q[9]], fp[q[9] + 1], nthreads);
+            i += DW_LEN;
+        } else if (p[0] == OP_WINO && i + WINO_LEN <= n) {
+            const long *q = p + 10;
+            if (kiln_wino3x3(p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9],
+                             PTR(q[0], q[1]), PTR(q[2], 0), PTR(q[3], 0), PTR(q[4], q[5]),
+                             PTR(q[6], q[7]), (int)q[8], fp[q[9]], fp[q[9] + 1], 0,
+                             nthreads) != 0)
+                return i;  /* out of memory */
+            i += WINO_LEN;
         } else {
             return i;
         }

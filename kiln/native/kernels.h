@@ -1,5 +1,5 @@
 /* Shared by kiln's C kernels (one file per concept: gemm.c, layernorm.c, attention.c,
- * winograd.c, chain.c; linked into one library, kiln/native/_kernels*.so): the register tile's
+ * winograd.c, pointwise.c, pool.c, depthwise.c, chain.c; linked into one library, kiln/native/_kernels*.so): the register tile's
  * geometry, the AVX2 + FMA target attribute, the vector math the epilogues apply, scratch memory,
  * and the entry points the kernels call each other through. */
 #ifndef KILN_KERNELS_H
@@ -150,5 +150,16 @@ int kiln_attention(long B, long H, long Hkv, long Sq, long Skv, long D, long Dv,
                    const float *V, long vb, long vh, long vs,
                    const float *bias, long bb, long bh, long bq, long bk,
                    long causal, float scale, float *Y, long yb, long yh, long ys, int nthreads);
+int kiln_wino3x3(long N, long H, long W, long C, long K, long Ho, long Wo, long pt, long pl,
+                 const float *X, const float *Up, const float *bias, const float *R, float *Y,
+                 int act, float alpha, float beta, long tb, int nthreads);
+#define PW_RANK 6 /* dims of an elementwise op's index space */
+void kiln_pointwise(int op, int rank, const long *shape, float *y, const long *sy,
+                    const float *a, const long *sa, const float *b, const long *sb, float p0,
+                    float p1, int nthreads);
+TGT void kiln_pool2d(int kind, const long *g, const float *x, const long *xs, float *y,
+                     const long *ys, int nthreads);
+TGT void kiln_depthwise(const long *g, const float *x, const float *wp, const float *bias,
+                        const float *r, float *y, int act, float p0, float p1, int nthreads);
 
 #endif

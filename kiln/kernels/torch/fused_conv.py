@@ -112,6 +112,17 @@ def symmetric_geometry(n, x, w):
     return n.cache[key]
 
 
+def _asymmetric_depthwise(n, x, w):
+    """(begin pads, strides, dilations, end pads) of a 2-D depthwise conv with asymmetric pads
+    (kiln's depthwise kernel takes them; oneDNN here does not), else None."""
+    if not native.available or (n.a.group or 1) != x.shape[1] or w.shape[1] != 1 \
+            or w.shape[0] != x.shape[1]:
+        return None
+    k, s, d, p = N.spatial_attrs(n.a, 2, list(w.shape[2:]))
+    _, pb, pe = N.window_geometry(list(x.shape[2:]), k, s, d, p, n.a.auto_pad)
+    return (tuple(pb), tuple(s), tuple(d), tuple(pe))
+
+
 def _packed(n, x, w, geo):
     """The weight reordered into oneDNN's blocked layout for this input shape, made once per
     node and shape (the blocking oneDNN picks can differ with the batch size; a weight packed
@@ -161,16 +172,16 @@ def _kiln_conv(a, x, w, b, r, geo):
     channels is Winograd F(2x2, 3x3) (:func:`kiln.native.conv3x3_fn`). Both apply the bias,
     the residual and the activation in registers. The weight is constant (the layout pass
     marks only those ``nhwc``), so it is packed here once."""
-    pad, stride, dil = geo
+    pad, stride, dil = geo[:3]
+    end = geo[3] if len(geo) > 3 else pad
     k_out, c, kh, kw = w.shape
-    if (not native.available or (a.group or 1) != 1 or x.shape[1] != c
-            or (b is not None and b.dtype != torch.float32)):
+    if not native.available or (b is not None and b.dtype != torch.float32):
         return None
     b = None if b is None else b.contiguous()
-    cl = torch.channels_last
-
-    def nhwc(t):
-        return t.contiguous(memory_format=cl).permute(0, 2, 3, 1)  # a contiguous view
+    if (a.group or 1) == x.shape[1] == k_out and c == 1:
+        return _kiln_depthwise(a, x, w, b, pad, end, stride, dil)
+    if (a.group or 1) != 1 or x.shape[1] != c or list(end) != list(pad):
+        return None
 
     if (kh, kw) == (1, 1) and list(pad) == [0, 0]:
         gemm = native.gemm_fn(native.PackedWeight(w.reshape(k_out, c).t()), b, a.activation,
@@ -186,6 +197,8 @@ def _kiln_conv(a, x, w, b, r, geo):
             gemm(xs.reshape(-1, c), None if r is None else nhwc(r).reshape(-1, k_out),
                  y.view(-1, k_out))
             return y.permute(0, 3, 1, 2)
+        conv1x1.native = dict(_native_epilogue(a, b), kind="gemm", weight=gemm.keep[0].data,
+                              stride=tuple(stride))
         return conv1x1
     if ((kh, kw) == (3, 3) and list(stride) == [1, 1] and list(dil) == [1, 1] and c % 8 == 0
             and k_out % 8 == 0):
@@ -198,8 +211,44 @@ def _kiln_conv(a, x, w, b, r, geo):
             y = torch.empty((nb, h + 2 * pt - 2, wd + 2 * pl - 2, k_out), dtype=torch.float32)
             conv(nhwc(x), (pt, pl), None if r is None else nhwc(r), y)
             return y.permute(0, 3, 1, 2)
+        winograd.native = dict(_native_epilogue(a, b), kind="winograd",
+                               weight=conv.keep[0].data, pad=(pt, pl))
         return winograd
     return None
+
+
+def nhwc(t):
+    """A 4-D NCHW tensor as a contiguous NHWC view (copied to channels-last if it is not)."""
+    return t.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
+
+
+def _native_epilogue(a, b) -> dict:
+    """What a native program record of a kiln conv needs of its epilogue."""
+    lo, hi = native._epilogue_params(a.activation, a.alpha, a.beta)
+    return {"bias": b, "act": native.ACTIVATIONS[a.activation], "lo": lo, "hi": hi}
+
+
+def _kiln_depthwise(a, x, w, b, pad, end, stride, dil):
+    """kiln's depthwise kernel (:func:`kiln.native.depthwise_fn`): NHWC, pads per side (an
+    asymmetric "same" pad or a folded Pad), bias, residual and activation in registers."""
+    c, _, kh, kw = w.shape
+    h, wd = x.shape[2:]
+    ho = (h + pad[0] + end[0] - dil[0] * (kh - 1) - 1) // stride[0] + 1
+    wo = (wd + pad[1] + end[1] - dil[1] * (kw - 1) - 1) // stride[1] + 1
+    if min(ho, wo) < 1:
+        return None
+    conv = native.depthwise_fn(native.DepthwiseWeight(w), tuple(stride), tuple(dil), b,
+                               a.activation, a.alpha, a.beta)
+    pt, pl = pad
+
+    def depthwise(x, r):
+        y = torch.empty((x.shape[0], ho, wo, c), dtype=torch.float32)
+        conv(nhwc(x), (pt, pl), None if r is None else nhwc(r), y)
+        return y.permute(0, 3, 1, 2)
+    depthwise.native = dict(_native_epilogue(a, b), kind="depthwise", weight=conv.keep[0].data,
+                            kernel=(kh, kw), stride=tuple(stride), dilation=tuple(dil),
+                            pad=(pt, pl))
+    return depthwise
 
 
 def _conv_cpu(n, x, w, b, r, geo):
@@ -242,8 +291,16 @@ def _plan_conv(n, x, w, b, r, geo):
     def onednn(x, r):
         return _conv_onednn(n, x, w, b, r, geo)
 
-    kiln = None if name == "onednn" else _kiln_conv(a, x, w, b, r, geo)
-    if kiln is None:
+    asymmetric = len(geo) > 3  # oneDNN here takes symmetric pads only
+    kiln = None if name == "onednn" and not asymmetric else _kiln_conv(a, x, w, b, r, geo)
+    if asymmetric:
+        if kiln is None:
+            def onednn(x, r):  # the reference conv, which pads explicitly
+                return epilogue(conv_reference(n, x, w, b), a, r)
+            name = "onednn"
+        else:
+            name = "kiln"
+    elif kiln is None:
         name = "onednn"
     elif not name:
         sig = ("conv", tuple(x.shape), tuple(w.shape), *map(tuple, geo), b is not None,
@@ -254,6 +311,7 @@ def _plan_conv(n, x, w, b, r, geo):
             if name is None:
                 name, y = _select({"onednn": onednn, "kiln": kiln}, x, r, CONV_TACTICS)
                 _choices[sig] = name
+            _note(sig, name)
     fn = onednn if name == "onednn" else kiln
     fn.tactic = name
     return y, fn
@@ -309,6 +367,9 @@ def fused_conv(n, x, w, b=None, r=None):
         geo = symmetric_geometry(n, x, w)
         if geo is not None:  # the pass fuses only residuals of the output's own shape
             return _conv_cpu(n, x, w, b, r, geo[:3])
+        asym = _asymmetric_depthwise(n, x, w)
+        if asym is not None:
+            return _conv_cpu(n, x, w, b, r, asym)
     return epilogue(conv_reference(n, x, w, b), n.a, r)
 
 
@@ -332,6 +393,57 @@ _SLICE_N = 4096
 
 _choices: dict = {}  # signature -> tactic name, for the whole process
 _choices_lock = threading.Lock()
+_recorders: list[dict] = []  # open record_picks() blocks
+
+
+def _note(sig, name: str) -> None:
+    for r in _recorders:
+        r[sig] = name
+
+
+class record_picks:
+    """``with record_picks() as picks:`` collects every CPU GEMM and conv tactic pick (made or
+    read) in the block, signature -> tactic: what the builder stores in a CPU engine."""
+
+    def __enter__(self) -> dict:
+        self.picks: dict = {}
+        with _choices_lock:
+            _recorders.append(self.picks)
+        return self.picks
+
+    def __exit__(self, *exc) -> None:
+        with _choices_lock:
+            _recorders.remove(self.picks)
+
+
+def preload_picks(picks: dict) -> None:
+    """Make these picks (from an engine file or the timing cache) the process's, so that the
+    first run of the kernels they cover times nothing."""
+    with _choices_lock:
+        for sig, name in picks.items():
+            if name in TACTICS or name in CONV_TACTICS:
+                _choices.setdefault(sig, name)
+
+
+def picks_to_json(picks: dict) -> list:
+    return [[list(_jsonable(k)), v] for k, v in picks.items()]
+
+
+def picks_from_json(rows) -> dict:
+    """Signature tuples back from :func:`picks_to_json`'s lists; raises ValueError on a
+    malformed table."""
+    try:
+        return {_tuples(k): str(v) for k, v in rows}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"a malformed CPU tactic table ({e})") from None
+
+
+def _jsonable(x):
+    return [_jsonable(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tuples(x):
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
 def _linear_ok(x, wt, b, r) -> bool:
@@ -518,6 +630,7 @@ def _plan(x, wt, b, a, r):
                     fn = fns[name]
                 _choices[sig] = name
                 del fns
+            _note(sig, name)
         if y is None:
             fn = _build(name, x, wt, b, a, r)
     fn.tactic = name

@@ -1,0 +1,464 @@
+"""Native programs (CPU): a whole executor step list run by kiln's C interpreter
+(``kiln_chain_run``), with a step it has no record for run by its PyTorch kernel in between.
+
+The per-layer cost of walking launch records in Python (~8 us: the loop, the kernel's wrapper,
+the torch call) is the whole time of a model made of many small layers. Here the steps whose op
+has a planner in :mod:`kiln.engine.program_ops` (elementwise ops, views, concatenation, pooling,
+kiln's convolutions) become records of one program; the interpreter runs records until it meets
+a *torch record*, returns its position, Python runs that step's kernel on tensors that view the
+program's memory, puts the result's address in the table, and the interpreter goes on.
+
+A program is planned per input signature (shapes, strides, dtypes) from a traced run: the first
+call with a signature runs the steps one by one, notes what every value looks like (shape,
+strides, dtype, which input a torch step's result is a view of), and plans from that; later
+calls run the program. Float32 values made by records live in an arena (offsets reused once a
+value is dead), one arena per concurrent call, taken from a pool; outputs get their own
+tensors. A step a planner declines runs as a torch record, so every plan is complete.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from typing import NamedTuple
+
+import torch
+
+from kiln import native
+from kiln.engine.step import kernel_error, store_outputs
+from kiln.errors import KilnError
+
+OP_TORCH = 100  # a record the C library does not know: [OP_TORCH, fallback index]
+_MAX_PLANS = 4
+# A torch record touching fewer elements than this (inputs, weights and outputs) runs on one
+# thread: an OpenMP region costs more than such an op's work, and on a busy machine far more
+# (the second thread waits for a core: torch.tanh of 1,024 floats took 26 ms on 2 threads of a
+# loaded 2-core VM, 9 us on one; a [1, 128] x [128, 512] matmul 134 us against 14 us)
+SMALL_WORK = 1 << 17
+# A plan whose steps touch more than this many elements on average runs on the Python loop:
+# per-layer dispatch is then a small part of each layer's time, and on this 2-core VM the
+# program's layout copies and parallel C regions did not pay there (PaddleOCR det v4 at
+# 640x640: 5.3 s against 2.4 s on the loop, a busy machine)
+MAX_MEAN_WORK = 1 << 17
+_F32 = torch.float32
+
+
+class Meta(NamedTuple):
+    """What a traced value looked like."""
+    shape: tuple
+    strides: tuple
+    dtype: torch.dtype
+    view_of: tuple  # input positions of its step whose storage it shares
+
+
+class Val(NamedTuple):
+    """A float32 value the interpreter can read: table buffer ``buf``, element offset ``off``,
+    ``strides`` over ``shape``; ``root`` is the value whose memory it is (liveness)."""
+    shape: tuple
+    strides: tuple
+    buf: int
+    off: int
+    root: int
+
+
+def contiguous_strides(shape) -> tuple:
+    out, s = [], 1
+    for d in reversed(shape):
+        out.append(s)
+        s *= max(1, d)
+    return tuple(reversed(out))
+
+
+def channels_last_strides(shape) -> tuple:
+    n, c, h, w = shape
+    return (h * w * c, 1, w * c, c)
+
+
+def is_contiguous(v: Val) -> bool:
+    return all(d == 1 or s == e for d, s, e in zip(v.shape, v.strides,
+                                                   contiguous_strides(v.shape)))
+
+
+def is_channels_last(v: Val) -> bool:
+    return len(v.shape) == 4 and all(d == 1 or s == e for d, s, e in zip(
+        v.shape, v.strides, channels_last_strides(v.shape)))
+
+
+def _meta(x, ins) -> Meta | None:
+    if not isinstance(x, torch.Tensor):
+        return None
+    views = ()
+    if x.numel():
+        p = x.untyped_storage().data_ptr()
+        views = tuple(k for k, t in enumerate(ins) if isinstance(t, torch.Tensor) and t.numel()
+                      and t.untyped_storage().data_ptr() == p)
+    return Meta(tuple(x.shape), tuple(x.stride()), x.dtype, views)
+
+
+class _Fallback(NamedTuple):
+    step: object
+    ins: tuple
+    outs: tuple
+    native_outs: tuple  # (slot, buffer, shape, strides) of float32 results records read
+    drop: tuple  # env slots not read again from here on
+    single: bool  # small work: run on one thread (see SMALL_WORK)
+
+
+class _Plan:
+    def __init__(self, pc, fallbacks, ext, outputs, arena_floats):
+        self.prog = (ctypes.c_long * max(1, len(pc.prog)))(*pc.prog)
+        self.addr = ctypes.addressof(self.prog)
+        self.n = len(pc.prog)
+        self.fp = (ctypes.c_float * max(1, len(pc.fparams)))(*pc.fparams)
+        self.table = (ctypes.c_void_p * len(pc.table))(*pc.table)
+        self.keep = pc.keep
+        self.arena_buf = pc.arena_buf
+        self.arena_floats = arena_floats
+        # where torch records find arena values: offsets from the arena's start
+        self.arena_vals = {s: v._replace(off=pc.arena_off[v.root] + v.off)
+                           for s, v in pc.vals.items()
+                           if v.buf == pc.arena_buf and v.root in pc.arena_off}
+        # views of inputs, torch results and constants that torch records read: (source slot,
+        # whether it is a constant, shape, strides, offset)
+        self.views = {s: (*pc.buf_src[v.buf], v.shape, v.strides, v.off)
+                      for s, v in pc.vals.items() if v.buf in pc.buf_src}
+        self.fallbacks = fallbacks
+        self.ext = ext  # (slot, buffer) of the float32 inputs
+        self.outputs = outputs  # per graph output: ("env", slot) or ("own", buffer, shape)
+        self.own = [(b, shape) for kind, *rest in outputs if kind == "own"
+                    for b, shape in [rest]]
+        self.pool: list = []
+        self.lock = threading.Lock()
+
+
+class Program:
+    """Runs ``steps`` (an executor's run steps) as one native program per input signature."""
+
+    def __init__(self, steps: list, input_slots: list, consts: dict, output_slots: list):
+        self.steps, self.input_slots = steps, input_slots
+        self.consts, self.output_slots = consts, output_slots
+        self.plans: dict = {}
+        self._lock = threading.Lock()
+        self.traced = 0  # traced runs (one per signature planned; tests count them)
+
+    def run(self, args: list, call) -> list | None:
+        """One run, or None where this signature has no program (the executor then runs the
+        steps itself). ``call(step, inputs)`` runs one step the executor's way."""
+        sig = tuple((tuple(x.shape), tuple(x.stride()), x.dtype) if isinstance(x, torch.Tensor)
+                    else type(x) for x in args)
+        plan = self.plans.get(sig)
+        if plan is None:
+            return self._trace(sig, args, call)
+        return None if plan is False else self._run(plan, args)
+
+    # -- the traced run and planning ------------------------------------------------------------
+    def _trace(self, sig, args, call) -> list:
+        env: dict = dict(self.consts)
+        env.update(zip(self.input_slots, args))
+        metas = {s: _meta(x, ()) for s, x in env.items()}
+        for st in self.steps:
+            ins = [env.get(i) if i >= 0 else None for i in st.ins]
+            store: dict = {}
+            store_outputs(st, store, call(st, ins))
+            for s, x in store.items():
+                env[s] = x
+                metas[s] = _meta(x, ins)
+            for s in st.free:
+                env.pop(s, None)
+        outs = [env[s] for s in self.output_slots]
+        with self._lock:
+            if sig not in self.plans:
+                self.traced += 1
+                if len(self.plans) >= _MAX_PLANS:
+                    del self.plans[next(iter(self.plans))]
+                self.plans[sig] = self._plan(metas)
+        return outs
+
+    def _plan(self, metas: dict):
+        """The plan for a traced run's ``metas``, or False where a planner failed (the
+        signature then runs step by step; a planner bug must not break a model)."""
+        try:
+            return self._plan_records(metas)
+        except _Decline:
+            return False
+
+    def _plan_records(self, metas: dict) -> _Plan:
+        from kiln.engine import program_ops
+
+        work = sum(math.prod(m.shape) for st in self.steps for i in st.ins + st.outs
+                   if i >= 0 for m in [metas.get(i)] if m is not None)
+        if work > MAX_MEAN_WORK * max(1, len(self.steps)):
+            raise _Decline
+
+        pc = PlanContext(self.consts)
+        ext = []
+        for s in self.input_slots:
+            m = metas.get(s)
+            if m is not None and m.dtype == _F32 and len(m.shape) <= 6:
+                b = pc.new_buf((s, False))
+                pc.vals[s] = Val(m.shape, m.strides, b, 0, s)
+                ext.append((s, b))
+        for s, c in self.consts.items():
+            if isinstance(c, torch.Tensor) and c.dtype == _F32 and c.dim() <= 6:
+                pc.vals[s] = Val(tuple(c.shape), tuple(c.stride()), pc.fixed(c, s), 0, s)
+        fallbacks = []
+        for k, st in enumerate(self.steps):
+            pc.step = k
+            ins = [pc.vals.get(i) if i >= 0 else None for i in st.ins]
+            outs = [metas.get(s) for s in st.outs]
+            planner = program_ops.PLANNERS.get(getattr(st.node, "op", None))
+            made = None
+            if planner is not None and all(m is not None and m.dtype == _F32 for m in outs):
+                made = planner(pc, st, ins, outs)
+            if made is not None:
+                pc.vals.update(zip(st.outs, made))
+                continue
+            work = sum(math.prod(m.shape) for i in st.ins + st.outs if i >= 0
+                       for m in [metas.get(i)] if m is not None)
+            fallbacks.append(self._torch_record(pc, st, ins, outs, len(fallbacks),
+                                                work < SMALL_WORK))
+        pc.step = len(self.steps)
+        outputs = []
+        for s in self.output_slots:
+            v = pc.vals.get(s)
+            if v is not None and (v.root in pc.arena_roots or v.root in self.consts):
+                b = pc.new_buf()
+                program_ops.emit_copy(pc, v, Val(v.shape, contiguous_strides(v.shape), b, 0,
+                                                 -1))
+                outputs.append(("own", b, v.shape))
+            else:
+                outputs.append(("env", s))
+        arena_floats = pc.place_arena()
+        return _Plan(pc, _with_drops(fallbacks, pc, self.output_slots), ext, outputs,
+                     arena_floats)
+
+    @staticmethod
+    def _torch_record(pc, st, ins, outs, index, single) -> _Fallback:
+        pc.prog += [OP_TORCH, index]
+        pc.torch_at.append(pc.step)
+        for i, v in zip(st.ins, ins):
+            if i >= 0:
+                pc.read_slot(i)
+            pc.read(v)
+        nat = []
+        for s, m in zip(st.outs, outs):
+            if m is None or m.dtype != _F32 or len(m.shape) > 6:
+                continue
+            roots = [ins[i].root for i in m.view_of if ins[i] is not None]
+            for r in roots[1:]:
+                pc.alias.setdefault(roots[0], []).append(r)
+            b = pc.new_buf((s, False))
+            pc.vals[s] = Val(m.shape, m.strides, b, 0, roots[0] if roots else s)
+            nat.append((s, b, m.shape, m.strides))
+        return _Fallback(st, st.ins, st.outs, tuple(nat), (), single)
+
+    # -- running a plan -------------------------------------------------------------------------
+    def _run(self, plan, args) -> list:
+        table = type(plan.table).from_buffer_copy(plan.table)
+        env: dict = dict(zip(self.input_slots, args))
+        for s, b in plan.ext:
+            table[b] = env[s].data_ptr()
+        arena, views = None, {}
+        if plan.arena_floats:
+            with plan.lock:
+                got = plan.pool.pop() if plan.pool else None
+            arena, views = got or (torch.empty(plan.arena_floats, dtype=_F32), {})
+            table[plan.arena_buf] = arena.data_ptr()
+        own = {}
+        for b, shape in plan.own:
+            t = own[b] = torch.empty(shape, dtype=_F32)
+            table[b] = t.data_ptr()
+        nthreads = torch.get_num_threads()
+        pos, n = 0, plan.n
+        try:
+            while True:
+                pos += native.chain_run(plan.addr + 8 * pos, n - pos, plan.fp, table, nthreads)
+                if pos >= n:
+                    break
+                if plan.prog[pos] != OP_TORCH:
+                    raise RuntimeError(f"native program: the C library stopped at position "
+                                       f"{pos} (out of memory, or a record it does not know: "
+                                       f"rebuild kiln with pip install -e .)")
+                self._fallback(plan, plan.fallbacks[plan.prog[pos + 1]], env, arena, views,
+                               table)
+                pos += 2
+            return [own[o[1]] if o[0] == "own" else self._value(plan, o[1], env, arena, views)
+                    for o in plan.outputs]
+        finally:
+            if arena is not None:  # (its views stay with it: the next call reuses them)
+                with plan.lock:
+                    plan.pool.append((arena, views))
+
+    def _value(self, plan, s, env, arena, views):
+        if s in env:
+            return env[s]
+        if s in self.consts:
+            return self.consts[s]
+        v = views.get(s)
+        if v is not None:
+            return v
+        a = plan.arena_vals.get(s)
+        if a is not None:  # views of the arena are kept with the arena
+            v = views[s] = arena.as_strided(a.shape, a.strides, a.off)
+            return v
+        src, is_const, shape, strides, off = plan.views[s]
+        t = self.consts[src] if is_const else env[src]
+        return t.as_strided(shape, strides, t.storage_offset() + off)
+
+    def _fallback(self, plan, fb: _Fallback, env, arena, views, table) -> None:
+        st = fb.step
+        xs = [None if i < 0 else self._value(plan, i, env, arena, views) for i in fb.ins]
+        threads = torch.get_num_threads() if fb.single else 1
+        if threads > 1:
+            torch.set_num_threads(1)
+        try:
+            out = st.fn(st.call, *xs)
+        except KilnError:
+            raise
+        except Exception as e:
+            raise kernel_error(st, e) from e
+        finally:
+            if threads > 1:
+                torch.set_num_threads(threads)
+        store_outputs(st, env, out)
+        for s, b, shape, strides in fb.native_outs:
+            t = env[s]
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != _F32:
+                raise KilnError(f"node '{st.node.name}': its kernel gave "
+                                f"{type(t).__name__} {tuple(getattr(t, 'shape', ()))}, where "
+                                f"the traced run gave float32 {shape}")
+            if tuple(t.stride()) != strides:  # another layout than traced: the planned one
+                t = env[s] = torch.empty_strided(shape, strides, dtype=_F32).copy_(t)
+            table[b] = t.data_ptr()
+        for s in fb.drop:
+            env.pop(s, None)
+
+
+class _Decline(Exception):
+    """A planner met what it cannot take after all (raised by :mod:`program_ops`)."""
+
+
+def _with_drops(fallbacks, pc, output_slots):
+    """Each torch record's ``drop``: env values (inputs, torch results) that nothing from that
+    record on reads."""
+    keep = set(output_slots)
+    drops: dict[int, list[int]] = {}
+    for s in set(pc.slot_read) | set(pc.last_read):
+        if s in keep or s in pc.consts or s < 0:
+            continue
+        k = max(pc.slot_read.get(s, -1), pc.last_read.get(s, -1))
+        nxt = next((i for i, j in enumerate(pc.torch_at) if j > k), None)
+        if nxt is not None:
+            drops.setdefault(nxt, []).append(s)
+    return [fb._replace(drop=tuple(drops.get(i, ()))) for i, fb in enumerate(fallbacks)]
+
+
+class PlanContext:
+    """What planners build a program with (see :mod:`kiln.engine.program_ops`)."""
+
+    def __init__(self, consts: dict):
+        self.consts = consts
+        self.prog: list[int] = []
+        self.fparams: list[float] = []
+        self.table: list[int] = [0]  # buffer 0: the arena
+        self.arena_buf = 0
+        self.keep: list = []
+        self.vals: dict[int, Val] = {}
+        self.step = 0
+        self.born: dict[int, int] = {}
+        self.last_read: dict[int, int] = {}  # slot or root -> last step reading it
+        self.alias: dict[int, list[int]] = {}
+        self.arena_roots: dict[int, int] = {}  # root -> size in floats
+        self.arena_off: dict[int, int] = {}
+        self.torch_at: list[int] = []  # the step of each torch record
+        self.slot_read: dict[int, int] = {}  # env slot -> last torch record step reading it
+        self._next_tmp = -2
+        self._patches: list[tuple[int, int]] = []  # (program position, arena root)
+        self.buf_src: dict[int, tuple[int, bool]] = {}  # buffer -> (slot, is a constant)
+
+    def new_buf(self, src: tuple | None = None) -> int:
+        """A buffer filled per call; ``src`` = (slot, False): the env value it is."""
+        self.table.append(0)
+        if src is not None:
+            self.buf_src[len(self.table) - 1] = src
+        return len(self.table) - 1
+
+    def fixed(self, t: torch.Tensor, slot: int | None = None) -> int:
+        """A buffer whose address is fixed (a constant: ``slot`` its slot)."""
+        self.keep.append(t)
+        self.table.append(t.data_ptr())
+        if slot is not None:
+            self.buf_src[len(self.table) - 1] = (slot, True)
+        return len(self.table) - 1
+
+    def fparam(self, *xs: float) -> int:
+        self.fparams += [float(x) for x in xs]
+        return len(self.fparams) - len(xs)
+
+    def alloc(self, shape, strides=None) -> Val:
+        """A new value in the arena (a fresh root)."""
+        root = self._next_tmp
+        self._next_tmp -= 1
+        self.arena_roots[root] = (math.prod(shape) + 15) // 16 * 16
+        self.born[root] = self.step
+        return Val(tuple(shape), tuple(strides or contiguous_strides(shape)), self.arena_buf,
+                   0, root)
+
+    def read_slot(self, s: int) -> None:
+        self.slot_read[s] = self.step
+
+    def read(self, *vals) -> None:
+        """Note that the current step reads these values."""
+        for v in vals:
+            if v is not None:
+                self.last_read[v.root] = max(self.last_read.get(v.root, 0), self.step)
+
+    def place_arena(self) -> int:
+        """Arena offsets for every arena root (first fit, space reused after a value's last
+        reader), patched into the records; returns the arena size in floats."""
+        for s, rs in self.alias.items():  # a torch view of several values keeps them all
+            for r in rs:
+                self.last_read[r] = max(self.last_read.get(r, 0), self.last_read.get(s, 0))
+        spans = sorted((self.born[r], max(self.last_read.get(r, self.born[r]), self.born[r]),
+                        r) for r in self.arena_roots)
+        live: list[tuple[int, int, int]] = []  # (offset, size, dies)
+        end = 0
+        for b, d, r in spans:
+            live = [x for x in live if x[2] >= b]
+            size = self.arena_roots[r]
+            off, taken = 0, sorted(live)
+            for o, sz, _ in taken:
+                if off + size <= o:
+                    break
+                off = max(off, o + sz)
+            self.arena_off[r] = off
+            live.append((off, size, d))
+            end = max(end, off + size)
+        for pos, root in self._patches:
+            self.prog[pos] += self.arena_off[root]
+        return end
+
+    def put(self, rec: list, v: Val | None) -> None:
+        """Append ``v``'s (buffer, offset) to the record being built, noting the read; an arena
+        value's offset is patched in once the arena is laid out (after a marker that
+        :meth:`emit` takes out)."""
+        if v is None:
+            rec += [-1, 0]
+            return
+        self.read(v)
+        rec += [v.buf, v.off]
+        if v.buf == self.arena_buf and v.root in self.arena_roots:
+            rec.append(_ArenaMark(v.root))
+
+    def emit(self, rec: list) -> None:
+        """Append a finished record to the program."""
+        for x in rec:
+            if isinstance(x, _ArenaMark):
+                self._patches.append((len(self.prog) - 1, x.root))
+            else:
+                self.prog.append(x)
+
+
+class _ArenaMark(NamedTuple):
+    root: int

@@ -1,0 +1,396 @@
+"""Planners of native program records, one table keyed by op (see :mod:`kiln.engine.program`).
+
+A planner ``(pc, step, ins, outs) -> [Val] | None`` gets the step's inputs as program values
+(None where one is not a float32 value the interpreter can read) and the traced ``Meta`` of its
+outputs; it emits records through ``pc`` and returns the output values, or returns None having
+emitted nothing, and the step runs as a torch record. Views (reshapes of contiguous values,
+transposes) emit nothing at all.
+"""
+
+from __future__ import annotations
+
+import json
+
+from kiln import native
+from kiln.engine.program import (
+    Val,
+    channels_last_strides,
+    contiguous_strides,
+    is_channels_last,
+    is_contiguous,
+)
+from kiln.ir import REGISTRY
+from kiln.ops import fused_conv as FC
+from kiln.ops import fused_transformer as FT
+from kiln.ops import math as M
+from kiln.ops import nn as N
+from kiln.ops import tensor as T
+
+OP_PW, OP_POOL, OP_DW, OP_WINO, OP_GEMM = 4, 5, 6, 7, 1
+RANK = 6
+
+
+# ---- elementwise records ----------------------------------------------------------------------
+
+def _bstrides(v: Val, shape: tuple) -> list:
+    """``v``'s strides over ``shape`` (ONNX broadcasting: aligned right, size-1 dims read 0)."""
+    k = len(shape) - len(v.shape)
+    return [0 if d < k or v.shape[d - k] == 1 else v.strides[d - k] for d in range(len(shape))]
+
+
+def _collapse(shape, strides: list[list]) -> tuple[list, list[list]]:
+    """Size-1 dims dropped and neighbours merged where every operand steps evenly across them."""
+    dims = [d for d in range(len(shape)) if shape[d] != 1]
+    sh = [shape[d] for d in dims]
+    ss = [[s[d] for d in dims] for s in strides]
+    d = len(sh) - 2
+    while d >= 0:
+        if all(s[d] == s[d + 1] * sh[d + 1] for s in ss):
+            sh[d:d + 2] = [sh[d] * sh[d + 1]]
+            for s in ss:
+                s[d:d + 2] = [s[d + 1]]
+        d -= 1
+    return sh, ss
+
+
+def _pad(xs: list) -> list:
+    return list(xs) + [0] * (RANK - len(xs))
+
+
+def emit_pw(pc, code: int, y: Val, a: Val, b: Val | None = None, p0=0.0, p1=0.0) -> bool:
+    """One elementwise record ``y = op(a[, b])``; False (nothing emitted) past 6 dims."""
+    ops = [y.strides, _bstrides(a, y.shape)] + ([_bstrides(b, y.shape)] if b else [])
+    shape, ss = _collapse(y.shape, [list(s) for s in ops])
+    if len(shape) > RANK:
+        return False
+    rec = [OP_PW, code, len(shape), *_pad(shape)]
+    pc.put(rec, y)
+    rec += _pad(ss[0])
+    pc.put(rec, a)
+    rec += _pad(ss[1])
+    pc.put(rec, b)
+    rec += _pad(ss[2] if b else [])
+    rec.append(pc.fparam(p0, p1))
+    pc.emit(rec)
+    return True
+
+
+def emit_copy(pc, src: Val, dst: Val) -> bool:
+    return emit_pw(pc, native.POINTWISE["Copy"], dst, src)
+
+
+def _dense_like(shape: tuple, *vs: Val | None) -> tuple:
+    """Strides for a new value of ``shape``: channels-last when an input of that shape is."""
+    if len(shape) == 4 and any(v is not None and v.shape == shape and is_channels_last(v)
+                               and not is_contiguous(v) for v in vs):
+        return channels_last_strides(shape)
+    return contiguous_strides(shape)
+
+
+def _float_ins(ins, n: int) -> bool:
+    return len(ins) >= n and all(v is not None for v in ins[:n])
+
+
+def _const_scalar(pc, st, i: int):
+    """Input ``i`` of the step as a Python float when it is a constant of one element."""
+    if len(st.ins) <= i or st.ins[i] < 0:
+        return None
+    c = pc.consts.get(st.ins[i])
+    if c is None or not hasattr(c, "numel") or c.numel() != 1:
+        return False
+    return float(c.reshape(-1)[0])
+
+
+def _elementwise(name: str):
+    code = native.POINTWISE[name]
+    binary = name in native.BINARY
+
+    def plan(pc, st, ins, outs):
+        if len(outs) != 1 or not _float_ins(ins, 2 if binary else 1) or (
+                binary and len(ins) != 2):
+            return None
+        p0, p1 = _params(name, pc, st)
+        if p0 is None:
+            return None
+        shape = outs[0].shape
+        y = pc.alloc(shape, _dense_like(shape, *ins))
+        if not emit_pw(pc, code, y, ins[0], ins[1] if binary else None, p0, p1):
+            return None
+        return [y]
+    return plan
+
+
+def _params(name: str, pc, st) -> tuple:
+    """(p0, p1) of an elementwise op, (None, None) where they are not constant."""
+    a = st.node.attrs
+    if name == "LeakyRelu":
+        return (0.01 if a.alpha is None else a.alpha), 0.0
+    if name == "HardSigmoid":
+        return (0.2 if a.alpha is None else a.alpha), (0.5 if a.beta is None else a.beta)
+    if name == "Clip":
+        lo, hi = _const_scalar(pc, st, 1), _const_scalar(pc, st, 2)
+        if lo is False or hi is False:
+            return None, None
+        if len(st.ins) <= 1 and getattr(a, "min", None) is not None:
+            lo = a.min
+        if len(st.ins) <= 2 and getattr(a, "max", None) is not None:
+            hi = a.max
+        return (float("-inf") if lo is None else lo), (float("inf") if hi is None else hi)
+    return 0.0, 0.0
+
+
+_OP_NAMES = {M.Add: "Add", M.Sub: "Sub", M.Mul: "Mul", M.Div: "Div", M.Max: "Max", M.Min: "Min",
+             M.PRelu: "PRelu", M.Relu: "Relu", M.Sigmoid: "Sigmoid", M.Tanh: "Tanh",
+             M.Exp: "Exp", M.Neg: "Neg", M.Abs: "Abs", M.Sqrt: "Sqrt",
+             M.Reciprocal: "Reciprocal", M.LeakyRelu: "LeakyRelu",
+             M.HardSigmoid: "HardSigmoid", M.HardSwish: "HardSwish", M.Clip: "Clip"}
+
+
+def _fused_pointwise(pc, st, ins, outs):
+    """FusedPointwise's program as one record per step, its intermediates in the arena."""
+    steps = json.loads(st.node.attrs.program)
+    if len(outs) != 1 or any(v is None for v in ins):
+        return None
+    names = [_OP_NAMES.get(REGISTRY.get("", op)) for op, _ in steps]
+    if any(n is None or n == "Clip" for n in names):
+        return None
+    vals: list[Val] = []
+    for i, ((_, refs), name) in enumerate(zip(steps, names)):
+        args = [vals[int(r[1:])] if r[0] == "s" else ins[int(r[1:])] for r in refs]
+        if len(args) != (2 if name in native.BINARY else 1):
+            return None
+        shape = outs[0].shape if i == len(steps) - 1 else _broadcast(*args)
+        y = pc.alloc(shape, _dense_like(shape, *args))
+        if not emit_pw(pc, native.POINTWISE[name], y, *args):
+            return None  # (records already emitted write arena values nothing reads)
+        vals.append(y)
+    return [vals[-1]]
+
+
+def _broadcast(*vs: Val) -> tuple:
+    rank = max(len(v.shape) for v in vs)
+    out = []
+    for d in range(rank):
+        sizes = {v.shape[d - rank + len(v.shape)] for v in vs if d - rank + len(v.shape) >= 0}
+        out.append(max(sizes))
+    return tuple(out)
+
+
+# ---- views and copies -------------------------------------------------------------------------
+
+def _reshape(pc, st, ins, outs):
+    """Reshape, Flatten, Squeeze, Unsqueeze, Identity: a view of a contiguous value, else a
+    contiguous copy seen in the new shape."""
+    x = ins[0]
+    if x is None or len(outs) != 1:
+        return None
+    shape = outs[0].shape
+    if not is_contiguous(x):
+        y = pc.alloc(x.shape)
+        if not emit_copy(pc, x, y):
+            return None
+        x = y
+    return [Val(shape, contiguous_strides(shape), x.buf, x.off, x.root)]
+
+
+def _identity(pc, st, ins, outs):
+    return None if ins[0] is None or len(outs) != 1 else [ins[0]]
+
+
+def _transpose(pc, st, ins, outs):
+    x = ins[0]
+    if x is None or len(outs) != 1:
+        return None
+    perm = st.node.attrs.perm or list(reversed(range(len(x.shape))))
+    return [Val(tuple(x.shape[p] for p in perm), tuple(x.strides[p] for p in perm), x.buf,
+                x.off, x.root)]
+
+
+def _concat(pc, st, ins, outs):
+    if len(outs) != 1 or not ins or any(v is None for v in ins):
+        return None
+    shape = outs[0].shape
+    axis = st.node.attrs.axis % len(shape)
+    y = pc.alloc(shape, _concat_strides(shape, ins[0]))
+    start = 0
+    for v in ins:
+        part = Val(v.shape, y.strides, y.buf, y.off + start * y.strides[axis], y.root)
+        if v.shape[axis] and not emit_copy(pc, v, part):
+            return None
+        start += v.shape[axis]
+    return [y]
+
+
+def _concat_strides(shape, first: Val) -> tuple:
+    if len(shape) == 4 and is_channels_last(first) and not is_contiguous(first):
+        return channels_last_strides(shape)
+    return contiguous_strides(shape)
+
+
+def _pad_op(pc, st, ins, outs):
+    """Constant Pad with non-negative constant pads: the fill, then the input copied in."""
+    x = ins[0]
+    if x is None or len(outs) != 1 or (st.node.attrs.mode or "constant") != "constant":
+        return None
+    consts = [pc.consts.get(i) if i >= 0 else None for i in st.ins[1:]]
+    if len(st.ins) < 2 or consts[0] is None or any(
+            st.ins[k + 1] >= 0 and c is None for k, c in enumerate(consts)):
+        return None
+    pads = [int(p) for p in consts[0].reshape(-1).tolist()]
+    rank = len(x.shape)
+    axes = list(range(rank)) if len(consts) < 3 or consts[2] is None else [
+        int(a) % rank for a in consts[2].reshape(-1).tolist()]
+    if min(pads, default=0) < 0 or len(pads) != 2 * len(axes):
+        return None
+    value = 0.0
+    if len(consts) > 1 and consts[1] is not None and consts[1].numel():
+        value = float(consts[1].reshape(-1)[0])
+    before = [0] * rank
+    for j, a in enumerate(axes):
+        before[a] = pads[j]
+    shape = outs[0].shape
+    y = pc.alloc(shape, _dense_like(shape, x))
+    fill = _scalar(pc, value)
+    if not emit_copy(pc, fill, y):
+        return None
+    start = sum(b * s for b, s in zip(before, y.strides))
+    if not emit_copy(pc, x, Val(x.shape, y.strides, y.buf, y.off + start, y.root)):
+        return None
+    return [y]
+
+
+def _scalar(pc, value: float) -> Val:
+    import torch
+
+    t = torch.tensor(value, dtype=torch.float32)
+    return Val((), (), pc.fixed(t), 0, -1)
+
+
+# ---- pooling ----------------------------------------------------------------------------------
+
+def _pool(kind: str):
+    def plan(pc, st, ins, outs):
+        x = ins[0]
+        if x is None or len(x.shape) != 4 or len(outs) != 1:
+            return None
+        a = st.node.attrs
+        k, s, d, p = N.spatial_attrs(a, 2)
+        ceil = bool(getattr(a, "ceil_mode", 0))
+        _, pb, _ = N.window_geometry(list(x.shape[2:]), k, s, d, p, a.auto_pad, ceil)
+        mode = kind
+        if kind == "avg":
+            mode = "avg_pad" if a.count_include_pad else "avg"
+            if mode == "avg_pad" and ceil:
+                return None  # a clipped last window's divisor: left to torch
+        return _emit_pool(pc, mode, x, outs[0].shape, k, s, d, pb)
+    return plan
+
+
+def _global_pool(kind: str):
+    def plan(pc, st, ins, outs):
+        x = ins[0]
+        if x is None or len(x.shape) != 4 or len(outs) != 1:
+            return None
+        h, w = x.shape[2:]
+        return _emit_pool(pc, kind, x, outs[0].shape, (h, w), (1, 1), (1, 1), (0, 0))
+    return plan
+
+
+def _emit_pool(pc, kind, x: Val, shape, k, s, d, pb):
+    y = pc.alloc(shape, _dense_like(shape, x) if len(shape) != 4 or not is_channels_last(x)
+                 else channels_last_strides(shape))
+    rec = [OP_POOL, native.POOLS[kind], *x.shape, *shape[2:], *k, *s, *d, *pb]
+    pc.put(rec, x)
+    rec += list(x.strides)
+    pc.put(rec, y)
+    rec += list(y.strides)
+    pc.emit(rec)
+    return [y]
+
+
+# ---- convolutions by kiln's kernels -----------------------------------------------------------
+
+def _fused_conv(pc, st, ins, outs):
+    """A FusedConv whose tactic at this shape is one of kiln's kernels (its function, with the
+    packed weight, is in the node's cache since the traced run); oneDNN's run as torch
+    records."""
+    x, r = ins[0], (ins[3] if len(ins) > 3 else None)
+    if x is None or len(x.shape) != 4 or len(outs) != 1:
+        return None
+    if len(st.ins) > 3 and st.ins[3] >= 0 and r is None:
+        return None
+    key = (x.shape, None if r is None else r.shape)
+    fn = (st.call.cache.get("conv_plans") or {}).get(key)
+    params = getattr(fn, "native", None)
+    if params is None:
+        return None
+    shape = outs[0].shape
+    xs = _nhwc(pc, x)
+    rs = None if r is None else _nhwc(pc, r)
+    y = pc.alloc(shape, channels_last_strides(shape))
+    kind = params["kind"]
+    if kind == "gemm":
+        sh, sw = params["stride"]
+        if (sh, sw) != (1, 1):  # the pixels a strided 1x1 conv reads, gathered
+            xs = Val((n := xs.shape[0], xs.shape[1], *shape[2:]), (xs.strides[0], xs.strides[1],
+                     xs.strides[2] * sh, xs.strides[3] * sw), xs.buf, xs.off, xs.root)
+            g = pc.alloc(xs.shape, channels_last_strides(xs.shape))
+            emit_copy(pc, xs, g)
+            xs = g
+        return _emit_gemm_conv(pc, params, xs, rs, y)
+    rec = [OP_DW if kind == "depthwise" else OP_WINO]
+    n, c, h, w = x.shape
+    ho, wo = shape[2:]
+    pt, pl = params["pad"]
+    if kind == "depthwise":
+        rec += [n, h, w, c, ho, wo, *params["kernel"], *params["stride"], *params["dilation"],
+                pt, pl]
+    else:
+        rec += [n, h, w, c, shape[1], ho, wo, pt, pl]
+    pc.put(rec, xs)
+    rec += [pc.fixed(params["weight"]), _bias(pc, params)]
+    pc.put(rec, rs)
+    pc.put(rec, y)
+    rec += [params["act"], pc.fparam(params["lo"], params["hi"])]
+    pc.emit(rec)
+    return [y]
+
+
+def _emit_gemm_conv(pc, params, xs: Val, rs: Val | None, y: Val):
+    n, c, h, w = xs.shape
+    k_out = y.shape[1]
+    rows = n * h * w
+    rec = [OP_GEMM, rows, k_out, c]
+    pc.put(rec, xs)
+    rec += [c, pc.fixed(params["weight"]), _bias(pc, params)]
+    pc.put(rec, rs)
+    rec.append(k_out)
+    pc.put(rec, y)
+    rec += [k_out, params["act"], pc.fparam(params["lo"], params["hi"])]
+    pc.emit(rec)
+    return [y]
+
+
+def _bias(pc, params) -> int:
+    b = params.get("bias")
+    return -1 if b is None else pc.fixed(b)
+
+
+def _nhwc(pc, v: Val) -> Val:
+    """``v`` (a 4-D value) channels-last, copied into that layout where it is not."""
+    if is_channels_last(v):
+        return v
+    y = pc.alloc(v.shape, channels_last_strides(v.shape))
+    emit_copy(pc, v, y)
+    return y
+
+
+PLANNERS = {op: _elementwise(name) for op, name in _OP_NAMES.items()}
+PLANNERS.update({
+    FT.FusedPointwise: _fused_pointwise,
+    T.Reshape: _reshape, T.Flatten: _reshape, T.Squeeze: _reshape, T.Unsqueeze: _reshape,
+    T.Identity: _identity, T.Transpose: _transpose, T.Concat: _concat, T.Pad: _pad_op,
+    N.MaxPool: _pool("max"), N.AveragePool: _pool("avg"),
+    N.GlobalAveragePool: _global_pool("avg"), N.GlobalMaxPool: _global_pool("max"),
+    FC.FusedConv: _fused_conv,
+})

@@ -1,0 +1,165 @@
+/* Elementwise ops over strided tensors (up to PW_RANK dims): y = op(a) or y = op(a, b), where
+ * every operand has its own strides over y's index space (0 where it broadcasts), so one kernel
+ * covers activations, ONNX-broadcasting arithmetic, transposing copies and writing into a slice
+ * (concatenation). The vector math is kernels.h's (the GEMM epilogue's), so an activation run
+ * here and one fused into a GEMM agree. */
+#include "kernels.h"
+
+/* op codes: 0-9 are the ACT_* codes (0: a copy); then unary 10+, binary 32+ */
+enum { PW_EXP = 10, PW_NEG, PW_ABS, PW_SQRT, PW_RECIP, PW_HARD_SIGMOID };
+enum { PW_ADD = 32, PW_SUB, PW_MUL, PW_DIV, PW_MAX, PW_MIN, PW_PRELU };
+
+TGT static inline __m256 unary8(int op, __m256 a, float p0, float p1)
+{
+    switch (op) {
+    case PW_EXP: return exp256(a);
+    case PW_NEG: return _mm256_sub_ps(_mm256_setzero_ps(), a);
+    case PW_ABS: return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a);
+    case PW_SQRT: return _mm256_sqrt_ps(a);
+    case PW_RECIP: return _mm256_div_ps(_mm256_set1_ps(1.0f), a);
+    case PW_HARD_SIGMOID:  /* max(0, min(1, alpha x + beta)) */
+        return _mm256_min_ps(_mm256_set1_ps(1.0f), _mm256_max_ps(
+            _mm256_setzero_ps(), _mm256_fmadd_ps(a, _mm256_set1_ps(p0), _mm256_set1_ps(p1))));
+    default: return act256(a, op, p0, p1);
+    }
+}
+
+TGT static inline __m256 binary8(int op, __m256 a, __m256 b)
+{
+    switch (op) {
+    case PW_ADD: return _mm256_add_ps(a, b);
+    case PW_SUB: return _mm256_sub_ps(a, b);
+    case PW_MUL: return _mm256_mul_ps(a, b);
+    case PW_DIV: return _mm256_div_ps(a, b);
+    /* NaN in either operand gives NaN, as torch.maximum/minimum do */
+    case PW_MAX: {
+        __m256 m = _mm256_max_ps(a, b), nan = _mm256_cmp_ps(a, b, _CMP_UNORD_Q);
+        return _mm256_blendv_ps(m, _mm256_add_ps(a, b), nan);
+    }
+    case PW_MIN: {
+        __m256 m = _mm256_min_ps(a, b), nan = _mm256_cmp_ps(a, b, _CMP_UNORD_Q);
+        return _mm256_blendv_ps(m, _mm256_add_ps(a, b), nan);
+    }
+    case PW_PRELU:
+        return _mm256_blendv_ps(a, _mm256_mul_ps(a, b),
+                                _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ));
+    default: return a;
+    }
+}
+
+TGT static inline __m256 load8(const float *p, long s, long n)
+{
+    if (s == 1 && n == 8)
+        return _mm256_loadu_ps(p);
+    if (s == 0)
+        return _mm256_set1_ps(*p);
+    float t[8] = {0};
+    for (long j = 0; j < n; j++)
+        t[j] = p[j * s];
+    return _mm256_loadu_ps(t);
+}
+
+/* Elements [j, n) of a row, any strides, 8 at a time (the tail and odd strides). */
+TGT static void row_tail(int op, long j, long n, float *y, long sy, const float *a, long sa,
+                         const float *b, long sb, float p0, float p1)
+{
+    for (; j < n; j += 8) {
+        long m = n - j < 8 ? n - j : 8;
+        __m256 va = load8(a + j * sa, sa, m);
+        __m256 v = b ? binary8(op, va, load8(b + j * sb, sb, m)) : unary8(op, va, p0, p1);
+        if (sy == 1 && m == 8) {
+            _mm256_storeu_ps(y + j, v);
+        } else {
+            float t[8];
+            _mm256_storeu_ps(t, v);
+            for (long k = 0; k < m; k++)
+                y[(j + k) * sy] = t[k];
+        }
+    }
+}
+
+/* Whole vectors of a row whose output is contiguous and whose operands are contiguous or
+ * broadcast (stride 0): one loop per op, so that the op's switch folds away. Returns where it
+ * stopped. */
+#define LD(p, s, j) ((s) ? _mm256_loadu_ps((p) + (j)) : _mm256_set1_ps(*(p)))
+#define UN(code) case code: \
+    for (; j + 8 <= n; j += 8) \
+        _mm256_storeu_ps(y + j, unary8(code, LD(a, sa, j), p0, p1)); \
+    break;
+#define BIN(code) case code: \
+    for (; j + 8 <= n; j += 8) \
+        _mm256_storeu_ps(y + j, binary8(code, LD(a, sa, j), LD(b, sb, j))); \
+    break;
+
+TGT static long row_fast(int op, long n, float *y, const float *a, long sa, const float *b,
+                         long sb, float p0, float p1)
+{
+    long j = 0;
+    switch (op) {
+    UN(0) UN(ACT_RELU) UN(ACT_GELU) UN(ACT_GELU_TANH) UN(ACT_SIGMOID) UN(ACT_SILU) UN(ACT_TANH)
+    UN(ACT_CLIP) UN(ACT_LEAKY_RELU) UN(ACT_HARD_SWISH) UN(PW_EXP) UN(PW_NEG) UN(PW_ABS)
+    UN(PW_SQRT) UN(PW_RECIP) UN(PW_HARD_SIGMOID)
+    BIN(PW_ADD) BIN(PW_SUB) BIN(PW_MUL) BIN(PW_DIV) BIN(PW_MAX) BIN(PW_MIN) BIN(PW_PRELU)
+    default: break;
+    }
+    return j;
+}
+
+/* One row of n elements along the innermost dim. */
+TGT static void row(int op, long n, float *y, long sy, const float *a, long sa, const float *b,
+                    long sb, float p0, float p1)
+{
+    long j = 0;
+    if (sy == 1 && (sa == 0 || sa == 1) && (!b || sb == 0 || sb == 1))
+        j = row_fast(op, n, y, a, sa, b, sb, p0, p1);
+    row_tail(op, j, n, y, sy, a, sa, b, sb, p0, p1);
+}
+
+static void outer_row(int op, int rank, const long *shape, long o, float *y, const long *sy,
+                      const float *a, const long *sa, const float *b, const long *sb, float p0,
+                      float p1);
+
+/* shape[rank] and the strides (in elements) of y, a and b (b NULL for a unary op) over it. */
+void kiln_pointwise(int op, int rank, const long *shape, float *y, const long *sy,
+                    const float *a, const long *sa, const float *b, const long *sb, float p0,
+                    float p1, int nthreads)
+{
+    if (rank < 1) {  /* a scalar */
+        row(op, 1, y, 1, a, 1, b, 1, p0, p1);
+        return;
+    }
+    long inner = shape[rank - 1], outer = 1;
+    for (int d = 0; d < rank - 1; d++)
+        outer *= shape[d];
+    if (outer * inner == 0)
+        return;
+    int nt = outer * inner >= (1L << 16) && outer > 1 ? nthreads : 1;
+    if (nt > 1) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (long o = 0; o < outer; o++)
+            outer_row(op, rank, shape, o, y, sy, a, sa, b, sb, p0, p1);
+        return;
+    }
+    for (long o = 0; o < outer; o++)
+        outer_row(op, rank, shape, o, y, sy, a, sa, b, sb, p0, p1);
+}
+
+/* Row o of the dims before the innermost one. */
+static void outer_row(int op, int rank, const long *shape, long o, float *y, const long *sy,
+                      const float *a, const long *sa, const float *b, const long *sb, float p0,
+                      float p1)
+{
+    {
+        long r = o, oy = 0, oa = 0, ob = 0;
+        for (int d = rank - 2; d >= 0; d--) {
+            long i = r % shape[d];
+            r /= shape[d];
+            oy += i * sy[d];
+            oa += i * sa[d];
+            if (b)
+                ob += i * sb[d];
+        }
+        row(op, shape[rank - 1], y + oy, sy[rank - 1], a + oa, sa[rank - 1],
+            b ? b + ob : NULL, b ? sb[rank - 1] : 0, p0, p1);
+    }
+}

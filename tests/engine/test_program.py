@@ -1,0 +1,154 @@
+"""Native programs (kiln.engine.program): a CPU engine's steps run by kiln's C interpreter,
+with torch records for the ops it has no planner for. Outputs match onnxruntime and the
+executor's own Python loop; what runs natively and what as torch records is counted."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import kiln
+from bench.dispatch import chain_model
+from kiln import native
+
+pytestmark = pytest.mark.skipif(not native.available, reason=native.why_not or "no native")
+
+
+def _init(rng, name, *shape, scale=0.3):
+    return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+
+def _cnn() -> onnx.ModelProto:
+    """conv 3x3 -> HardSwish -> Pad + depthwise 3x3 s2 (asymmetric) -> Relu -> max pool ->
+    concat with an avg pool -> Softmax (a torch record) -> transpose -> reshape -> Mul by a
+    broadcast constant -> Sigmoid."""
+    rng = np.random.default_rng(0)
+    inits = [_init(rng, "w1", 16, 3, 3, 3), _init(rng, "b1", 16), _init(rng, "w2", 16, 1, 3, 3),
+             _init(rng, "b2", 16), _init(rng, "s", 32),
+             numpy_helper.from_array(np.array([0, 0, 0, 0, 0, 0, 1, 1], np.int64), "pads"),
+             numpy_helper.from_array(np.array([1, -1, 32], np.int64), "shape")]
+    mk = helper.make_node
+    nodes = [
+        mk("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        mk("HardSwish", ["c1"], ["h1"], name="hs1"),
+        mk("Pad", ["h1", "pads"], ["p1"], name="pad"),
+        mk("Conv", ["p1", "w2", "b2"], ["c2"], group=16, strides=[2, 2], name="dw"),
+        mk("Relu", ["c2"], ["r2"], name="relu2"),
+        mk("MaxPool", ["r2"], ["m"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="maxpool"),
+        mk("AveragePool", ["r2"], ["a"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="avgpool"),
+        mk("Concat", ["m", "a"], ["cat"], axis=1, name="concat"),
+        mk("Softmax", ["cat"], ["sm"], axis=1, name="softmax"),
+        mk("Transpose", ["sm"], ["t"], perm=[0, 2, 3, 1], name="transpose"),
+        mk("Reshape", ["t", "shape"], ["rs"], name="reshape"),
+        mk("Mul", ["rs", "s"], ["ms"], name="mul"),
+        mk("Sigmoid", ["ms"], ["y"], name="sigmoid"),
+    ]
+    g = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, 3, 12, 12])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _build(model, tmp_path):
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    engine = kiln.Builder(kiln.BuilderConfig(device="cpu")).build(str(path))
+    return engine, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _plan(program):
+    plans = [p for p in program.plans.values() if p]
+    assert len(plans) == 1
+    return plans[0]
+
+
+def _err(got, want) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("model", ["cnn", "chain"])
+def test_program_matches_onnxruntime_and_the_python_loop(model, tmp_path):
+    m = _cnn() if model == "cnn" else chain_model(60, (1, 8, 4, 4))
+    engine, sess = _build(m, tmp_path)
+    shape = (1, 3, 12, 12) if model == "cnn" else (1, 8, 4, 4)
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    ctx = engine.create_context()
+    out = engine.outputs[0].name
+    traced = ctx.run({"x": x})[out]  # the first run of a signature is the traced one
+    got = [ctx.run({"x": x})[out] for _ in range(3)]
+    want = sess.run(None, {"x": x})[0]
+    program = engine._executor.program
+    assert program.traced == 1
+    for g in [traced, *got]:
+        assert _err(g, want) <= 1e-5
+    engine._executor.program = None  # the Python loop, for the same engine
+    assert _err(ctx.run({"x": x})[out], got[0]) <= 1e-5
+    plan = _plan(program)
+    torch_ops = Counter(fb.step.node.op.name for fb in plan.fallbacks)
+    if model == "chain":
+        assert not torch_ops  # every layer a native record
+    else:
+        assert set(torch_ops) <= {"Softmax", "FusedConv"}, torch_ops  # FusedConv: oneDNN picks
+        assert torch_ops["Softmax"] == 1
+
+
+def test_program_plans_per_signature(tmp_path):
+    m = chain_model(20, ("n", 4))  # a dynamic batch
+    m.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "n"
+    m.graph.output[0].type.tensor_type.shape.dim[0].dim_param = "n"
+    engine, sess = _build(m, tmp_path)
+    ctx = engine.create_context()
+    for n in (1, 3, 1, 3):
+        x = np.random.default_rng(n).standard_normal((n, 4)).astype(np.float32)
+        assert _err(ctx.run({"x": x})["y"], sess.run(None, {"x": x})[0]) <= 1e-5
+    assert engine._executor.program.traced == 2
+
+
+def test_program_outputs_are_fresh_tensors(tmp_path):
+    """An output is never the arena's memory: a later run does not change an earlier result."""
+    engine, _ = _build(chain_model(10, (1, 4)), tmp_path)
+    ctx = engine.create_context()
+    x = np.ones((1, 4), np.float32)
+    ctx.run({"x": x})
+    first = ctx.run({"x": x})["y"]
+    keep = first.copy()
+    ctx.run({"x": -x})
+    assert np.array_equal(first, keep)
+
+
+def test_torch_record_reads_views_of_torch_results_and_constants(tmp_path):
+    """Softmax (a torch record) -> Reshape (a view, no record) -> Softmax: the second torch
+    record gets a tensor viewing the first one's result; likewise for a reshaped constant."""
+    rng = np.random.default_rng(0)
+    mk = helper.make_node
+    inits = [numpy_helper.from_array(np.array([2, 12], np.int64), "shape"),
+             numpy_helper.from_array(rng.standard_normal((3, 8)).astype(np.float32), "c"),
+             numpy_helper.from_array(np.array([2, 12], np.int64), "shape2")]
+    nodes = [mk("Softmax", ["x"], ["s1"], axis=-1), mk("Reshape", ["s1", "shape"], ["r"]),
+             mk("Softmax", ["r"], ["s2"], axis=-1), mk("Reshape", ["c", "shape2"], ["rc"]),
+             mk("Erf", ["rc"], ["e"]), mk("Add", ["s2", "e"], ["y"])]
+    g = helper.make_graph(nodes, "views", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [4, 6])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, [2, 12])], inits)
+    engine, sess = _build(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]),
+                          tmp_path)
+    ctx = engine.create_context()
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+    for _ in range(3):
+        assert _err(ctx.run({"x": x})["y"], sess.run(None, {"x": x})[0]) <= 1e-5
+
+
+def test_plan_of_large_layers_runs_on_the_python_loop(tmp_path):
+    """Layers of 2^18 elements: dispatch does not matter there, the plan is declined (False)
+    and the executor's loop runs the signature, with the same outputs."""
+    engine, sess = _build(chain_model(6, (1, 16, 128, 128)), tmp_path)
+    ctx = engine.create_context()
+    x = np.random.default_rng(0).standard_normal((1, 16, 128, 128)).astype(np.float32)
+    for _ in range(2):
+        assert _err(ctx.run({"x": x})["y"], sess.run(None, {"x": x})[0]) <= 1e-5
+    assert list(engine._executor.program.plans.values()) == [False]

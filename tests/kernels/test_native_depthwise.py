@@ -1,0 +1,113 @@
+"""kiln.native's depthwise convolution (``kiln_depthwise`` in kiln/native/depthwise.c) against
+torch's conv2d in float64 — pads per side, strides 1 and 2, dilation, odd sizes, channel counts
+that are not multiples of 8, bias, residual, activations — and FusedConv's depthwise tactic
+(timed against oneDNN; the only one for asymmetric pads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln import native
+from kiln.kernels.registry import Call
+from kiln.kernels.torch import fused_conv as FCK
+from kiln.ops import fused_conv as FC
+
+needs_native = pytest.mark.skipif(not native.available, reason=native.why_not or "no kiln.native")
+CL = torch.channels_last
+RTOL = 1e-5  # of max |reference|: a depthwise tap sum is at most 49 products in float32
+ACTS = {"": lambda y: y, "Relu": F.relu, "Clip": lambda y: y.clamp(-0.5, 0.5),
+        "HardSwish": F.hardswish, "Silu": F.silu, "Sigmoid": torch.sigmoid,
+        "LeakyRelu": lambda y: F.leaky_relu(y, 0.1)}
+
+
+def _reference(x, w, b, r, pads, stride, dil, act):
+    """pads = (top, left, bottom, right)."""
+    t, left, bot, right = pads
+    xp = F.pad(x.double(), (left, right, t, bot))
+    y = F.conv2d(xp, w.double(), None if b is None else b.double(), stride=stride,
+                 dilation=dil, groups=x.shape[1])
+    if r is not None:
+        y = y + r.double()
+    return ACTS[act](y)
+
+
+def _close(got, want):
+    assert got.shape == want.shape, (got.shape, want.shape)
+    err, scale = float((got.double() - want).abs().max()), float(want.abs().max())
+    assert err <= RTOL * scale, f"max error {err:.3g} > {RTOL} * {scale:.3g}"
+
+
+CASES = [  # N, C, H, W, k, pads (t, l, b, r), stride, dilation, bias, residual, act
+    (1, 16, 8, 8, 3, (1, 1, 1, 1), 1, 1, True, False, "Relu"),
+    (2, 24, 9, 7, 3, (0, 0, 1, 1), 2, 1, True, False, "HardSwish"),  # TF "same", stride 2
+    (1, 13, 11, 10, 5, (2, 2, 2, 2), 1, 1, False, False, "Clip"),   # 13 channels: a tail
+    (1, 40, 10, 12, 5, (1, 2, 2, 1), 2, 1, True, True, "Silu"),     # asymmetric, residual
+    (1, 8, 9, 9, 3, (2, 2, 2, 2), 1, 2, True, False, "LeakyRelu"),  # dilation 2
+    (1, 5, 4, 3, 7, (3, 3, 3, 3), 1, 1, True, False, "Sigmoid"),    # kernel wider than input
+    (3, 32, 6, 6, 3, (0, 0, 0, 0), 1, 1, True, False, ""),          # no padding
+]
+
+
+def _data(n, c, h, w, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, c, h, w, generator=g), torch.randn(c, 1, k, k, generator=g) / k,
+            torch.randn(c, generator=g), g)
+
+
+@needs_native
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:8])))
+def test_depthwise_matches_torch(case):
+    n, c, h, w, k, pads, s, d, has_b, has_r, act = case
+    x, wt, b, g = _data(n, c, h, w, k)
+    b = b if has_b else None
+    ho = (h + pads[0] + pads[2] - d * (k - 1) - 1) // s + 1
+    wo = (w + pads[1] + pads[3] - d * (k - 1) - 1) // s + 1
+    r = torch.randn(n, c, ho, wo, generator=g) if has_r else None
+    alpha, beta = {"Clip": (-0.5, 0.5), "LeakyRelu": (0.1, None)}.get(act, (None, None))
+    run = native.depthwise_fn(native.DepthwiseWeight(wt), (s, s), (d, d), b, act, alpha, beta)
+    out = torch.empty(n, ho, wo, c)
+    nhwc = x.permute(0, 2, 3, 1).contiguous()
+    rn = None if r is None else r.permute(0, 2, 3, 1).contiguous()
+    run(nhwc, pads[:2], rn, out)
+    _close(out.permute(0, 3, 1, 2), _reference(x, wt, b, r, pads, s, d, act))
+
+
+@needs_native
+def test_depthwise_checks_its_operands():
+    run = native.depthwise_fn(native.DepthwiseWeight(torch.zeros(8, 1, 3, 3)), (1, 1), (1, 1))
+    with pytest.raises(ValueError, match="do not fit"):
+        run(torch.zeros(1, 6, 6, 4), (1, 1), None, torch.empty(1, 6, 6, 8))  # 4 channels
+    with pytest.raises(ValueError, match="do not fit"):
+        run(torch.zeros(1, 6, 6, 8).transpose(1, 2), (1, 1), None, torch.empty(1, 6, 6, 8))
+    with pytest.raises(ValueError, match="DepthwiseWeight"):
+        native.DepthwiseWeight(torch.zeros(8, 2, 3, 3))
+
+
+def _call(k, pads, stride, act="", res=False, c=16):
+    a = FC.FusedConv.Attrs(kernel_shape=[k, k], pads=list(pads), strides=[stride] * 2,
+                           dilations=[1, 1], group=c, layout="nhwc", activation=act,
+                           alpha=0.0, beta=6.0, has_residual=int(res))
+    return Call(a, n_out=1, n_in=4)
+
+
+@needs_native
+@pytest.mark.parametrize("tactic", ["", "kiln", "onednn"])
+@pytest.mark.parametrize("pads", [(1, 1, 1, 1), (0, 0, 1, 1)], ids=["symmetric", "asymmetric"])
+def test_fused_conv_depthwise_tactic(fresh, tactic, pads):
+    """ONNX pads are (top, left, bottom, right); asymmetric ones run kiln's kernel whatever the
+    pin (oneDNN's entry point here takes symmetric pads only)."""
+    fresh.setattr(FCK, "_FORCED_CONV", tactic)
+    x, w, b, _ = _data(1, 16, 9, 9, 3)
+    x = x.contiguous(memory_format=CL)
+    call = _call(3, pads, 2, "Clip")
+    got = FCK.fused_conv(call, x, w, b)
+    want = _reference(x, w, b, None, (pads[0], pads[1], pads[2], pads[3]), 2, 1, "")
+    _close(got, want.clamp(0.0, 6.0))
+    assert got.is_contiguous(memory_format=CL)
+    (picked,) = call.cache["conv_tactics"].values()
+    if pads[0] != pads[2]:
+        assert picked == "kiln"
+    elif tactic:
+        assert picked == tactic

@@ -1,0 +1,115 @@
+"""kiln.native's elementwise kernel (kiln/native/pointwise.c) and pooling (pool.c) against
+torch in float64: every op, broadcasting, strided operands and outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln import native
+
+needs_native = pytest.mark.skipif(not native.available, reason=native.why_not or "no kiln.native")
+RTOL = 2e-6  # of max |reference|: exp256 is ~1 ulp, tanh = 2 sigmoid(2x) - 1 adds a rounding
+
+UNARY = {"Copy": lambda x: x, "Relu": F.relu, "Sigmoid": torch.sigmoid, "Tanh": torch.tanh,
+         "Exp": torch.exp, "Neg": torch.neg, "Abs": torch.abs, "Sqrt": lambda x: x.abs().sqrt(),
+         "Reciprocal": torch.reciprocal, "Silu": F.silu, "Gelu": F.gelu,
+         "GeluTanh": lambda x: F.gelu(x, approximate="tanh"), "HardSwish": F.hardswish,
+         "Clip": lambda x: x.clamp(-0.3, 0.4), "LeakyRelu": lambda x: F.leaky_relu(x, 0.2),
+         "HardSigmoid": lambda x: (0.2 * x + 0.5).clamp(0, 1)}
+PARAMS = {"Clip": (-0.3, 0.4), "LeakyRelu": (0.2, 0.0), "HardSigmoid": (0.2, 0.5)}
+BINARY = {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": torch.div,
+          "Max": torch.maximum, "Min": torch.minimum,
+          "PRelu": lambda a, b: torch.where(a < 0, a * b, a)}
+
+
+def _close(got, want):
+    assert got.shape == want.shape
+    err, scale = float((got.double() - want).abs().max()), float(want.abs().max())
+    assert err <= RTOL * scale, f"max error {err:.3g} > {RTOL} * {scale:.3g}"
+
+
+@needs_native
+@pytest.mark.parametrize("op", sorted(UNARY))
+def test_unary_matches_torch(op):
+    x = torch.randn(3, 5, 7, 9, generator=torch.Generator().manual_seed(0)) * 3
+    if op == "Sqrt":
+        x = x.abs()
+    if op == "Reciprocal":
+        x = x.sign() * (x.abs() + 0.5)
+    got = native.pointwise(op, x, None, *PARAMS.get(op, (0.0, 0.0)))
+    _close(got, UNARY[op](x.double()))
+
+
+@needs_native
+@pytest.mark.parametrize("op", sorted(BINARY))
+@pytest.mark.parametrize("shapes", [((2, 3, 4, 5), (2, 3, 4, 5)), ((2, 3, 4, 5), (3, 1, 1)),
+                                    ((1, 16, 1, 1), (2, 16, 7, 7)), ((5,), ()),
+                                    ((4, 1, 6), (1, 3, 1))], ids=str)
+def test_binary_broadcasts(op, shapes):
+    g = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(s, generator=g) for s in shapes)
+    if op == "Div":
+        b = b.sign() * (b.abs() + 0.5)
+    _close(native.pointwise(op, a, b), BINARY[op](a.double(), b.double()))
+
+
+@needs_native
+def test_strided_operands_and_output():
+    """Transposed and channels-last inputs, a slice as the output (how Concat writes)."""
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(2, 8, 5, 6, generator=g).contiguous(memory_format=torch.channels_last)
+    b = torch.randn(6, 5, 8, generator=g).permute(2, 1, 0)  # [8, 5, 6], strided
+    big = torch.zeros(2, 12, 5, 6)
+    out = big[:, 2:10]
+    native.pointwise("Mul", a, b, out=out)
+    _close(out, a.double() * b.double())
+    assert float(big[:, :2].abs().max()) == 0 and float(big[:, 10:].abs().max()) == 0
+    _close(native.pointwise("Tanh", a.transpose(1, 3)), torch.tanh(a.transpose(1, 3).double()))
+
+
+@needs_native
+def test_pointwise_large_runs_threaded():
+    x = torch.randn(64, 4096, generator=torch.Generator().manual_seed(3))
+    _close(native.pointwise("Sigmoid", x), torch.sigmoid(x.double()))
+
+
+@needs_native
+def test_pointwise_rejects_bad_operands():
+    with pytest.raises(ValueError, match="pointwise Add"):
+        native.pointwise("Add", torch.zeros(3), None)  # binary op, one operand
+    with pytest.raises(ValueError, match="pointwise Relu"):
+        native.pointwise("Relu", torch.zeros(3, dtype=torch.float64))
+
+
+POOL_CASES = [  # kind, N, C, H, W, kernel, stride, dilation, pads (top, left)
+    ("max", 1, 16, 9, 9, (3, 3), (2, 2), (1, 1), (1, 1)),
+    ("max", 2, 5, 8, 7, (2, 2), (2, 2), (1, 1), (0, 0)),
+    ("max", 1, 8, 9, 9, (3, 3), (1, 1), (2, 2), (1, 1)),
+    ("avg_pad", 1, 12, 7, 7, (3, 3), (1, 1), (1, 1), (1, 1)),
+    ("avg", 1, 12, 7, 7, (3, 3), (2, 2), (1, 1), (1, 1)),
+    ("avg", 2, 300, 5, 6, (5, 6), (1, 1), (1, 1), (0, 0)),  # global, more than 256 channels
+]
+
+
+def _pool_reference(kind, x, k, s, d, p):
+    xd = x.double()
+    if kind == "max":
+        return F.max_pool2d(xd, k, s, p, d)
+    return F.avg_pool2d(xd, k, s, p, count_include_pad=kind == "avg_pad")
+
+
+@needs_native
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("case", POOL_CASES, ids=lambda c: "-".join(map(str, c[:5])))
+def test_pool_matches_torch(case, layout):
+    kind, n, c, h, w, k, s, d, p = case
+    x = torch.randn(n, c, h, w, generator=torch.Generator().manual_seed(4))
+    if layout == "nhwc":
+        x = x.contiguous(memory_format=torch.channels_last)
+    want = _pool_reference(kind, x, k, s, d, p)
+    got = native.pool2d(kind, x, k, s, d, p, tuple(want.shape[2:]))
+    _close(got, want)
+    if got.shape[2] * got.shape[3] > 1:  # (a 1x1 output is both)
+        assert got.is_contiguous(memory_format=torch.channels_last) == (layout == "nhwc")
