@@ -23,6 +23,7 @@ from kiln.engine.placement import Placement, host_read_slots
 from kiln.engine.step import Step, kernel_error, store_outputs
 from kiln.errors import KilnError
 from kiln.ir import Graph, Node
+from kiln.ir.types import TensorType
 from kiln.kernels.registry import Call, kernels_for
 from kiln.kernels.torch.convert import to_torch
 
@@ -222,6 +223,11 @@ def _native_program(ex: Executor):
 
     if ex.backend != "cpu" or ex.device is not None or not native.available \
             or not SETTINGS.cpu_program:
+        return None
+    # a program is planned per input shape; integer inputs can set shapes by their values
+    # (Squeeze axes, Reshape shapes, indices), which the plan would silently keep
+    if not all(isinstance(v.type, TensorType) and v.type.dtype.is_float
+               for v in ex.graph.inputs + ex.graph.captures):
         return None
     from kiln.engine.program import Program
 

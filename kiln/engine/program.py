@@ -141,16 +141,25 @@ class Program:
         self.plans: dict = {}
         self._lock = threading.Lock()
         self.traced = 0  # traced runs (one per signature planned; tests count them)
+        self.disabled = False  # a step's output shape or layout depends on data: no programs
 
     def run(self, args: list, call) -> list | None:
         """One run, or None where this signature has no program (the executor then runs the
         steps itself). ``call(step, inputs)`` runs one step the executor's way."""
+        if self.disabled:
+            return None
         sig = tuple((tuple(x.shape), tuple(x.stride()), x.dtype) if isinstance(x, torch.Tensor)
                     else type(x) for x in args)
         plan = self.plans.get(sig)
         if plan is None:
             return self._trace(sig, args, call)
-        return None if plan is False else self._run(plan, args)
+        if plan is False:
+            return None
+        try:
+            return self._run(plan, args)
+        except _DataDependent:  # nothing the run wrote is kept: the executor runs the steps
+            self.disabled = True
+            return None
 
     # -- the traced run and planning ------------------------------------------------------------
     def _trace(self, sig, args, call) -> list:
@@ -308,7 +317,8 @@ class Program:
 
     def _fallback(self, plan, fb: _Fallback, env, arena, views, table) -> None:
         st = fb.step
-        xs = [None if i < 0 else self._value(plan, i, env, arena, views) for i in fb.ins]
+        xs = [None if i < 0 else _unshared(self._value(plan, i, env, arena, views))
+              for i in fb.ins]
         threads = torch.get_num_threads() if fb.single else 1
         if threads > 1:
             torch.set_num_threads(1)
@@ -316,6 +326,10 @@ class Program:
             out = st.fn(st.call, *xs)
         except KilnError:
             raise
+        except RuntimeError as e:
+            if "refers to a single memory location" in str(e):
+                raise _DataDependent from e  # wrote into a view the traced run did not give it
+            raise kernel_error(st, e) from e
         except Exception as e:
             raise kernel_error(st, e) from e
         finally:
@@ -325,14 +339,27 @@ class Program:
         for s, b, shape, strides in fb.native_outs:
             t = env[s]
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != _F32:
-                raise KilnError(f"node '{st.node.name}': its kernel gave "
-                                f"{type(t).__name__} {tuple(getattr(t, 'shape', ()))}, where "
-                                f"the traced run gave float32 {shape}")
+                raise _DataDependent(f"node '{st.node.name}': shape set by input values")
             if tuple(t.stride()) != strides:  # another layout than traced: the planned one
+                if any(st == 0 and n > 1 for st, n in zip(strides, shape)):
+                    raise _DataDependent(f"node '{st.node.name}': traced as a broadcast view")
                 t = env[s] = torch.empty_strided(shape, strides, dtype=_F32).copy_(t)
             table[b] = t.data_ptr()
         for s in fb.drop:
             env.pop(s, None)
+
+
+def _unshared(x):
+    """A broadcast view (a stride 0 over a dim of several elements) copied out: torch kernels
+    may write into their inputs' layout (``add_`` on a result), which such a view refuses."""
+    if isinstance(x, torch.Tensor) and any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
+        return x.contiguous()
+    return x
+
+
+class _DataDependent(Exception):
+    """A step gave another shape than in the traced run (its output shape depends on input
+    values: Range, Compress, Expand by a computed shape, ...): programs cannot be planned."""
 
 
 class _Decline(Exception):
