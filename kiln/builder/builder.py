@@ -87,7 +87,9 @@ class Builder:
         if "autotune" in self.report and getattr(self, "_tuning_complete", True):
             self._record_binaries(engine)  # a CUDA build with the Triton kernels, whose tuning
             # run took random inputs (the recording run takes the same: they would fail there)
-        if cfg.device == "cpu":
+        # random integer inputs can be trip counts or indices (a Loop of 2^62 iterations):
+        # such graphs keep their tactics to their first run
+        if cfg.device == "cpu" and all(i.dtype.is_float for i in engine.inputs):
             self._tune_cpu(engine)
             engine.build_info["build_seconds"] = round(time.perf_counter() - t0, 3)
             self.report["total_s"] = time.perf_counter() - t0
