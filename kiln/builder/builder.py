@@ -126,7 +126,6 @@ class Builder:
         in the timing cache are not timed again."""
         import json
 
-        from kiln.engine.inputs import random_inputs
         from kiln.kernels.torch import fused_conv as FCK
 
         t0 = time.perf_counter()
@@ -141,14 +140,8 @@ class Builder:
         FCK.preload_picks(cached)
         ctx = engine.create_context()
         with FCK.record_picks() as picks:
-            for k, p in enumerate(engine.profiles or [None]):
-                ctx.profile = k if p is not None else None
-                try:
-                    ctx.run(random_inputs(engine.inputs, {}, p, seed=0))
-                except Exception as e:  # random data a model cannot take (indices, k, ...)
-                    self.log(f"CPU tactics: the tuning run at profile {k} failed on random "
-                             f"inputs ({type(e).__name__}: {str(e)[:200]}); the layers it did "
-                             "not reach are timed at their first run")
+            self._run_each_profile(ctx, engine, "CPU tactics: the tuning run",
+                                   "the layers it did not reach are timed at their first run")
         engine.cpu_tactics = dict(picks)
         rows = FCK.picks_to_json(picks)
         cache.put_picks({json.dumps(s): v for s, v in rows})
@@ -158,6 +151,19 @@ class Builder:
                  f"{time.perf_counter() - t0:.2f} s")
         self.report["cpu_tactics"] = {"picks": len(picks), "cached": hit,
                                       "seconds": time.perf_counter() - t0}
+
+    def _run_each_profile(self, ctx, engine: Engine, what: str, unreached: str) -> None:
+        """Run ``ctx`` once per profile on seeded random inputs at its opt shapes; random data
+        a model cannot take (indices, k, ...) is logged, not fatal."""
+        from kiln.engine.inputs import random_inputs
+
+        for k, p in enumerate(engine.profiles or [None]):
+            ctx.profile = k if p is not None else None
+            try:
+                ctx.run(random_inputs(engine.inputs, {}, p, seed=0))
+            except Exception as e:
+                self.log(f"{what} at profile {k} failed on random inputs "
+                         f"({type(e).__name__}: {str(e)[:200]}); {unreached}")
 
     def _log_host_fallbacks(self, graph: Graph) -> None:
         """Name every layer a CUDA engine runs on the host (none should run there silently)."""
@@ -172,7 +178,6 @@ class Builder:
         """Run the engine once at each profile's opt shapes (or the default shapes), recording
         the compiled Triton kernels it launches: they are saved in the engine file, so loading
         it compiles nothing (see :mod:`kiln.kernels.triton.binary`)."""
-        from kiln.engine.inputs import random_inputs
         from kiln.kernels.triton import binary
 
         if binary.triton_abi() is None:
@@ -185,14 +190,8 @@ class Builder:
         t0 = time.perf_counter()
         ctx = engine.create_context(cuda_graph=False)
         with binary.Recorder() as rec:
-            for k, p in enumerate(engine.profiles or [None]):
-                ctx.profile = k if p is not None else None
-                try:
-                    ctx.run(random_inputs(engine.inputs, {}, p, seed=0))
-                except Exception as e:  # random data a model cannot take (indices, k, ...)
-                    self.log(f"Triton binaries: the recording run at profile {k} failed on "
-                             f"random inputs ({type(e).__name__}: {str(e)[:200]}); the kernels "
-                             "it did not reach compile on first use")
+            self._run_each_profile(ctx, engine, "Triton binaries: the recording run",
+                                   "the kernels it did not reach compile on first use")
         engine.binaries = rec.entries
         self.report["binaries"] = {"embedded": len(rec.entries), "skipped": dict(rec.skipped)}
         kib = sum(len(b.cubin) for b in rec.entries.values()) / 1024
