@@ -89,7 +89,8 @@ class Builder:
             # run took random inputs (the recording run takes the same: they would fail there)
         # random integer inputs can be trip counts or indices (a Loop of 2^62 iterations):
         # such graphs keep their tactics to their first run
-        if cfg.device == "cpu" and all(i.dtype.is_float for i in engine.inputs):
+        if cfg.device == "cpu" and all(i.dtype is not None and i.dtype.is_float
+                                            for i in engine.inputs):
             self._tune_cpu(engine)
             engine.build_info["build_seconds"] = round(time.perf_counter() - t0, 3)
             self.report["total_s"] = time.perf_counter() - t0

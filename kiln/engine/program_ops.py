@@ -109,6 +109,8 @@ def _elementwise(name: str):
         if len(outs) != 1 or not _float_ins(ins, 2 if binary else 1) or (
                 binary and len(ins) != 2):
             return None
+        if binary and getattr(st.node.attrs, "broadcast", None):
+            return None  # opset < 7 broadcasting aligns at ``axis``, not numpy's way: torch's
         p0, p1 = _params(name, pc, st)
         if p0 is None:
             return None
