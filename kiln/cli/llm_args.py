@@ -10,6 +10,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("model", help="a .gguf file, a Hugging Face directory, or `smollm2`")
     g.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     g.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto")
+    g.add_argument("--weights", default="dtype", choices=["dtype", "int8", "int4"],
+                   help="GEMM weights: in --dtype, or weight-only int8 / int4 in groups of 32 "
+                   "(CPU, float32; the LM head int8)")
     g.add_argument("--num-blocks", type=int, default=0,
                    help="KV-cache blocks (default: sized from --memory-fraction)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -37,4 +40,4 @@ def engine_config(args):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len,
                         enable_prefix_caching=not args.no_prefix_caching,
-                        cuda_graphs=not args.no_cuda_graphs)
+                        cuda_graphs=not args.no_cuda_graphs, weights=args.weights)

@@ -37,6 +37,15 @@ def add_arguments(p):
     p.add_argument("--router", action="append", default=[], metavar="MODULE:ATTR",
                    help="mount a FastAPI APIRouter (or a function returning one) on the "
                    "HTTP app, e.g. kiln.llm.http:router (repeatable)")
+    p.add_argument("--llm", metavar="MODEL",
+                   help="also serve this LLM (a .gguf, a Hugging Face directory, or smollm2) "
+                   "on the same HTTP app: /v1/completions, /v1/chat/completions, /v1/models, "
+                   "v2 generate; its metrics on /metrics")
+    p.add_argument("--llm-name", metavar="NAME",
+                   help="the LLM's model name in the API (default: the file's stem)")
+    p.add_argument("--llm-weights", choices=["dtype", "int8", "int4"], default="dtype",
+                   help="the LLM's GEMM weights: in its dtype, or weight-only int8/int4 "
+                   "(CPU) (default dtype)")
     add_common_args(p)
 
 
@@ -52,6 +61,7 @@ def load_router(spec: str):
 
 
 def main(args) -> int:
+    from kiln.llm.engine import EngineConfig
     from kiln.serve.server import ServeConfig, Server
 
     cfg = ServeConfig(
@@ -60,7 +70,8 @@ def main(args) -> int:
         model_control_mode=args.model_control_mode, load_models=tuple(args.load_model),
         poll_interval=args.repository_poll_secs, max_body_bytes=int(args.max_body_mb * 2**20),
         request_timeout=args.request_timeout, grace_period=args.grace_period,
-        cache_dir=args.cache_dir, extra_routers=tuple(load_router(r) for r in args.router))
+        cache_dir=args.cache_dir, extra_routers=tuple(load_router(r) for r in args.router),
+        llm=args.llm, llm_name=args.llm_name, llm_engine=EngineConfig(weights=args.llm_weights))
 
     async def run():
         return await Server(cfg).serve()

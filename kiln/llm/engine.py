@@ -35,6 +35,9 @@ class EngineConfig:
         max_model_len: longest prompt + output (0: the model's context, capped at 4096 on CPU).
         enable_prefix_caching: reuse the KV blocks of prompts seen before.
         cuda_graphs: capture decode steps in CUDA graphs (CUDA only).
+        weights: ``dtype`` (GEMM weights in ``dtype``), ``int8`` or ``int4`` (CPU, float32:
+            weight-only quantized in groups of 32; the LM head in int8).
+        native_decode: on the CPU, run decode-only steps as one native call per step.
     """
     device: str = "auto"
     dtype: str = "auto"
@@ -47,6 +50,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
     long_prefill_token_threshold: int = 0
+    weights: str = "dtype"
+    native_decode: bool = True
 
 
 @dataclass
@@ -85,7 +90,7 @@ class LLMEngine:
         self.config = cfg = config or EngineConfig()
         if _parts is None:
             device, dtype = _resolve_device(cfg)
-            _parts = load_model(model, device, dtype)
+            _parts = load_model(model, device, dtype, cfg.weights)
         self.model, self.tokenizer, self.model_name = _parts
         device = self.model.device.type
         self.runner = _make_runner(self.model, cfg)
@@ -141,7 +146,7 @@ class LLMEngine:
             if tok is None:
                 continue
             outs.append(self._emit(req, tok))
-        self.metrics.on_step(sched, self.scheduler, self.kv)
+        self.metrics.on_step(sched, self.scheduler, self.kv, len(sampled))
         return outs
 
     def _emit(self, req: Request, tok: int) -> StepOutput:
@@ -172,4 +177,4 @@ def _make_runner(model, cfg: EngineConfig):
         return CudaModelRunner(model, n, cfg.block_size, cuda_graphs=cfg.cuda_graphs,
                                max_batch=cfg.max_num_seqs,
                                max_model_len=cfg.max_model_len or None)
-    return ModelRunner(model, n, cfg.block_size)
+    return ModelRunner(model, n, cfg.block_size, native_decode=cfg.native_decode)

@@ -65,8 +65,9 @@ def load_weights(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
     raise ModelLoadError(f"{p}: expected a .gguf file or a Hugging Face model directory")
 
 
-def load_model(path, device="cpu", dtype=torch.float32):
-    """(LlamaModel on ``device``, Tokenizer, model name) for the model at ``path``."""
+def load_model(path, device="cpu", dtype=torch.float32, weights: str = "dtype"):
+    """(LlamaModel on ``device``, Tokenizer, model name) for the model at ``path``; ``weights``
+    as in LlamaModel (``dtype``, ``int8``, ``int4``)."""
     from kiln.llm import tokenizer as tk
     from kiln.llm.model import LlamaModel
 
@@ -76,7 +77,7 @@ def load_model(path, device="cpu", dtype=torch.float32):
         tok = tk.from_hf_dir(p, cfg.eos_token_ids, cfg.bos_token_id)
     else:
         tok = tk.from_gguf(GGUFFile(p).metadata)
-    model = LlamaModel(cfg, sd, device, dtype)
+    model = LlamaModel(cfg, sd, device, dtype, weights)
     return model, tok, p.stem if p.is_file() else p.name
 
 

@@ -49,9 +49,10 @@ class EngineMetrics:
     def on_arrival(self, req):
         pass  # arrival_time lives on the request
 
-    def on_step(self, sched, scheduler, kv):
+    def on_step(self, sched, scheduler, kv, n_out: int):
+        """``n_out``: tokens sampled this step (counted before ``update_from_output``, after
+        which a request's ``samples`` no longer holds)."""
         now = time.monotonic()
-        n_out = sum(1 for s in sched.scheduled if s.samples)
         n_prompt = sum(min(s.num_new_tokens, max(0, s.request.num_prompt_tokens - s.start))
                        for s in sched.scheduled)
         self.prompt_tokens.inc(n_prompt)

@@ -8,6 +8,11 @@ One step runs a flat batch of tokens from many sequences (prefill chunks and dec
 
 Q/K/V and gate/up are concatenated at load so a layer is four GEMMs. The attention backend
 (``attention.py``) writes the step's K/V into the cache and attends over each sequence's blocks.
+
+On the CPU, ``weights="int8"`` or ``"int4"`` stores the layers' GEMM weights quantized in groups
+of 32 (``quant.py``; the LM head in int8 either way), and a step made only of decodes runs the
+whole decoder stack in one native call (``decode_native``: ``kiln/native/llm.c``), with no
+Python between the ops.
 """
 
 from __future__ import annotations
@@ -15,13 +20,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.errors import KilnError
+from kiln.llm import quant
 from kiln.llm.config import ModelConfig, rope_inv_freq
+from kiln.llm.quant import linear
+
+WEIGHTS = ("dtype", "int8", "int4")
 
 
 class Layer:
     __slots__ = ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down")
 
-    def __init__(self, sd: dict, i: int, cfg: ModelConfig, device, dtype):
+    def __init__(self, sd: dict, i: int, cfg: ModelConfig, device, dtype, weights="dtype"):
         def w(name):
             return sd[f"model.layers.{i}.{name}"].to(device=device, dtype=dtype)
 
@@ -34,18 +44,35 @@ class Layer:
         self.o = w("self_attn.o_proj.weight").contiguous()
         self.gate_up = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]).contiguous()
         self.down = w("mlp.down_proj.weight").contiguous()
+        if weights != "dtype":
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(self, name, quant.quantize(getattr(self, name), weights,
+                                                   f"layer {i} {name}"))
 
 
 class LlamaModel:
-    """Weights on one device plus the step function. ``dtype`` float32 on CPU, float16 on CUDA."""
+    """Weights on one device plus the step function. ``dtype`` float32 on CPU, float16 on CUDA.
 
-    def __init__(self, cfg: ModelConfig, sd: dict, device="cpu", dtype=torch.float32):
+    ``weights``: ``dtype`` (the GEMM weights in ``dtype``), or ``int8`` / ``int4`` (CPU, float32:
+    weight-only quantized, see ``quant.py``).
+    """
+
+    def __init__(self, cfg: ModelConfig, sd: dict, device="cpu", dtype=torch.float32,
+                 weights: str = "dtype"):
+        if weights not in WEIGHTS:
+            raise KilnError(f"weights {weights!r}: use one of {', '.join(WEIGHTS)}")
+        if weights != "dtype" and (torch.device(device).type != "cpu" or dtype != torch.float32):
+            raise KilnError(f"weights={weights} runs on the CPU in float32 (asked: {device}, "
+                            f"{dtype}); use --device cpu --dtype float32")
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.weights = weights
         self.embed = sd["model.embed_tokens.weight"].to(device=device, dtype=dtype)
         self.lm_head = (self.embed if cfg.tie_embeddings
                         else sd["lm_head.weight"].to(device=device, dtype=dtype))
+        if weights != "dtype":
+            self.lm_head = quant.quantize(self.lm_head, "int8", "lm_head")
         self.norm = sd["model.norm.weight"].to(device=device, dtype=dtype)
-        self.layers = [Layer(sd, i, cfg, device, dtype) for i in range(cfg.num_layers)]
+        self.layers = [Layer(sd, i, cfg, device, dtype, weights) for i in range(cfg.num_layers)]
         inv, mscale = rope_inv_freq(cfg)
         pos = torch.arange(cfg.max_position, dtype=torch.float32)
         freqs = torch.outer(pos, inv)
@@ -54,6 +81,7 @@ class LlamaModel:
         self.sin = (emb.sin() * mscale).to(device=device, dtype=dtype)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self._native = None  # the pointer table of decode_native, made on first use
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn, meta,
                 logits_rows: torch.Tensor | None) -> torch.Tensor:
@@ -71,20 +99,80 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         for i, lay in enumerate(self.layers):
             y = F.rms_norm(x, (h,), lay.ln1, eps)
-            qkv = F.linear(y, lay.qkv, lay.qkv_bias)
+            qkv = linear(y, lay.qkv, lay.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = _rope(q.view(t, -1, hd), cos, sin)
             k = _rope(k.view(t, -1, hd), cos, sin)
             o = attn(i, q, k, v.view(t, -1, hd), meta)
-            x = x + F.linear(o, lay.o)
+            x = x + linear(o, lay.o)
             y = F.rms_norm(x, (h,), lay.ln2, eps)
-            gu = F.linear(y, lay.gate_up)
+            gu = linear(y, lay.gate_up)
             g, u = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, lay.down)
+            x = x + linear(F.silu(g) * u, lay.down)
         if logits_rows is not None:
             x = x[logits_rows]
         x = F.rms_norm(x, (h,), self.norm, eps)
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head).float()
+
+    def native_decode_ok(self) -> bool:
+        """Whether decode steps can run as one native call (CPU, float32, the C library)."""
+        return (self.device.type == "cpu" and self.dtype == torch.float32 and quant.native_ok()
+                and self.cfg.head_dim % 2 == 0)
+
+    def decode_native(self, ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
+                      meta) -> torch.Tensor:
+        """Logits [T, vocab] of a step whose T tokens are each one sequence's next token:
+        the decoder stack in one call of ``kiln_llm_decode`` over ``cache``
+        [layers, 2, blocks, block_size, kv_heads, head_dim] (float32)."""
+        from kiln import native
+
+        cfg, lib = self.cfg, native._lib
+        t = ids.shape[0]
+        if self._native is None:
+            self._native = _pointer_table(self, lib)
+        ptrs, fmt, keep = self._native
+        x = F.embedding(ids, self.embed).contiguous()
+        cos = self.cos[positions].contiguous()
+        sin = self.sin[positions].contiguous()
+        tables = meta.tables.contiguous()
+        num_blocks, block_size = cache.shape[2], cache.shape[3]
+        c = torch.tensor([t, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                          cfg.head_dim, cfg.intermediate_size, fmt, num_blocks, block_size,
+                          tables.shape[1], meta.max_ctx], dtype=torch.long)
+        scratch = torch.empty(lib.kiln_llm_scratch_floats(c.data_ptr()), dtype=torch.float32)
+        lib.kiln_llm_decode(c.data_ptr(), ptrs.data_ptr(), x.data_ptr(), cos.data_ptr(),
+                            sin.data_ptr(), cache.data_ptr(), meta.slots.data_ptr(),
+                            tables.data_ptr(), meta.context_lens.data_ptr(), cfg.rms_norm_eps,
+                            scratch.data_ptr(), torch.get_num_threads())
+        x = F.rms_norm(x, (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
+        return linear(x, self.lm_head).float()
+
+
+def _pointer_table(model: LlamaModel, lib):
+    """(int64 tensor of the per-layer pointers kiln_llm_decode reads, format code, tensors)."""
+    keep, rows = [], []
+    fmt = quant.FORMATS["float32" if model.weights == "dtype" else model.weights]
+
+    def add(t):
+        if t is None:
+            return 0
+        t = t.contiguous()
+        keep.append(t)
+        return t.data_ptr()
+
+    def weight(w):
+        if isinstance(w, quant.QuantWeight):
+            return [add(w.q), add(w.scale), add(w.minimum)]
+        return [add(w), 0, 0]
+
+    for lay in model.layers:
+        row = [add(lay.ln1), add(lay.ln2), *weight(lay.qkv), add(lay.qkv_bias), *weight(lay.o),
+               *weight(lay.gate_up), *weight(lay.down)]
+        if len(row) != lib.kiln_llm_ptrs_per_layer():
+            raise KilnError("kiln/native/llm.c expects another pointer table: rebuild kiln "
+                            "(python setup.py build_ext --inplace)")
+        rows += row
+    return torch.tensor(rows, dtype=torch.long), fmt, keep
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -42,9 +42,14 @@ def blocks_from_memory(model: LlamaModel, block_size: int, fraction: float) -> i
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+    """``native_decode``: run steps made only of decodes as one native call
+    (``LlamaModel.decode_native``) where the model allows it."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
+                 native_decode: bool = True):
         c = model.cfg
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
+        self.native_decode = native_decode and model.native_decode_ok()
         self.cache = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads,
                                  c.head_dim, dtype=model.dtype, device=model.device)
         self.attn = self._make_attention()
@@ -79,6 +84,8 @@ class ModelRunner:
         meta = build_meta(entries, self.block_size, dev)
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        if self.native_decode and meta.max_q == 1 and len(rows) == len(entries):
+            return self.model.decode_native(ids_t, pos_t, self.cache, meta)
         rows_t = torch.tensor(rows or [0], dtype=torch.long, device=dev)
         return self.model.forward(ids_t, pos_t, self.attn, meta, rows_t)
 

@@ -3,7 +3,7 @@
 ``pip install -e .`` (or ``python setup.py build_ext --inplace``) compiles the C files here into
 ``kiln/native/_kernels*.so`` with the system's C compiler: one file per kernel (``gemm.c``,
 ``layernorm.c``, ``attention.c``, ``winograd.c``, ``pointwise.c``, ``pool.c``,
-``depthwise.c``, ``chain.c``), what they share in ``kernels.h``.
+``depthwise.c``, ``chain.c``, ``llm.c``), what they share in ``kernels.h``.
 The library is optional: where it was not built, or this CPU lacks AVX2 + FMA, :data:`sgemm` is
 None, :data:`why_not` says why, and the CPU kernels use their library tactics instead.
 
@@ -73,6 +73,15 @@ def _load():
     lib.kiln_dw_pack.restype = None
     lib.kiln_depthwise.argtypes = [_P, _P, _P, _P, _P, _P, _I, _F, _F, _I]
     lib.kiln_depthwise.restype = None
+    lib.kiln_qgemv.argtypes = [_I, _L, _L, _L, _P, _L, _P, _P, _P, _P, _P, _L, _I, _I]
+    lib.kiln_qgemv.restype = None
+    lib.kiln_qdequant.argtypes = [_I, _L, _L, _P, _P, _P, _P, _I]
+    lib.kiln_qdequant.restype = None
+    lib.kiln_llm_scratch_floats.argtypes = [_P]
+    lib.kiln_llm_scratch_floats.restype = _L
+    lib.kiln_llm_ptrs_per_layer.restype = _L
+    lib.kiln_llm_decode.argtypes = [_P] * 9 + [_F, _P, _I]
+    lib.kiln_llm_decode.restype = None
     return lib, ""
 
 

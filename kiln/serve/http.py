@@ -53,7 +53,7 @@ def create_metrics_app(server) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(server.render_metrics(), media_type="text/plain; version=0.0.4")
 
     return app
 

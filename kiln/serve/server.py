@@ -38,6 +38,11 @@ class ServeConfig:
         cache_dir: where engines built from ONNX versions are cached (default: a
             ``.kiln-cache`` folder in each version folder).
         extra_routers: FastAPI ``APIRouter``s mounted on the HTTP app (e.g. OpenAI routes).
+        llm: an LLM to serve beside the repository (a ``.gguf``, an HF directory, ``smollm2``):
+            the OpenAI routes (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``)
+            and v2 ``generate``/``generate_stream`` on the same HTTP app, its metrics on
+            ``/metrics``; ``llm_name`` names it (default: the file's stem), ``llm_engine`` is
+            its ``kiln.llm.EngineConfig`` (default: the CPU/CUDA defaults).
     """
 
     model_repository: str
@@ -54,6 +59,9 @@ class ServeConfig:
     grace_period: float = 30.0
     cache_dir: str | None = None
     extra_routers: tuple = field(default_factory=tuple)
+    llm: str | None = None
+    llm_name: str | None = None
+    llm_engine: object = None
 
     def __post_init__(self):
         if self.model_control_mode not in CONTROL_MODES:
@@ -79,6 +87,7 @@ class Server:
         self._tasks: list[asyncio.Task] = []
         self._uvicorn: dict[str, object] = {}
         self._grpc = None
+        self.llm = None  # kiln.llm.AsyncLLM when config.llm is set
 
     # --- health --------------------------------------------------------------------------
     def live(self) -> bool:
@@ -86,6 +95,22 @@ class Server:
 
     def ready(self) -> bool:
         return not self.draining and self.models.ready()
+
+    def _load_llm(self):
+        from kiln.llm.async_engine import AsyncLLM
+        from kiln.llm.engine import LLMEngine
+
+        engine = LLMEngine(self.config.llm, self.config.llm_engine)
+        if self.config.llm_name:
+            engine.model_name = self.config.llm_name
+        return AsyncLLM(engine)
+
+    def render_metrics(self) -> bytes:
+        """Triton's metrics, then the LLM's (``kiln_llm_*``) when one is served."""
+        text = self.metrics.render()
+        if self.llm is not None:
+            text += self.llm.engine.metrics.render()
+        return text
 
     # --- inference -----------------------------------------------------------------------
     async def infer(self, req: InferRequest):
@@ -169,10 +194,18 @@ class Server:
         """Load the models and open the endpoints (returns once they listen)."""
         await self._load_initial()
         cfg = self.config
+        routers = tuple(cfg.extra_routers)
+        if cfg.llm is not None:
+            from kiln.llm.api import make_router
+
+            self.llm = await asyncio.to_thread(self._load_llm)
+            routers += (make_router(self.llm, include_metrics=False),)
+            self.log(f"kiln serve: LLM '{self.llm.model_name}' on /v1 (OpenAI) and "
+                     f"/v2/models/{self.llm.model_name}/generate")
         if cfg.http_port is not None:
             from kiln.serve.http import create_app
 
-            app = create_app(self, extra_routers=cfg.extra_routers)
+            app = create_app(self, extra_routers=routers)
             self.ports["http"] = await self._start_uvicorn("http", app, cfg.http_port)
         if cfg.metrics_port is not None:
             from kiln.serve.http import create_metrics_app
@@ -243,6 +276,8 @@ class Server:
         for t in self._tasks:
             t.cancel()
         await self.models.close()
+        if self.llm is not None:
+            await asyncio.to_thread(self.llm.shutdown)
         if cut:
             self.log(f"kiln serve: {cut} request(s) were cut by the grace period ({grace} s)")
             return 1

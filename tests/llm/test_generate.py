@@ -34,7 +34,8 @@ def hf_greedy(m, ids, n):
     dict(num_blocks=64),
     dict(num_blocks=64, max_num_batched_tokens=7),  # chunked prefill, decodes beside it
     dict(num_blocks=12, block_size=8, enable_prefix_caching=False),  # preemption
-], ids=["batch", "chunked", "preempt"])
+    dict(num_blocks=64, native_decode=False),  # decode steps in torch ops, not kiln_llm_decode
+], ids=["batch", "chunked", "preempt", "torch-decode"])
 def test_greedy_matches_transformers(tiny_dir, hf_tiny, engine_args):
     llm = LLM(tiny_dir, **engine_args)
     p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

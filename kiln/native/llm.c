@@ -1,0 +1,330 @@
+/* LLM decode on the CPU: weight-only quantized GEMV and a whole decoder stack for a batch of
+ * decode tokens over the paged KV cache, in one call (kiln/llm/native.py drives it).
+ *
+ * Weight formats (fmt), row-major [N, K] with groups of 32 along K:
+ *   0  float32                       w: float [N, K]
+ *   1  int8, symmetric per group     w: int8 [N, K], s: float [N, K / 32]; w = s * q
+ *   2  int4, asymmetric per group    w: uint8 [N, K / 2], s, mn: float [N, K / 32]; w = s * q + mn,
+ *      q in 0..15; byte j of a group holds element j (low nibble) and element j + 16 (high).
+ * GGUF's Q8_0 and Q4_1 are these formats with FP16 scales, so they load without loss.
+ *
+ * Decode is bound by the bytes of weights streamed per token; the GEMV unpacks each group once
+ * into registers and applies it to up to 4 rows of x. The stack runs RMSNorm, QKV, RoPE, the KV
+ * write, paged attention, O + residual, RMSNorm, gate|up, SiLU * up, down + residual for every
+ * layer, with no Python between the ops. */
+#include <stdint.h>
+
+#include "kernels.h"
+
+#define G 32
+#define PF_BYTES 2048 /* software prefetch distance in the weight stream */
+
+/* the dot of one unpacked group (4 vectors) with 32 floats of x */
+TGT static inline __m256 dot32(__m256 w0, __m256 w1, __m256 w2, __m256 w3, const float *x)
+{
+    __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(x));
+    t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), t);
+    t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), t);
+    return _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), t);
+}
+
+/* The rows r < R (R <= 4, a constant where inlined) of y for one output n. Each is
+ * always_inline and called with a literal R, so the accumulators live in registers (a loop over
+ * a runtime R kept them on the stack: a store-to-load chain per group, 3x slower). */
+#define INL TGT static inline __attribute__((always_inline))
+
+INL void row_f32(const long R, long K, const float *x, long ldx, const float *w, float *out)
+{
+    __m256 acc[4][2];
+    for (int r = 0; r < 4; r++)
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    long k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+        for (long r = 0; r < R; r++) {
+            acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + k + 8), acc[r][1]);
+        }
+    }
+    for (long r = 0; r < R; r++) {
+        float s = hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));
+        for (long j = k; j < K; j++)
+            s += w[j] * x[r * ldx + j];
+        out[r] = s;
+    }
+}
+
+INL void row_i8(const long R, long K, const float *x, long ldx, const int8_t *w, const float *s,
+                float *out)
+{
+    __m256 acc[4];
+    for (int r = 0; r < 4; r++)
+        acc[r] = _mm256_setzero_ps();
+    for (long g = 0; g < K / G; g++) {
+        const int8_t *q = w + g * G;
+        _mm_prefetch((const char *)q + PF_BYTES, _MM_HINT_T0);
+        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)q)));
+        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)(q + 8))));
+        __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)(q + 16))));
+        __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)(q + 24))));
+        __m256 d = _mm256_broadcast_ss(s + g);
+        for (long r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(d, dot32(w0, w1, w2, w3, x + r * ldx + g * G), acc[r]);
+    }
+    for (long r = 0; r < R; r++)
+        out[r] = hsum256(acc[r]);
+}
+
+/* xs[r * ng + g]: the sum of group g of row r of x (the int4 minimum's term) */
+INL void row_i4(const long R, long K, const float *x, long ldx, const uint8_t *w, const float *s,
+                const float *mn, const float *xs, float *out)
+{
+    __m256 acc[4], macc[4];
+    long ng = K / G, g = 0;
+    for (int r = 0; r < 4; r++)
+        acc[r] = macc[r] = _mm256_setzero_ps();
+    const __m128i low = _mm_set1_epi8(0x0F);
+    _mm_prefetch((const char *)(s + PF_BYTES / 4), _MM_HINT_T0);
+    _mm_prefetch((const char *)(mn + PF_BYTES / 4), _MM_HINT_T0);
+    for (; g < ng; g++) {
+        __m128i b = _mm_loadu_si128((const __m128i *)(w + g * 16));
+        if (!(g & 3))
+            _mm_prefetch((const char *)(w + g * 16) + PF_BYTES, _MM_HINT_T0);
+        __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        __m256 d = _mm256_broadcast_ss(s + g);
+        for (long r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(d, dot32(w0, w1, w2, w3, x + r * ldx + g * G), acc[r]);
+    }
+    /* the minimum's term: sum_g mn[g] * xs[r, g], 8 groups at a time */
+    for (g = 0; g + 8 <= ng; g += 8) {
+        __m256 m = _mm256_loadu_ps(mn + g);
+        for (long r = 0; r < R; r++)
+            macc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs + r * ng + g), macc[r]);
+    }
+    for (long r = 0; r < R; r++) {
+        float t = hsum256(_mm256_add_ps(acc[r], macc[r]));
+        for (long j = g; j < ng; j++)
+            t += mn[j] * xs[r * ng + j];
+        out[r] = t;
+    }
+}
+
+TGT static void rows(int fmt, long R, long K, const float *x, long ldx, const void *w,
+                     const float *s, const float *mn, const float *xs, float *out)
+{
+#define ROWS(n)                                                                            \
+    if (fmt == 0)                                                                          \
+        row_f32(n, K, x, ldx, w, out);                                                     \
+    else if (fmt == 1)                                                                     \
+        row_i8(n, K, x, ldx, w, s, out);                                                   \
+    else                                                                                   \
+        row_i4(n, K, x, ldx, w, s, mn, xs, out);
+    switch (R) {
+    case 1: ROWS(1) break;
+    case 2: ROWS(2) break;
+    case 3: ROWS(3) break;
+    default: ROWS(4) break;
+    }
+#undef ROWS
+}
+
+/* y[M, N] (+)= x[M, K] @ w^T (+ bias): rows of x four at a time, outputs split over threads.
+ * K must be a multiple of 32 for the int formats. */
+TGT void kiln_qgemv(int fmt, long M, long N, long K, const float *x, long ldx, const void *w,
+                    const float *s, const float *mn, const float *bias, float *y, long ldy,
+                    int accumulate, int nt)
+{
+    long ng = K / G;
+    float *xs = NULL;
+    if (fmt == 2) {
+        xs = malloc(sizeof(float) * (M * ng + 1));
+        for (long r = 0; r < M; r++)
+            for (long g = 0; g < ng; g++) {
+                const float *p = x + r * ldx + g * G;
+                __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                                         _mm256_add_ps(_mm256_loadu_ps(p + 16),
+                                                       _mm256_loadu_ps(p + 24)));
+                xs[r * ng + g] = hsum256(t);
+            }
+    }
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (long n = 0; n < N; n++) {
+        for (long r0 = 0; r0 < M; r0 += 4) {
+            long R = M - r0 < 4 ? M - r0 : 4;
+            float out[4];
+            const float *xr = x + r0 * ldx;
+            if (fmt == 0)
+                rows(0, R, K, xr, ldx, (const float *)w + n * K, NULL, NULL, NULL, out);
+            else if (fmt == 1)
+                rows(1, R, K, xr, ldx, (const int8_t *)w + n * K, s + n * ng, NULL, NULL, out);
+            else
+                rows(2, R, K, xr, ldx, (const uint8_t *)w + n * (K / 2), s + n * ng,
+                     mn + n * ng, xs + r0 * ng, out);
+            for (long r = 0; r < R; r++) {
+                float v = out[r] + (bias ? bias[n] : 0.0f);
+                float *dst = y + (r0 + r) * ldy + n;
+                *dst = accumulate ? *dst + v : v;
+            }
+        }
+    }
+    free(xs);
+}
+
+/* w as float32 [N, K] (prefill runs its GEMMs on the dequantized weight) */
+void kiln_qdequant(int fmt, long N, long K, const void *w, const float *s, const float *mn,
+                   float *out, int nt)
+{
+    long ng = K / G;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (long n = 0; n < N; n++)
+        for (long g = 0; g < ng; g++) {
+            float d = s[n * ng + g], *o = out + n * K + g * G;
+            if (fmt == 1) {
+                const int8_t *q = (const int8_t *)w + n * K + g * G;
+                for (int j = 0; j < G; j++)
+                    o[j] = d * q[j];
+            } else {
+                const uint8_t *q = (const uint8_t *)w + n * (K / 2) + g * 16;
+                float m = mn[n * ng + g];
+                for (int j = 0; j < 16; j++) {
+                    o[j] = d * (q[j] & 15) + m;
+                    o[j + 16] = d * (q[j] >> 4) + m;
+                }
+            }
+        }
+}
+
+static void rmsnorm(long M, long H, const float *x, const float *w, float eps, float *y)
+{
+    for (long r = 0; r < M; r++) {
+        const float *xr = x + r * H;
+        double ss = 0;
+        for (long i = 0; i < H; i++)
+            ss += (double)xr[i] * xr[i];
+        float inv = 1.0f / sqrtf((float)(ss / H) + eps);
+        for (long i = 0; i < H; i++)
+            y[r * H + i] = xr[i] * inv * w[i];
+    }
+}
+
+/* rotate-half RoPE on `heads` heads of head_dim hd, in place */
+static void rope(float *v, long heads, long hd, const float *cos, const float *sin)
+{
+    long h2 = hd / 2;
+    for (long h = 0; h < heads; h++) {
+        float *p = v + h * hd;
+        for (long i = 0; i < h2; i++) {
+            float a = p[i], b = p[i + h2];
+            p[i] = a * cos[i] - b * sin[i];
+            p[i + h2] = b * cos[i + h2] + a * sin[i + h2];
+        }
+    }
+}
+
+TGT static inline float dotf(const float *a, const float *b, long n)
+{
+    __m256 acc = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum256(acc);
+    for (; i < n; i++)
+        s += a[i] * b[i];
+    return s;
+}
+
+/* One query row per (token, head) against the token's blocks; `scores` has max_ctx floats per
+ * (token, head). kc, vc: one layer's [blocks * block_size, kv_heads, hd]. */
+static void paged_attention(long M, long nh, long nkv, long hd, const float *q, long ldq,
+                            const float *kc, const float *vc, long bs, const long *tables,
+                            long max_blocks, const int *ctx, float *scores, long max_ctx,
+                            float *out, int nt)
+{
+    float scale = 1.0f / sqrtf((float)hd);
+    long group = nh / nkv;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (long mh = 0; mh < M * nh; mh++) {
+        long m = mh / nh, h = mh % nh, kvh = h / group, c = ctx[m];
+        const float *qr = q + m * ldq + h * hd;
+        const long *tab = tables + m * max_blocks;
+        float *sc = scores + mh * max_ctx, mx = -INFINITY, sum = 0;
+        for (long j = 0; j < c; j++) {
+            long slot = tab[j / bs] * bs + j % bs;
+            sc[j] = dotf(qr, kc + (slot * nkv + kvh) * hd, hd) * scale;
+            if (sc[j] > mx)
+                mx = sc[j];
+        }
+        for (long j = 0; j < c; j++) {
+            sc[j] = expf(sc[j] - mx);
+            sum += sc[j];
+        }
+        float *o = out + m * nh * hd + h * hd, inv = 1.0f / sum;
+        for (long i = 0; i < hd; i++)
+            o[i] = 0;
+        for (long j = 0; j < c; j++) {
+            long slot = tab[j / bs] * bs + j % bs;
+            const float *v = vc + (slot * nkv + kvh) * hd;
+            float p = sc[j] * inv;
+            for (long i = 0; i < hd; i++)
+                o[i] += p * v[i];
+        }
+    }
+}
+
+/* Per-layer weights: LLM_PTRS pointers per layer, in this order (kiln/llm/native.py). */
+enum { P_LN1, P_LN2, P_QKV, P_QKV_S, P_QKV_M, P_QKV_B, P_O, P_O_S, P_O_M, P_GU, P_GU_S, P_GU_M,
+       P_DOWN, P_DOWN_S, P_DOWN_M, LLM_PTRS };
+
+long kiln_llm_ptrs_per_layer(void) { return LLM_PTRS; }
+
+/* The decoder stack for M decode tokens. cfg: M, layers, hidden, heads, kv_heads, head_dim,
+ * intermediate, fmt, num_blocks, block_size, max_blocks, max_ctx. x [M, hidden]: the
+ * embeddings in, the last hidden state (before the final norm) out. rope_cos/sin: [M, hd] rows
+ * for the tokens' positions. cache: [layers, 2, num_blocks * block_size, kv_heads, hd].
+ * scratch: kiln_llm_scratch_floats(cfg) floats. */
+long kiln_llm_scratch_floats(const long *cfg)
+{
+    long M = cfg[0], H = cfg[2], nh = cfg[3], nkv = cfg[4], hd = cfg[5], I = cfg[6];
+    return M * H + M * (nh + 2 * nkv) * hd + M * nh * hd + M * 3 * I + M * nh * cfg[11];
+}
+
+void kiln_llm_decode(const long *cfg, void *const *ptrs, float *x, const float *rope_cos,
+                     const float *rope_sin, float *cache, const long *slots, const long *tables,
+                     const int *ctx, float eps, float *scratch, int nt)
+{
+    long M = cfg[0], L = cfg[1], H = cfg[2], nh = cfg[3], nkv = cfg[4], hd = cfg[5], I = cfg[6];
+    int fmt = (int)cfg[7];
+    long nb = cfg[8], bs = cfg[9], max_blocks = cfg[10], max_ctx = cfg[11];
+    long nq = (nh + 2 * nkv) * hd, layer_floats = nb * bs * nkv * hd;
+    float *y = scratch, *qkv = y + M * H, *att = qkv + M * nq, *gu = att + M * nh * hd;
+    float *act = gu + M * 2 * I, *scores = act + M * I;
+    for (long l = 0; l < L; l++) {
+        void *const *p = ptrs + l * LLM_PTRS;
+        float *kc = cache + (2 * l) * layer_floats, *vc = kc + layer_floats;
+        rmsnorm(M, H, x, p[P_LN1], eps, y);
+        kiln_qgemv(fmt, M, nq, H, y, H, p[P_QKV], p[P_QKV_S], p[P_QKV_M], p[P_QKV_B], qkv, nq, 0,
+                   nt);
+        for (long m = 0; m < M; m++) {
+            float *q = qkv + m * nq, *k = q + nh * hd, *v = k + nkv * hd;
+            rope(q, nh, hd, rope_cos + m * hd, rope_sin + m * hd);
+            rope(k, nkv, hd, rope_cos + m * hd, rope_sin + m * hd);
+            memcpy(kc + slots[m] * nkv * hd, k, sizeof(float) * nkv * hd);
+            memcpy(vc + slots[m] * nkv * hd, v, sizeof(float) * nkv * hd);
+        }
+        paged_attention(M, nh, nkv, hd, qkv, nq, kc, vc, bs, tables, max_blocks, ctx, scores,
+                        max_ctx, att, nt);
+        kiln_qgemv(fmt, M, H, nh * hd, att, nh * hd, p[P_O], p[P_O_S], p[P_O_M], NULL, x, H, 1, nt);
+        rmsnorm(M, H, x, p[P_LN2], eps, y);
+        kiln_qgemv(fmt, M, 2 * I, H, y, H, p[P_GU], p[P_GU_S], p[P_GU_M], NULL, gu, 2 * I, 0, nt);
+        for (long m = 0; m < M; m++)
+            for (long i = 0; i < I; i++) {
+                float g = gu[m * 2 * I + i];
+                act[m * I + i] = g / (1.0f + expf(-g)) * gu[m * 2 * I + I + i];
+            }
+        kiln_qgemv(fmt, M, H, I, act, I, p[P_DOWN], p[P_DOWN_S], p[P_DOWN_M], NULL, x, H, 1, nt);
+    }
+}

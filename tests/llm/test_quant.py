@@ -1,0 +1,123 @@
+"""Weight-only INT8/INT4 (kiln/llm/quant.py) and the native decode stack (kiln/native/llm.c)
+against torch references."""
+
+import pytest
+import torch
+
+from kiln.errors import KilnError
+from kiln.llm import LLM, SamplingParams, quant
+from kiln.llm.attention import TorchPagedAttention, build_meta
+from kiln.llm.config import ModelConfig
+from kiln.llm.model import LlamaModel
+from tests.llm.conftest import SMOLLM2, needs_smollm2
+from tests.llm.helpers import TINY, tiny_state_dict
+
+needs_native = pytest.mark.skipif(not quant.native_ok(), reason="kiln/native is not built")
+
+
+def test_quantize_round_trips_gguf_style_values():
+    g = torch.Generator().manual_seed(0)
+    # Q8_0-like: d * q with |q| <= 127 and 127 reached in each group -> exact
+    d = torch.rand(8, 4, 1, generator=g) + 0.01
+    q = torch.randint(-127, 128, (8, 4, 32), generator=g)
+    q[..., 0] = 127
+    w8 = (d * q).reshape(8, 128)
+    assert torch.equal(quant.dequantize_reference(quant.quantize(w8, "int8")), w8)
+    # Q4_1-like: d * q + m with q spanning 0..15 -> the same values back (to rounding)
+    q4 = torch.randint(0, 16, (8, 4, 32), generator=g)
+    q4[..., 0], q4[..., 1] = 0, 15
+    m = torch.randn(8, 4, 1, generator=g)
+    w4 = (d * q4 + m).reshape(8, 128)
+    back = quant.dequantize_reference(quant.quantize(w4, "int4"))
+    torch.testing.assert_close(back, w4, rtol=0, atol=1e-5)
+    # random weights: the error is at most half a step of each group
+    w = torch.randn(16, 64, generator=g)
+    for fmt, steps in (("int8", 254), ("int4", 15)):
+        qw = quant.quantize(w, fmt)
+        rng = w.view(16, 2, 32)
+        step = (rng.amax(-1) - rng.amin(-1) if fmt == "int4" else 2 * rng.abs().amax(-1)) / steps
+        err = (quant.dequantize_reference(qw) - w).abs().view(16, 2, 32).amax(-1)
+        assert bool((err <= step / 2 + 1e-6).all()), fmt
+
+
+def test_quantize_refuses_bad_shapes():
+    with pytest.raises(KilnError, match="multiple of 32"):
+        quant.quantize(torch.randn(4, 40), "int8", "layer 0 qkv")
+    with pytest.raises(KilnError, match="int3"):
+        quant.quantize(torch.randn(4, 32), "int3")
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 40])
+def test_quantized_linear_matches_dequantized_gemm(fmt, rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(70, 96, generator=g)
+    qw = quant.quantize(w, fmt)
+    ref_w = quant.dequantize_reference(qw)
+    assert torch.equal(qw.dequantize(), ref_w)  # the C dequantizer
+    x, b = torch.randn(rows, 96, generator=g), torch.randn(70, generator=g)
+    torch.testing.assert_close(quant.linear(x, qw, b), x @ ref_w.T + b, rtol=1e-5, atol=1e-4)
+    x3 = torch.randn(2, rows, 96, generator=g)  # leading dims kept
+    torch.testing.assert_close(quant.linear(x3, qw), x3 @ ref_w.T, rtol=1e-5, atol=1e-4)
+
+
+def _tiny_model(weights):
+    cfg = ModelConfig.from_hf(TINY)
+    return LlamaModel(cfg, tiny_state_dict(TINY), "cpu", torch.float32, weights)
+
+
+@needs_native
+@pytest.mark.parametrize("weights", ["dtype", "int8", "int4"])
+def test_native_decode_matches_torch_step(weights):
+    """Three sequences of different lengths over scattered blocks: one kiln_llm_decode call gives
+    the torch path's logits and writes the same K/V into the cache."""
+    model = _tiny_model(weights)
+    c, bs = model.cfg, 4
+    cache_a = torch.randn(c.num_layers, 2, 32, bs, c.num_kv_heads, c.head_dim)
+    cache_b = cache_a.clone()
+    starts = [5, 0, 13]  # tokens already cached per sequence
+    tables = [[7, 3], [20], [1, 30, 9, 4]]
+    entries = [(s, 1, t) for s, t in zip(starts, tables)]
+    ids = torch.tensor([11, 2000, 42])
+    pos = torch.tensor(starts)
+    meta = build_meta(entries, bs, "cpu")
+    with torch.inference_mode():
+        ref = model.forward(ids, pos, TorchPagedAttention(cache_a, c.num_heads), meta,
+                            torch.arange(3))
+        got = model.decode_native(ids, pos, cache_b, meta)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache_b, cache_a, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_quantized_engine_runs_prefill_and_decode(tiny_dir):
+    """int8/int4 engines (prefill through dequantized GEMMs, decode natively) against the same
+    engine with decode in torch ops: the same tokens."""
+    p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = ["Hello there", "The quick brown fox jumps over the lazy dog. " * 3]
+    for weights in ("int8", "int4"):
+        native = LLM(tiny_dir, num_blocks=64, weights=weights).generate(prompts, p)
+        torch_ = LLM(tiny_dir, num_blocks=64, weights=weights,
+                     native_decode=False).generate(prompts, p)
+        assert ([o.outputs[0].token_ids for o in native]
+                == [o.outputs[0].token_ids for o in torch_]), weights
+
+
+def test_quantized_weights_need_cpu_float32(tiny_dir):
+    with pytest.raises(KilnError, match="float32"):
+        LLM(tiny_dir, num_blocks=8, weights="int4", dtype="bfloat16", device="cpu")
+    with pytest.raises(KilnError, match="int3"):
+        LLM(tiny_dir, num_blocks=8, weights="int3")
+
+
+@needs_smollm2
+@needs_native
+def test_smollm2_int4_greedy_equals_fp32():
+    """SmolLM2's GGUF is Q4_1 (layers) + Q8_0 (embeddings): int4 (+ int8 LM head) holds the
+    same values, so greedy decoding gives the FP32 model's tokens."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    fp32 = LLM(SMOLLM2, num_blocks=32).generate(prompts, p)
+    int4 = LLM(SMOLLM2, num_blocks=32, weights="int4").generate(prompts, p)
+    assert [o.outputs[0].token_ids for o in int4] == [o.outputs[0].token_ids for o in fp32]
