@@ -253,14 +253,11 @@ def hf_cuda_rows(name, cfg, sd, prompt, args) -> list[dict]:
 
 def placeholder_tokenizer(vocab: int):
     """A word-level tokenizer of ``vocab`` made-up tokens (for random-weight models)."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers
+    from kiln.llm.tokenizer import word_level
 
-    from kiln.llm.tokenizer import Tokenizer
-
-    tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return Tokenizer(tok, None, (2,))
+    tok = word_level(vocab)
+    tok.eos_token_ids = (2,)
+    return tok
 
 
 def cuda_rows(args) -> list[dict]:

@@ -7,7 +7,8 @@ import argparse
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("model", help="a .gguf file, a Hugging Face directory, or `smollm2`")
+    g.add_argument("model", help="a .gguf file, a Hugging Face directory, a decoder .onnx with "
+                   "past_key_values, or `smollm2`")
     g.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     g.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto")
     g.add_argument("--weights", default="dtype", choices=["dtype", "int8", "int4"],

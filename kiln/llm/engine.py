@@ -96,7 +96,9 @@ class LLMEngine:
         self.runner = _make_runner(self.model, cfg)
         mc = self.model.cfg
         max_len = cfg.max_model_len or min(mc.max_position, 4096 if device == "cpu" else 1 << 30)
-        self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        # an ONNX decoder keeps its own past tensors: a cached block is no past for it
+        prefix = cfg.enable_prefix_caching and not getattr(self.runner, "own_kv", False)
+        self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, prefix)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=max_len, long_prefill_token_threshold=cfg.long_prefill_token_threshold),
@@ -171,6 +173,10 @@ def _make_runner(model, cfg: EngineConfig):
     from kiln.llm.runner import ModelRunner, blocks_from_memory
 
     n = cfg.num_blocks or blocks_from_memory(model, cfg.block_size, cfg.memory_fraction)
+    from kiln.llm.onnx_decoder import OnnxDecoder, OnnxModelRunner
+
+    if isinstance(model, OnnxDecoder):
+        return OnnxModelRunner(model, n, cfg.block_size)
     if model.device.type == "cuda":
         from kiln.llm.cuda_runner import CudaModelRunner
 

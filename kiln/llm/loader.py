@@ -51,7 +51,7 @@ def resolve(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
         raise ModelLoadError(f"model {p} does not exist (give a .gguf file, a directory with "
-                             "config.json + *.safetensors, or `smollm2`)")
+                             "config.json + *.safetensors, a decoder .onnx, or `smollm2`)")
     return p
 
 
@@ -72,6 +72,13 @@ def load_model(path, device="cpu", dtype=torch.float32, weights: str = "dtype"):
     from kiln.llm.model import LlamaModel
 
     p = resolve(path)
+    if p.suffix.lower() == ".onnx":
+        from kiln.llm.onnx_decoder import load_onnx_decoder
+
+        if weights != "dtype" or dtype != torch.float32:
+            raise ModelLoadError(f"{p}: ONNX decoders run in float32 as exported (asked: "
+                                 f"{dtype}, weights={weights})")
+        return load_onnx_decoder(p, torch.device(device).type)
     cfg, sd = load_weights(p)
     if p.is_dir():
         tok = tk.from_hf_dir(p, cfg.eos_token_ids, cfg.bos_token_id)

@@ -65,6 +65,17 @@ class Tokenizer:
                                              else None))
 
 
+def word_level(vocab: int) -> Tokenizer:
+    """A placeholder of ``vocab`` made-up words ``t0 .. t{vocab-1}`` split on spaces (models with
+    no tokenizer: random-weight benchmarks, ONNX decoders saved without one)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(tok, None, ())  # no decoder: decoding joins the words with spaces
+
+
 def from_gguf(md: dict) -> Tokenizer:
     """The tokenizer described by GGUF metadata (``tokenizer.ggml.*``)."""
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
