@@ -161,13 +161,11 @@ def _pointer_table(model: LlamaModel, lib):
         return t.data_ptr()
 
     def weight(w):
-        if isinstance(w, quant.QuantWeight):
-            return [add(w.q), add(w.scale), add(w.minimum)]
-        return [add(w), 0, 0]
+        return add(w.data if isinstance(w, quant.QuantWeight) else w)
 
     for lay in model.layers:
-        row = [add(lay.ln1), add(lay.ln2), *weight(lay.qkv), add(lay.qkv_bias), *weight(lay.o),
-               *weight(lay.gate_up), *weight(lay.down)]
+        row = [add(lay.ln1), add(lay.ln2), weight(lay.qkv), add(lay.qkv_bias), weight(lay.o),
+               weight(lay.gate_up), weight(lay.down)]
         if len(row) != lib.kiln_llm_ptrs_per_layer():
             raise KilnError("kiln/native/llm.c expects another pointer table: rebuild kiln "
                             "(python setup.py build_ext --inplace)")

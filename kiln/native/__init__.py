@@ -73,9 +73,11 @@ def _load():
     lib.kiln_dw_pack.restype = None
     lib.kiln_depthwise.argtypes = [_P, _P, _P, _P, _P, _P, _I, _F, _F, _I]
     lib.kiln_depthwise.restype = None
-    lib.kiln_qgemv.argtypes = [_I, _L, _L, _L, _P, _L, _P, _P, _P, _P, _P, _L, _I, _I]
+    lib.kiln_qgemv.argtypes = [_I, _L, _L, _L, _P, _L, _P, _P, _P, _L, _I, _I]
     lib.kiln_qgemv.restype = None
-    lib.kiln_qdequant.argtypes = [_I, _L, _L, _P, _P, _P, _P, _I]
+    lib.kiln_qrow_bytes.argtypes = [_I, _L]
+    lib.kiln_qrow_bytes.restype = _L
+    lib.kiln_qdequant.argtypes = [_I, _L, _L, _P, _P, _I]
     lib.kiln_qdequant.restype = None
     lib.kiln_llm_scratch_floats.argtypes = [_P]
     lib.kiln_llm_scratch_floats.restype = _L

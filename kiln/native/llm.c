@@ -1,23 +1,41 @@
 /* LLM decode on the CPU: weight-only quantized GEMV and a whole decoder stack for a batch of
- * decode tokens over the paged KV cache, in one call (kiln/llm/native.py drives it).
+ * decode tokens over the paged KV cache, in one call (kiln/llm/model.py, decode_native).
  *
- * Weight formats (fmt), row-major [N, K] with groups of 32 along K:
- *   0  float32                       w: float [N, K]
- *   1  int8, symmetric per group     w: int8 [N, K], s: float [N, K / 32]; w = s * q
- *   2  int4, asymmetric per group    w: uint8 [N, K / 2], s, mn: float [N, K / 32]; w = s * q + mn,
- *      q in 0..15; byte j of a group holds element j (low nibble) and element j + 16 (high).
- * GGUF's Q8_0 and Q4_1 are these formats with FP16 scales, so they load without loss.
+ * Weight formats (fmt), [N, K] with groups of 32 along K; each output row n is one record of
+ * kiln_qrow_bytes(fmt, K) bytes, so a row streams from one place:
+ *   0  float32                      K floats
+ *   1  int8, symmetric per group    K/32 FP16 scales, then K int8: w = s * q, q in -127..127
+ *   2  int4, asymmetric per group   K/32 FP16 scales, K/32 FP16 minimums, then K/2 bytes:
+ *      w = s * q + min, q in 0..15; byte j of a group holds element j (low nibble) and element
+ *      j + 16 (high nibble).
+ * These are GGUF's Q8_0 and Q4_1 (FP16 scales too), so such weights load without loss.
  *
- * Decode is bound by the bytes of weights streamed per token; the GEMV unpacks each group once
- * into registers and applies it to up to 4 rows of x. The stack runs RMSNorm, QKV, RoPE, the KV
- * write, paged attention, O + residual, RMSNorm, gate|up, SiLU * up, down + residual for every
- * layer, with no Python between the ops. */
+ * Decode is bound by the bytes of weights streamed per token: the GEMV prefetches a few rows
+ * ahead, unpacks each group once into registers and applies it to up to 4 rows of x. The stack
+ * runs RMSNorm, QKV, RoPE, the KV write, paged attention, O + residual, RMSNorm, gate|up,
+ * SiLU * up, down + residual for every layer, with no Python between the ops. */
 #include <stdint.h>
 
 #include "kernels.h"
 
+/* FP16 scales need F16C besides AVX2 + FMA (every AVX2 CPU kiln has met has it) */
+#undef TGT
+#define TGT __attribute__((target("avx2,fma,f16c")))
+
+int kiln_llm_supported(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+        && __builtin_cpu_supports("f16c");
+}
+
 #define G 32
-#define PF_BYTES 2048 /* software prefetch distance in the weight stream */
+#define PF_AHEAD 2048 /* bytes of weight rows prefetched ahead of the row being read */
+
+long kiln_qrow_bytes(int fmt, long K)
+{
+    return fmt == 0 ? 4 * K : fmt == 1 ? 2 * (K / G) + K : 4 * (K / G) + K / 2;
+}
 
 /* the dot of one unpacked group (4 vectors) with 32 floats of x */
 TGT static inline __m256 dot32(__m256 w0, __m256 w1, __m256 w2, __m256 w3, const float *x)
@@ -28,7 +46,7 @@ TGT static inline __m256 dot32(__m256 w0, __m256 w1, __m256 w2, __m256 w3, const
     return _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), t);
 }
 
-/* The rows r < R (R <= 4, a constant where inlined) of y for one output n. Each is
+/* The rows r < R (R <= 4, a constant where inlined) of y for one output row record. Each is
  * always_inline and called with a literal R, so the accumulators live in registers (a loop over
  * a runtime R kept them on the stack: a store-to-load chain per group, 3x slower). */
 #define INL TGT static inline __attribute__((always_inline))
@@ -54,20 +72,21 @@ INL void row_f32(const long R, long K, const float *x, long ldx, const float *w,
     }
 }
 
-INL void row_i8(const long R, long K, const float *x, long ldx, const int8_t *w, const float *s,
-                float *out)
+INL void row_i8(const long R, long K, const float *x, long ldx, const uint8_t *row, float *out)
 {
+    long ng = K / G;
+    const uint16_t *sh = (const uint16_t *)row;
+    const int8_t *w = (const int8_t *)(row + 2 * ng);
     __m256 acc[4];
     for (int r = 0; r < 4; r++)
         acc[r] = _mm256_setzero_ps();
-    for (long g = 0; g < K / G; g++) {
+    for (long g = 0; g < ng; g++) {
         const int8_t *q = w + g * G;
-        _mm_prefetch((const char *)q + PF_BYTES, _MM_HINT_T0);
         __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)q)));
         __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)(q + 8))));
         __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)(q + 16))));
         __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)(q + 24))));
-        __m256 d = _mm256_broadcast_ss(s + g);
+        __m256 d = _mm256_set1_ps(_cvtsh_ss(sh[g]));
         for (long r = 0; r < R; r++)
             acc[r] = _mm256_fmadd_ps(d, dot32(w0, w1, w2, w3, x + r * ldx + g * G), acc[r]);
     }
@@ -76,53 +95,51 @@ INL void row_i8(const long R, long K, const float *x, long ldx, const int8_t *w,
 }
 
 /* xs[r * ng + g]: the sum of group g of row r of x (the int4 minimum's term) */
-INL void row_i4(const long R, long K, const float *x, long ldx, const uint8_t *w, const float *s,
-                const float *mn, const float *xs, float *out)
+INL void row_i4(const long R, long K, const float *x, long ldx, const uint8_t *row,
+                const float *xs, float *out)
 {
-    __m256 acc[4], macc[4];
     long ng = K / G, g = 0;
+    const uint16_t *sh = (const uint16_t *)row, *mh = sh + ng;
+    const uint8_t *w = row + 4 * ng;
+    __m256 acc[4], macc[4];
     for (int r = 0; r < 4; r++)
         acc[r] = macc[r] = _mm256_setzero_ps();
     const __m128i low = _mm_set1_epi8(0x0F);
-    _mm_prefetch((const char *)(s + PF_BYTES / 4), _MM_HINT_T0);
-    _mm_prefetch((const char *)(mn + PF_BYTES / 4), _MM_HINT_T0);
     for (; g < ng; g++) {
         __m128i b = _mm_loadu_si128((const __m128i *)(w + g * 16));
-        if (!(g & 3))
-            _mm_prefetch((const char *)(w + g * 16) + PF_BYTES, _MM_HINT_T0);
         __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
         __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
         __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
         __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
         __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-        __m256 d = _mm256_broadcast_ss(s + g);
+        __m256 d = _mm256_set1_ps(_cvtsh_ss(sh[g]));
         for (long r = 0; r < R; r++)
             acc[r] = _mm256_fmadd_ps(d, dot32(w0, w1, w2, w3, x + r * ldx + g * G), acc[r]);
     }
-    /* the minimum's term: sum_g mn[g] * xs[r, g], 8 groups at a time */
+    /* the minimum's term: sum_g min[g] * xs[r, g], 8 groups at a time */
     for (g = 0; g + 8 <= ng; g += 8) {
-        __m256 m = _mm256_loadu_ps(mn + g);
+        __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mh + g)));
         for (long r = 0; r < R; r++)
             macc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs + r * ng + g), macc[r]);
     }
     for (long r = 0; r < R; r++) {
         float t = hsum256(_mm256_add_ps(acc[r], macc[r]));
         for (long j = g; j < ng; j++)
-            t += mn[j] * xs[r * ng + j];
+            t += _cvtsh_ss(mh[j]) * xs[r * ng + j];
         out[r] = t;
     }
 }
 
-TGT static void rows(int fmt, long R, long K, const float *x, long ldx, const void *w,
-                     const float *s, const float *mn, const float *xs, float *out)
+TGT static void rows(int fmt, long R, long K, const float *x, long ldx, const uint8_t *row,
+                     const float *xs, float *out)
 {
 #define ROWS(n)                                                                            \
     if (fmt == 0)                                                                          \
-        row_f32(n, K, x, ldx, w, out);                                                     \
+        row_f32(n, K, x, ldx, (const float *)row, out);                                    \
     else if (fmt == 1)                                                                     \
-        row_i8(n, K, x, ldx, w, s, out);                                                   \
+        row_i8(n, K, x, ldx, row, out);                                                    \
     else                                                                                   \
-        row_i4(n, K, x, ldx, w, s, mn, xs, out);
+        row_i4(n, K, x, ldx, row, xs, out);
     switch (R) {
     case 1: ROWS(1) break;
     case 2: ROWS(2) break;
@@ -133,12 +150,11 @@ TGT static void rows(int fmt, long R, long K, const float *x, long ldx, const vo
 }
 
 /* y[M, N] (+)= x[M, K] @ w^T (+ bias): rows of x four at a time, outputs split over threads.
- * K must be a multiple of 32 for the int formats. */
+ * w: N row records of kiln_qrow_bytes(fmt, K); K a multiple of 32 for the int formats. */
 TGT void kiln_qgemv(int fmt, long M, long N, long K, const float *x, long ldx, const void *w,
-                    const float *s, const float *mn, const float *bias, float *y, long ldy,
-                    int accumulate, int nt)
+                    const float *bias, float *y, long ldy, int accumulate, int nt)
 {
-    long ng = K / G;
+    long ng = K / G, rb = kiln_qrow_bytes(fmt, K);
     float *xs = NULL;
     if (fmt == 2) {
         xs = malloc(sizeof(float) * (M * ng + 1));
@@ -151,19 +167,16 @@ TGT void kiln_qgemv(int fmt, long M, long N, long K, const float *x, long ldx, c
                 xs[r * ng + g] = hsum256(t);
             }
     }
+    const uint8_t *base = w;
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (long n = 0; n < N; n++) {
+        const uint8_t *row = base + n * rb;
+        for (long off = 0; off < rb; off += 64) /* this row's share of the stream, ahead */
+            _mm_prefetch((const char *)row + PF_AHEAD + off, _MM_HINT_T0);
         for (long r0 = 0; r0 < M; r0 += 4) {
             long R = M - r0 < 4 ? M - r0 : 4;
             float out[4];
-            const float *xr = x + r0 * ldx;
-            if (fmt == 0)
-                rows(0, R, K, xr, ldx, (const float *)w + n * K, NULL, NULL, NULL, out);
-            else if (fmt == 1)
-                rows(1, R, K, xr, ldx, (const int8_t *)w + n * K, s + n * ng, NULL, NULL, out);
-            else
-                rows(2, R, K, xr, ldx, (const uint8_t *)w + n * (K / 2), s + n * ng,
-                     mn + n * ng, xs + r0 * ng, out);
+            rows(fmt, R, K, x + r0 * ldx, ldx, row, xs ? xs + r0 * ng : NULL, out);
             for (long r = 0; r < R; r++) {
                 float v = out[r] + (bias ? bias[n] : 0.0f);
                 float *dst = y + (r0 + r) * ldy + n;
@@ -174,28 +187,31 @@ TGT void kiln_qgemv(int fmt, long M, long N, long K, const float *x, long ldx, c
     free(xs);
 }
 
-/* w as float32 [N, K] (prefill runs its GEMMs on the dequantized weight) */
-void kiln_qdequant(int fmt, long N, long K, const void *w, const float *s, const float *mn,
-                   float *out, int nt)
+/* w as float32 [N, K] (long prefills run their GEMMs on the dequantized weight) */
+TGT void kiln_qdequant(int fmt, long N, long K, const void *w, float *out, int nt)
 {
-    long ng = K / G;
+    long ng = K / G, rb = kiln_qrow_bytes(fmt, K);
+    const uint8_t *base = w;
 #pragma omp parallel for schedule(static) num_threads(nt)
-    for (long n = 0; n < N; n++)
+    for (long n = 0; n < N; n++) {
+        const uint8_t *row = base + n * rb;
+        const uint16_t *sh = (const uint16_t *)row;
         for (long g = 0; g < ng; g++) {
-            float d = s[n * ng + g], *o = out + n * K + g * G;
+            float d = _cvtsh_ss(sh[g]), *o = out + n * K + g * G;
             if (fmt == 1) {
-                const int8_t *q = (const int8_t *)w + n * K + g * G;
+                const int8_t *q = (const int8_t *)(row + 2 * ng) + g * G;
                 for (int j = 0; j < G; j++)
                     o[j] = d * q[j];
             } else {
-                const uint8_t *q = (const uint8_t *)w + n * (K / 2) + g * 16;
-                float m = mn[n * ng + g];
+                const uint8_t *q = row + 4 * ng + g * 16;
+                float m = _cvtsh_ss(sh[ng + g]);
                 for (int j = 0; j < 16; j++) {
                     o[j] = d * (q[j] & 15) + m;
                     o[j + 16] = d * (q[j] >> 4) + m;
                 }
             }
         }
+    }
 }
 
 static void rmsnorm(long M, long H, const float *x, const float *w, float eps, float *y)
@@ -275,9 +291,8 @@ static void paged_attention(long M, long nh, long nkv, long hd, const float *q, 
     }
 }
 
-/* Per-layer weights: LLM_PTRS pointers per layer, in this order (kiln/llm/native.py). */
-enum { P_LN1, P_LN2, P_QKV, P_QKV_S, P_QKV_M, P_QKV_B, P_O, P_O_S, P_O_M, P_GU, P_GU_S, P_GU_M,
-       P_DOWN, P_DOWN_S, P_DOWN_M, LLM_PTRS };
+/* Per-layer weights: LLM_PTRS pointers per layer, in this order (kiln/llm/model.py). */
+enum { P_LN1, P_LN2, P_QKV, P_QKV_B, P_O, P_GU, P_DOWN, LLM_PTRS };
 
 long kiln_llm_ptrs_per_layer(void) { return LLM_PTRS; }
 
@@ -306,8 +321,7 @@ void kiln_llm_decode(const long *cfg, void *const *ptrs, float *x, const float *
         void *const *p = ptrs + l * LLM_PTRS;
         float *kc = cache + (2 * l) * layer_floats, *vc = kc + layer_floats;
         rmsnorm(M, H, x, p[P_LN1], eps, y);
-        kiln_qgemv(fmt, M, nq, H, y, H, p[P_QKV], p[P_QKV_S], p[P_QKV_M], p[P_QKV_B], qkv, nq, 0,
-                   nt);
+        kiln_qgemv(fmt, M, nq, H, y, H, p[P_QKV], p[P_QKV_B], qkv, nq, 0, nt);
         for (long m = 0; m < M; m++) {
             float *q = qkv + m * nq, *k = q + nh * hd, *v = k + nkv * hd;
             rope(q, nh, hd, rope_cos + m * hd, rope_sin + m * hd);
@@ -317,14 +331,14 @@ void kiln_llm_decode(const long *cfg, void *const *ptrs, float *x, const float *
         }
         paged_attention(M, nh, nkv, hd, qkv, nq, kc, vc, bs, tables, max_blocks, ctx, scores,
                         max_ctx, att, nt);
-        kiln_qgemv(fmt, M, H, nh * hd, att, nh * hd, p[P_O], p[P_O_S], p[P_O_M], NULL, x, H, 1, nt);
+        kiln_qgemv(fmt, M, H, nh * hd, att, nh * hd, p[P_O], NULL, x, H, 1, nt);
         rmsnorm(M, H, x, p[P_LN2], eps, y);
-        kiln_qgemv(fmt, M, 2 * I, H, y, H, p[P_GU], p[P_GU_S], p[P_GU_M], NULL, gu, 2 * I, 0, nt);
+        kiln_qgemv(fmt, M, 2 * I, H, y, H, p[P_GU], NULL, gu, 2 * I, 0, nt);
         for (long m = 0; m < M; m++)
             for (long i = 0; i < I; i++) {
                 float g = gu[m * 2 * I + i];
                 act[m * I + i] = g / (1.0f + expf(-g)) * gu[m * 2 * I + I + i];
             }
-        kiln_qgemv(fmt, M, H, I, act, I, p[P_DOWN], p[P_DOWN_S], p[P_DOWN_M], NULL, x, H, 1, nt);
+        kiln_qgemv(fmt, M, H, I, act, I, p[P_DOWN], NULL, x, H, 1, nt);
     }
 }
