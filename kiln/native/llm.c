@@ -94,7 +94,12 @@ INL void row_i8(const long R, long K, const float *x, long ldx, const uint8_t *r
         out[r] = hsum256(acc[r]);
 }
 
-/* xs[r * ng + g]: the sum of group g of row r of x (the int4 minimum's term) */
+/* the order in which row_i4 unpacks the 32 elements of a group */
+static const int I4_PERM[32] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                16, 20, 24, 28, 17, 21, 25, 29, 18, 22, 26, 30, 19, 23, 27, 31};
+
+/* x: rows of K floats with each group permuted by I4_PERM; xs[r * ng + g]: the sum of group g
+ * of row r (the minimum's term) */
 INL void row_i4(const long R, long K, const float *x, long ldx, const uint8_t *row,
                 const float *xs, float *out)
 {
@@ -104,14 +109,20 @@ INL void row_i4(const long R, long K, const float *x, long ldx, const uint8_t *r
     __m256 acc[4], macc[4];
     for (int r = 0; r < 4; r++)
         acc[r] = macc[r] = _mm256_setzero_ps();
-    const __m128i low = _mm_set1_epi8(0x0F);
+    /* the 16 bytes of a group broadcast to both halves; lane l of vector v takes the nibble
+     * of dword l % 4 at the shift below, so the elements come in the order of I4_PERM (x was
+     * permuted to match): no byte shuffles */
+    const __m256i nib = _mm256_set1_epi32(0x0F);
+    const __m256i s0 = _mm256_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8);
+    const __m256i s1 = _mm256_setr_epi32(16, 16, 16, 16, 24, 24, 24, 24);
+    const __m256i s2 = _mm256_setr_epi32(4, 4, 4, 4, 12, 12, 12, 12);
+    const __m256i s3 = _mm256_setr_epi32(20, 20, 20, 20, 28, 28, 28, 28);
     for (; g < ng; g++) {
-        __m128i b = _mm_loadu_si128((const __m128i *)(w + g * 16));
-        __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(w + g * 16)));
+        __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(b, s0), nib));
+        __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(b, s1), nib));
+        __m256 w2 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(b, s2), nib));
+        __m256 w3 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(b, s3), nib));
         __m256 d = _mm256_set1_ps(_cvtsh_ss(sh[g]));
         for (long r = 0; r < R; r++)
             acc[r] = _mm256_fmadd_ps(d, dot32(w0, w1, w2, w3, x + r * ldx + g * G), acc[r]);
@@ -155,17 +166,23 @@ TGT void kiln_qgemv(int fmt, long M, long N, long K, const float *x, long ldx, c
                     const float *bias, float *y, long ldy, int accumulate, int nt)
 {
     long ng = K / G, rb = kiln_qrow_bytes(fmt, K);
-    float *xs = NULL;
+    float *xs = NULL, *xp = NULL;
     if (fmt == 2) {
-        xs = malloc(sizeof(float) * (M * ng + 1));
+        xs = malloc(sizeof(float) * (M * ng + M * K + 1));
+        xp = xs + M * ng;
         for (long r = 0; r < M; r++)
             for (long g = 0; g < ng; g++) {
                 const float *p = x + r * ldx + g * G;
+                float *o = xp + r * K + g * G;
+                for (int j = 0; j < G; j++)
+                    o[j] = p[I4_PERM[j]];
                 __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
                                          _mm256_add_ps(_mm256_loadu_ps(p + 16),
                                                        _mm256_loadu_ps(p + 24)));
                 xs[r * ng + g] = hsum256(t);
             }
+        x = xp;
+        ldx = K;
     }
     const uint8_t *base = w;
 #pragma omp parallel for schedule(static) num_threads(nt)
