@@ -3,7 +3,8 @@
 ``pip install -e .`` (or ``python setup.py build_ext --inplace``) compiles the C files here into
 ``kiln/native/_kernels*.so`` with the system's C compiler: one file per kernel (``gemm.c``,
 ``layernorm.c``, ``attention.c``, ``winograd.c``, ``pointwise.c``, ``pool.c``,
-``depthwise.c``, ``chain.c``), what they share in ``kernels.h``.
+``depthwise.c``, ``chain.c``, ``rnn.c``, bound in :mod:`kiln.native.rnn`), what they share in
+``kernels.h``.
 The library is optional: where it was not built, or this CPU lacks AVX2 + FMA, :data:`sgemm` is
 None, :data:`why_not` says why, and the CPU kernels use their library tactics instead.
 
