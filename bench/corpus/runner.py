@@ -3,6 +3,7 @@ process, 2 threads each. Every stage that can fail is caught and named in the ro
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,12 +98,16 @@ def build_kiln(path: Path, opts: Options, tmp: Path, row: dict) -> Path:
 
 def run_model(entry: Entry, corpus: Path, tmp: Path, opts: Options) -> dict:
     """The row for one model; never raises for the model's own failures."""
-    import torch
+    import kiln  # before torch, as a kiln user's script would: kiln sets OpenMP's wait policy
 
-    import kiln
+    import torch  # isort: skip
 
     torch.set_num_threads(opts.threads)
     row = base_row(entry)
+    from kiln import settings
+
+    row["omp_wait_policy"] = (f"{os.environ.get('OMP_WAIT_POLICY', 'unset')} "
+                              f"({settings.omp_wait_policy_source})")
     path = corpus / entry.file
     feeds = entry.feeds(seed=0)
     try:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 import kiln
+from kiln import settings
 from kiln.engine import format as fmt
 from kiln.engine.executor import Executor
 from kiln.engine.profile import Profile, check_feeds
@@ -300,6 +301,7 @@ class ExecutionContext:
         self.cuda: rt_cuda.CudaRunner | None = None  # the CUDA half: stream, graphs, staging
         if engine.torch_device is None:
             host.keep_freed_memory()  # activations reuse the pages of the last run's
+            settings.warn_if_spinning()
         else:
             b = engine.build_info
             graphs = b.get("cuda_graph", True) if cuda_graph is None else cuda_graph

@@ -136,6 +136,8 @@ class Program:
     """Runs ``steps`` (an executor's run steps) as one native program per input signature."""
 
     def __init__(self, steps: list, input_slots: list, consts: dict, output_slots: list):
+        from kiln.engine import program_ops  # noqa: F401  (imported at load, not at first run)
+
         self.steps, self.input_slots = steps, input_slots
         self.consts, self.output_slots = consts, output_slots
         self.plans: dict = {}
