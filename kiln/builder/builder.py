@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-import numpy as np
 import torch
 
 from kiln.builder import autotune
@@ -159,14 +158,12 @@ class Builder:
         """Run ``ctx`` once per profile at its opt shapes, on seeded random floats and zero
         integers and booleans (random ones would be out-of-range indices, huge trip counts);
         data a model cannot take is logged, not fatal."""
-        from kiln.engine.inputs import random_inputs
+        from kiln.engine.inputs import tuning_inputs
 
         for k, p in enumerate(engine.profiles or [None]):
             ctx.profile = k if p is not None else None
             try:
-                feeds = random_inputs(engine.inputs, {}, p, seed=0)
-                ctx.run({n: x if x.dtype.kind == "f" else np.zeros_like(x)
-                         for n, x in feeds.items()})
+                ctx.run(tuning_inputs(engine.inputs, p))
             except Exception as e:
                 self.log(f"{what} at profile {k} failed on random inputs "
                          f"({type(e).__name__}: {str(e)[:200]}); {unreached}")
