@@ -199,3 +199,16 @@ def test_torch_first_warns_once(monkeypatch):
     with pytest.warns(RuntimeWarning, match="Import kiln before torch"):
         assert settings.warn_if_spinning()
     assert not settings.warn_if_spinning()
+
+
+def test_dim_expressions_are_parsed_once():
+    """An engine file of a model with dynamic H and W repeats a few dim expressions hundreds of
+    times (PaddleOCR det v4: 522 of 27); each is parsed once per process."""
+    import sympy
+
+    from kiln.ir.types import dim_from_str, sym
+
+    a = dim_from_str("ceiling(ceiling(H/2)/2) + 1")
+    assert a is dim_from_str("ceiling(ceiling(H/2)/2) + 1")
+    assert sympy.simplify(a - (sympy.ceiling(sympy.ceiling(sym("H") / 2) / 2) + 1)) == 0
+    assert dim_from_str("7") == 7 and dim_from_str("?") is None

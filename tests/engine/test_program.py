@@ -152,3 +152,53 @@ def test_plan_of_large_layers_runs_on_the_python_loop(tmp_path):
     for _ in range(2):
         assert _err(ctx.run({"x": x})["y"], sess.run(None, {"x": x})[0]) <= 1e-5
     assert list(engine._executor.program.plans.values()) == [False]
+
+
+def _se_split(gate: str) -> onnx.ModelProto:
+    """conv -> squeeze-excite (mean, 1x1 conv, Relu, 1x1 conv, gate, Mul) -> a channel split by
+    two Slices (one from a negative start, one strided over W) -> Concat in swapped order."""
+    rng = np.random.default_rng(0)
+    ints = {name: numpy_helper.from_array(np.array(v, np.int64), name) for name, v in [
+        ("s0", [0]), ("e0", [8]), ("s1", [-8]), ("e1", [1 << 30]), ("ax1", [1]),
+        ("s2", [0, 1]), ("e2", [8, 1 << 30]), ("ax2", [1, 3]), ("st2", [1, 2])]}
+    inits = [_init(rng, "w", 16, 3, 3, 3), _init(rng, "b", 16), _init(rng, "f1", 4, 16, 1, 1),
+             _init(rng, "g1", 4), _init(rng, "f2", 16, 4, 1, 1), _init(rng, "g2", 16),
+             *ints.values()]
+    mk = helper.make_node
+    gate_node = (mk("HardSigmoid", ["z"], ["gate"], alpha=1 / 6, beta=0.5) if gate == "hard"
+                 else mk("Sigmoid", ["z"], ["gate"]))
+    nodes = [
+        mk("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+        mk("GlobalAveragePool", ["c"], ["p"]),
+        mk("Conv", ["p", "f1", "g1"], ["q"]),
+        mk("Relu", ["q"], ["r"]),
+        mk("Conv", ["r", "f2", "g2"], ["z"]),
+        gate_node,
+        mk("Mul", ["c", "gate"], ["se"]),
+        mk("Slice", ["se", "s0", "e0", "ax1"], ["lo"]),
+        mk("Slice", ["se", "s1", "e1", "ax1"], ["hi"]),
+        mk("Slice", ["se", "s2", "e2", "ax2", "st2"], ["odd"]),
+        mk("Concat", ["hi", "lo"], ["cat"], axis=1),
+        mk("Relu", ["odd"], ["y2"]),
+        mk("Sigmoid", ["cat"], ["y"]),
+    ]
+    g = helper.make_graph(nodes, "se", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, 3, 10, 10])], [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("y2", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("gate", ["hard", "sigmoid"])
+def test_squeeze_excite_and_slices_are_native(gate, tmp_path):
+    engine, sess = _build(_se_split(gate), tmp_path)
+    assert any(r["op"] == "SqueezeExcite" for r in engine.layers())
+    x = np.random.default_rng(1).standard_normal((1, 3, 10, 10)).astype(np.float32)
+    ctx = engine.create_context()
+    ctx.run({"x": x})  # traced
+    got = ctx.run({"x": x})
+    want = dict(zip(["y", "y2"], sess.run(None, {"x": x})))
+    for k in want:
+        assert _err(got[k], want[k]) <= 1e-5, k
+    torch_ops = Counter(fb.step.node.op.name for fb in _plan(engine._executor.program).fallbacks)
+    assert "SqueezeExcite" not in torch_ops and "Slice" not in torch_ops, torch_ops
