@@ -248,6 +248,27 @@ def _slice(pc, st, ins, outs):
     return [Val(tuple(shape), tuple(strides), x.buf, off, x.root)]
 
 
+def _split(pc, st, ins, outs):
+    """Split whose sizes are constant (an input, the attribute, or even parts): its outputs
+    are views of consecutive ranges along the axis, no record; the sizes are the traced
+    outputs' (the plan is per input shape)."""
+    x = ins[0]
+    if x is None or not outs or any(m is None for m in outs) or (
+            len(st.ins) > 1 and _const_ints(pc, st, 1) is None):
+        return None
+    rank = len(x.shape)
+    axis = (st.node.attrs.axis or 0) % rank
+    start, made = 0, []
+    for m in outs:
+        if len(m.shape) != rank or any(a != b for d, (a, b) in enumerate(zip(m.shape, x.shape))
+                                       if d != axis):
+            return None
+        made.append(Val(tuple(m.shape), x.strides, x.buf, x.off + start * x.strides[axis],
+                        x.root))
+        start += m.shape[axis]
+    return made if start == x.shape[axis] else None
+
+
 def _concat(pc, st, ins, outs):
     if len(outs) != 1 or not ins or any(v is None for v in ins):
         return None
@@ -495,4 +516,5 @@ PLANNERS.update({
     N.MaxPool: _pool("max"), N.AveragePool: _pool("avg"),
     N.GlobalAveragePool: _global_pool("avg"), N.GlobalMaxPool: _global_pool("max"),
     FC.FusedConv: _fused_conv, FC.SqueezeExcite: _squeeze_excite, T.Slice: _slice,
+    T.Split: _split,
 })
