@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from kiln.ops.rules import broadcast_ints
+
 # kiln activation name -> the kernel's code (ACT_* in kernels.h); the kernel applies it in registers
 ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2, "GeluTanh": 3, "Sigmoid": 4, "Silu": 5, "Tanh": 6,
                "Clip": 7, "LeakyRelu": 8, "HardSwish": 9}
@@ -222,8 +224,8 @@ def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.dim() > 4:
         return False
     try:
-        return torch.broadcast_shapes(bias.shape, (b, h, sq, skv)) == (b, h, sq, skv)
-    except RuntimeError:
+        return broadcast_ints(bias.shape, (b, h, sq, skv)) == (b, h, sq, skv)
+    except ValueError:
         return False
 
 
@@ -283,7 +285,7 @@ def pointwise(op: str, a: torch.Tensor, b: torch.Tensor | None = None, p0: float
     broadcasting against ``a`` (ONNX/NumPy rules), into ``out`` (default: a new contiguous
     tensor of the broadcast shape; it may be any strided view). ``p0``/``p1``: Clip's bounds,
     LeakyRelu's slope (p0), HardSigmoid's alpha and beta. At most 6 dims."""
-    shape = tuple(a.shape) if b is None else tuple(torch.broadcast_shapes(a.shape, b.shape))
+    shape = tuple(a.shape) if b is None else broadcast_ints(a.shape, b.shape)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32)
     ts = (a, out) if b is None else (a, b, out)

@@ -14,6 +14,7 @@ from kiln.kernels.registry import register
 from kiln.kernels.torch.convert import TORCH_DTYPE, to_torch
 from kiln.kernels.torch.util import ints, unsigned_safe
 from kiln.ops import tensor as T
+from kiln.ops.rules import broadcast_ints
 
 
 def _is_np(x) -> bool:
@@ -316,7 +317,10 @@ def scatter_nd(n, x, idx, upd):
 
 @register(T.Expand)
 def expand(n, x, shape):
-    target = torch.broadcast_shapes(tuple(x.shape), tuple(ints(shape)))
+    try:
+        target = broadcast_ints(tuple(x.shape), tuple(ints(shape)))
+    except ValueError as e:
+        raise RuntimeError(str(e)) from None
     if _is_np(x):
         return np.broadcast_to(x, target).copy()
     return x.expand(target)
