@@ -70,7 +70,8 @@ def _calib_device(cfg) -> str:
     return "cuda" if cfg.device == "cuda" and torch.cuda.is_available() else "cpu"
 
 
-def apply_int8(graph: Graph, cfg, explicit: dict | None, log=lambda m: None) -> dict:
+def apply_int8(graph: Graph, cfg, explicit: dict | None, log=lambda m: None,
+               grid=None) -> dict:
     """Quantize ``graph`` in place for an INT8 build: returns the rewrite's report."""
     keep = {k for k, p in cfg.layer_precision.items() if p not in ("int8", "fp8")}
     scales = explicit if explicit else int8_scales(graph, cfg, log)
@@ -80,7 +81,7 @@ def apply_int8(graph: Graph, cfg, explicit: dict | None, log=lambda m: None) -> 
     fp8 = cfg.fp8 and not explicit
     if fp8 and cfg.int8_asymmetric:
         raise KilnError("FP8 layers are symmetric: drop --asymmetric for an --fp8 build")
-    return quantize_graph(graph, scales, keep, log, fp8=fp8)
+    return quantize_graph(graph, scales, keep, log, fp8=fp8, grid=grid)
 
 
 def first_nonfinite(ex: Executor, feeds: dict[str, np.ndarray]) -> tuple[str, str] | None:

@@ -1,10 +1,13 @@
 """PyTorch kernels: Int8MatMul and Int8Conv (kiln.ops.int8).
 
-On the CPU both run oneDNN's u8s8 kernels through PyTorch (``onednn::qlinear_pointwise``,
-``onednn::qconv2d_pointwise``): the activation is quantized to uint8 codes, the products
-accumulate in int32, and dequantize + bias + activation run as oneDNN post-ops (a residual is
-added after, then the activation). The weight is reordered into oneDNN's layout on the first
-call and kept. Elsewhere (CUDA, or a PyTorch without oneDNN's ops) the same arithmetic is
+On the CPU, Int8MatMul runs FBGEMM's u8s8 GEMM through PyTorch
+(``quantized::linear_with_input_q_dq_qweight_dq_output_fp32``): the activation is quantized to
+uint8 codes while FBGEMM packs it (no separate quantize pass), the products accumulate in int32
+(pairs of u8 x s8 products summed in int16 first, saturating, as onnxruntime's MLAS does on
+AVX2: the two give the same integers), and dequantize + bias run in its epilogue; residual and
+activation follow in place. Where FBGEMM is missing, oneDNN's ``onednn::qlinear_pointwise``
+runs it (quantize first, post-ops in oneDNN). Int8Conv runs oneDNN's
+``onednn::qconv2d_pointwise``. Weights are packed on the first call and kept. Elsewhere (CUDA, or a PyTorch without oneDNN's ops) the same arithmetic is
 emulated in float: exact integer codes, products summed in float32.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import numpy as np
 import torch
 
 from kiln.kernels.registry import register
@@ -21,6 +25,8 @@ from kiln.ops import int8 as I8
 
 _HAS_ONEDNN = hasattr(torch.ops.onednn, "qlinear_pointwise") and \
     torch.backends.mkldnn.is_available()
+_HAS_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
+    torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32")
 _LOCK = threading.Lock()
 
 
@@ -59,11 +65,55 @@ def _post_op(a, r):
 
 
 def dynamic_range(x: torch.Tensor) -> tuple[float, int]:
-    """(scale, uint8 zero) from x's own range, which always holds 0 (DynamicQuantizeLinear)."""
+    """(scale, uint8 zero) from x's own range, which always holds 0, in float32 arithmetic as
+    onnxruntime's DynamicQuantizeLinear computes them (``(max - min) / 255``; zero point
+    ``round(-min / scale)``, half to even)."""
     lo, hi = torch.aminmax(x)
-    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
-    scale = (hi - lo) / 255.0 if hi > lo else 1.0
-    return scale, int(min(255, max(0, round(-lo / scale))))
+    lo, hi = np.float32(min(float(lo), 0.0)), np.float32(max(float(hi), 0.0))
+    if not hi > lo:
+        return 1.0, 0
+    scale = np.float32(hi - lo) / np.float32(255.0)
+    zero = float(np.clip(np.float32(0.0) - lo / scale, 0.0, 255.0))
+    return float(scale), int(np.rint(zero))
+
+
+def _fbgemm_ok(x: torch.Tensor) -> bool:
+    return _HAS_FBGEMM and x.device.type == "cpu" and x.dtype == torch.float32
+
+
+def _fbgemm_pack(wq: torch.Tensor, w_scale: torch.Tensor, b):
+    """FBGEMM's packed weight ([N, K] int8 codes per output channel, the float bias)."""
+    import warnings
+
+    m = wq.shape[1]
+    scale = w_scale.reshape(-1).double()
+    if scale.numel() == 1:
+        scale = scale.expand(m).contiguous()
+    with warnings.catch_warnings():  # the quantized-tensor constructors warn of deprecation
+        warnings.simplefilter("ignore")
+        w = torch._make_per_channel_quantized_tensor(
+            wq.t().contiguous(), scale, torch.zeros(m, dtype=torch.long), 0)
+        engine = torch.backends.quantized.engine
+        try:  # the prepack dispatches on the global engine: FBGEMM for this one call
+            torch.backends.quantized.engine = "fbgemm"
+            return torch.ops.quantized.linear_prepack(
+                w, None if b is None else b.float().contiguous())
+        finally:
+            torch.backends.quantized.engine = engine
+
+
+def _int8_matmul_fbgemm(n, a, x, wq, w_scale, b, r):
+    k, m = wq.shape
+    packed = _cached(n, "w_fbgemm", lambda: _fbgemm_pack(wq, w_scale, b))
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+        x2, a.x_scale, a.x_zero, packed)
+    y = y.reshape(*x.shape[:-1], m)
+    if r is None and a.activation in ("", "none", None):
+        return y
+    return epilogue(y, a, r)
 
 
 @register(I8.Int8MatMul)
@@ -77,6 +127,8 @@ def int8_matmul(n, x, wq, w_scale, b=None, r=None):
         b, r = (None if t is None else t.float() for t in (b, r))
         return int8_matmul(n, x.float(), wq, w_scale, b, r).to(x.dtype)
     k, m = wq.shape
+    if _fbgemm_ok(x):
+        return _int8_matmul_fbgemm(n, a, x, wq, w_scale, b, r)
     if not _onednn(x):
         return _int8_matmul_emulated(n, x, wq, w_scale, b, r)
     x2 = x.reshape(-1, k)
