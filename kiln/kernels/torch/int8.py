@@ -7,8 +7,9 @@ uint8 codes while FBGEMM packs it (no separate quantize pass), the products accu
 AVX2: the two give the same integers), and dequantize + bias run in its epilogue; residual and
 activation follow in place. Where FBGEMM is missing, oneDNN's ``onednn::qlinear_pointwise``
 runs it (quantize first, post-ops in oneDNN). Int8Conv runs oneDNN's
-``onednn::qconv2d_pointwise``. Weights are packed on the first call and kept. Elsewhere (CUDA, or a PyTorch without oneDNN's ops) the same arithmetic is
-emulated in float: exact integer codes, products summed in float32.
+``onednn::qconv2d_pointwise``. Weights are packed on the first call and kept. Elsewhere (CUDA,
+or a PyTorch without these ops) the same arithmetic is emulated in float: exact integer codes,
+products summed in float32.
 """
 
 from __future__ import annotations
