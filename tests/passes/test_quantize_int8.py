@@ -162,16 +162,20 @@ def test_build_int8_needs_calibration(net):
 def test_build_int8_cache_written_then_used(net, tmp_path):
     _, path, calib = net
     cache = tmp_path / "net.cache"
+    trt = dict(calibrator="entropy", int8_asymmetric=False)  # TensorRT's own cache
     first = _run(Builder(BuilderConfig(int8=True, calib=str(calib),
-                                       calib_cache=str(cache))).build(path))
+                                       calib_cache=str(cache), **trt)).build(path))
     assert cache.read_text().startswith("TRT-8601-EntropyCalibration2\n")
     logs = []
-    again = Builder(BuilderConfig(int8=True, calib_cache=str(cache)), log=logs.append).build(path)
+    again = Builder(BuilderConfig(int8=True, calib_cache=str(cache), **trt),
+                    log=logs.append).build(path)
     assert any("scales read from" in m for m in logs)
     np.testing.assert_array_equal(_run(again), first)
     with pytest.raises(KilnError, match="not MinMaxCalibration"):
-        Builder(BuilderConfig(int8=True, calib_cache=str(cache),
-                              calibrator="minmax")).build(path)
+        Builder(BuilderConfig(int8=True, calib_cache=str(cache), calibrator="minmax",
+                              int8_asymmetric=False)).build(path)
+    with pytest.raises(KilnError, match="not AutoCalibrationAsymmetric"):  # the defaults
+        Builder(BuilderConfig(int8=True, calib_cache=str(cache))).build(path)
 
 
 def test_cli_build_int8_and_qdq_round_trip(net, tmp_path):

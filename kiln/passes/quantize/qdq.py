@@ -92,10 +92,13 @@ def _weight_axis(node) -> int | None:
 
 
 def write_qdq(model: onnx.ModelProto, scales: dict[str, tuple[float, int]],
-              log=lambda m: None) -> tuple[onnx.ModelProto, int]:
+              log=lambda m: None, smooth: dict | None = None) -> tuple[onnx.ModelProto, int]:
     """A copy of ``model`` with Q/DQ on the layers whose input has a scale in ``scales``
     (tensor name -> (scale, uint8 zero point): zero 128 is written as int8 codes with zero
-    point 0, others as uint8 codes). Returns (model, layers)."""
+    point 0, others as uint8 codes). ``smooth`` (tensor name -> per-channel multipliers
+    ``m``, :mod:`kiln.passes.quantize.smooth`): those inputs go through ``Mul(x, m)`` before
+    their Q/DQ and the weights are divided by ``m`` per row first. Returns (model, layers)."""
+    smooth = smooth or {}
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
@@ -112,21 +115,35 @@ def write_qdq(model: onnx.ModelProto, scales: dict[str, tuple[float, int]],
             w = numpy_helper.to_array(inits[node.input[1]])
             if w.dtype == np.float32 and (w.ndim == 2 or node.op_type == "Conv"):
                 x = node.input[0]
-                if x not in done_x:
-                    done_x[x] = _qdq_activation(g, new_nodes, x, scales[x])
-                if node.input[1] not in done_w:
-                    done_w[node.input[1]] = _qdq_weight(g, new_nodes, node.input[1], w, axis)
-                node.input[0], node.input[1] = done_x[x], done_w[node.input[1]]
+                m = smooth.get(x) if node.op_type != "Conv" else None
+                wkey = node.input[1] if m is None else (node.input[1], x)
+                if m is not None:
+                    w = w / (m[:, None] if axis == 1 else m[None, :])
+                if (x, m is not None) not in done_x:
+                    xin = x if m is None else _smooth_mul(g, new_nodes, x, m)
+                    done_x[(x, m is not None)] = _qdq_activation(g, new_nodes, xin, scales[x])
+                if wkey not in done_w:
+                    done_w[wkey] = _qdq_weight(g, new_nodes, node.input[1] if m is None
+                                               else f"{node.input[1]}_smoothed", w, axis)
+                node.input[0], node.input[1] = done_x[(x, m is not None)], done_w[wkey]
                 layers += 1
         new_nodes.append(node)
     del g.node[:]
     g.node.extend(new_nodes)
     still_read = {i for n in g.node for i in n.input}
-    for name in done_w:
+    for name in {k if isinstance(k, str) else k[0] for k in done_w}:
         if name not in still_read:
             g.initializer.remove(inits[name])
-    log(f"QDQ: {layers} layer(s) quantized, {len(done_x)} activation Q/DQ pair(s)")
+    log(f"QDQ: {layers} layer(s) quantized, {len(done_x)} activation Q/DQ pair(s)"
+        + (f", {sum(1 for k in done_x if k[1])} smoothed" if smooth else ""))
     return out, layers
+
+
+def _smooth_mul(g, nodes, x: str, m: np.ndarray) -> str:
+    name = f"{x}_smooth"
+    g.initializer.append(numpy_helper.from_array(np.asarray(m, np.float32), name))
+    nodes.append(helper.make_node("Mul", [x, name], [f"{x}_smoothed"], name=f"{x}_Smooth"))
+    return f"{x}_smoothed"
 
 
 def _qdq_activation(g, nodes, x: str, scale_zero: tuple[float, int]) -> str:
