@@ -22,7 +22,7 @@ from kiln.passes.pipeline import optimize
 from kiln.passes.quantize.data import load_batches
 from kiln.passes.quantize.dynamic import fold_dynamic_quant
 from kiln.passes.quantize.int8 import weight_grids
-from kiln.passes.quantize.qdq import fold_qdq
+from kiln.passes.quantize.qdq import fold_qdq, lower_qlinear
 
 
 class Builder:
@@ -63,6 +63,7 @@ class Builder:
             validate_profile(p, [TensorInfo.of(v) for v in graph.inputs])
         before, near = graph.op_counts(), []
         self.report = {}
+        lower_qlinear(graph, self.log)  # QOperator layers in QDQ form, which folds below
         grid = weight_grids(graph)  # a quantized model's weight scales, before they fold
         explicit = {**fold_qdq(graph, self.log), **fold_dynamic_quant(graph, self.log)}
         if cfg.optimize:

@@ -77,6 +77,72 @@ def fold_qdq(graph: Graph, log=lambda m: None) -> dict[str, tuple[float, int]]:
     return scales
 
 
+def lower_qlinear(graph: Graph, log=lambda m: None) -> int:
+    """onnxruntime's QOperator layers with a constant weight, in QDQ form, so that
+    :func:`fold_qdq` and the INT8 rewrite make them kiln INT8 layers::
+
+        QLinearMatMul(a, sa, za, Wq, sw, zw, sy, zy)
+            ==>  QuantizeLinear(MatMul(DQ(a, sa, za), DQ(Wq, sw, zw)), sy, zy)
+        QLinearConv(x, sx, zx, Wq, sw, zw, sy, zy, B)
+            ==>  QuantizeLinear(Conv(DQ(x), DQ(Wq), B * sx * sw), sy, zy)
+
+    The quantized tensors between such layers become Q -> DQ pairs, which fold; the weight
+    keeps its codes (:func:`kiln.passes.quantize.int8.weight_grids`). Fires for constant
+    weights and scalar activation scales; returns the number of layers lowered."""
+    from kiln.ir import DType, Node, TensorType, Value
+    from kiln.ops import nn as N
+
+    done = 0
+    new_nodes = []
+    for n in graph.nodes:
+        if n.op not in (Q.QLinearMatMul, Q.QLinearConv) or len(n.inputs) < 8:
+            new_nodes.append(n)
+            continue
+        x, sx, zx, w, sw, zw, sy, zy = n.inputs[:8]
+        bias = n.inputs[8] if len(n.inputs) > 8 else None
+        conv = n.op is Q.QLinearConv
+        if w.const is None or sw.const is None or any(
+                v is not None and v.const is None for v in (sx, zx, zw, sy, zy, bias)) or \
+                np.size(sx.const) != 1 or np.size(sy.const) != 1:
+            new_nodes.append(n)
+            continue
+
+        def fresh(base, shape):
+            return Value(graph.fresh_name(base), TensorType(DType.float32, shape))
+
+        y = n.outputs[0]
+        xf = fresh(f"{x.name}_dequantized", x.type.shape)
+        new_nodes.append(Node(Q.DequantizeLinear, f"{n.name}/dq_x", [x, sx, zx], [xf],
+                              Q.DequantizeLinear.make_attrs()))
+        wf = fresh(f"{w.name}_dequantized", w.const.shape)
+        axis = 0 if conv else 1
+        new_nodes.append(Node(Q.DequantizeLinear, f"{n.name}/dq_w", [w, sw, zw], [wf],
+                              Q.DequantizeLinear.make_attrs(axis=axis if np.size(sw.const) > 1
+                                                            else 1)))
+        yf = fresh(f"{y.name}_float", y.type.shape)
+        if conv:
+            ins = [xf, wf]
+            if bias is not None:
+                b = (bias.const.astype(np.float64) * float(np.asarray(sx.const).ravel()[0])
+                     * np.asarray(sw.const, np.float64).ravel()).astype(np.float32)
+                ins.append(graph.add_weight(graph.fresh_name(f"{bias.name}_float"), b,
+                                            TensorType(DType.float32, b.shape)))
+            a = n.attrs
+            attrs = N.Conv.make_attrs(**{f: getattr(a, f) for f in (
+                "auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
+                if hasattr(a, f)})
+            new_nodes.append(Node(N.Conv, n.name, ins, [yf], attrs))
+        else:
+            new_nodes.append(Node(N.MatMul, n.name, [xf, wf], [yf]))
+        new_nodes.append(Node(Q.QuantizeLinear, f"{n.name}/q_y", [yf, sy, zy], [y],
+                              Q.QuantizeLinear.make_attrs()))
+        done += 1
+    graph.nodes = new_nodes
+    if done:
+        log(f"explicit quantization: {done} QLinearMatMul/QLinearConv layer(s) in QDQ form")
+    return done
+
+
 # ---------------------------------------------------------------- writing QDQ models
 
 _WEIGHT_AXIS = {"MatMul": 1, "Conv": 0}
