@@ -14,10 +14,9 @@ products summed in float32.
 
 from __future__ import annotations
 
-import dataclasses
+import struct
 import threading
 
-import numpy as np
 import torch
 
 from kiln.kernels.registry import register
@@ -83,12 +82,29 @@ def dynamic_range(x: torch.Tensor) -> tuple[float, int]:
     onnxruntime's DynamicQuantizeLinear computes them (``(max - min) / 255``; zero point
     ``round(-min / scale)``, half to even)."""
     lo, hi = torch.aminmax(x)
-    lo, hi = np.float32(min(float(lo), 0.0)), np.float32(max(float(hi), 0.0))
+    lo, hi = min(lo.item(), 0.0), max(hi.item(), 0.0)  # float32 values, exact as floats
     if not hi > lo:
         return 1.0, 0
-    scale = np.float32(hi - lo) / np.float32(255.0)
-    zero = float(np.clip(np.float32(0.0) - lo / scale, 0.0, 255.0))
-    return float(scale), int(np.rint(zero))
+    scale = _f32(_f32(hi - lo) / 255.0)
+    zero = min(max(-_f32(lo / scale), 0.0), 255.0)
+    return scale, int(round(zero))  # Python rounds half to even, as std::nearbyint
+
+
+def _f32(v: float) -> float:
+    """``v`` rounded to float32 (a float32 operation's result on float32 operands)."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+class _Over:
+    """Attributes ``a`` with some overridden (cheaper than ``dataclasses.replace``, which a
+    dynamic layer would pay on every call)."""
+
+    def __init__(self, a, **kw):
+        self._a = a
+        self.__dict__.update(kw)
+
+    def __getattr__(self, name):
+        return getattr(self._a, name)
 
 
 def _fbgemm_ok(x: torch.Tensor) -> bool:
@@ -138,7 +154,7 @@ def _native_epilogue(y, a, r):
             not y.is_contiguous():
         return epilogue(y, a, r)
     if r is not None:
-        y = epilogue(y, dataclasses.replace(a, activation=""), r)
+        y = epilogue(y, _Over(a, activation=""), r)
     return native.pointwise(act, y, p0=a.alpha, p1=a.beta, out=y)
 
 
@@ -147,7 +163,7 @@ def int8_matmul(n, x, wq, w_scale, b=None, r=None):
     a = n.a
     if a.x_scale == 0.0:  # dynamic: this call's own range
         s, z = dynamic_range(x)
-        a = dataclasses.replace(a, x_scale=s, x_zero=z)
+        a = _Over(a, x_scale=s, x_zero=z)
         n = _WithAttrs(n, a)
     if _cpu_half(x):
         b, r = (None if t is None else t.float() for t in (b, r))
