@@ -14,6 +14,7 @@ products summed in float32.
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 
@@ -28,6 +29,7 @@ _HAS_ONEDNN = hasattr(torch.ops.onednn, "qlinear_pointwise") and \
 _HAS_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
     torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32")
 _LOCK = threading.Lock()
+_FORCED = os.environ.get("KILN_CPU_INT8", "")  # fbgemm | onednn: no timing (benchmarks)
 
 
 def quantize_u8(x: torch.Tensor, scale: float, zero: int) -> torch.Tensor:
@@ -185,7 +187,9 @@ def _tactic(n, a, x, wq, w_scale, b, r) -> str:
     key = tuple(x.shape)
     if picks is not None and key in picks:
         return picks[key]
-    if not _fbgemm_ok(x) or not _onednn(x):
+    if _FORCED in ("fbgemm", "onednn") and (_fbgemm_ok(x) if _FORCED == "fbgemm" else True):
+        name = _FORCED
+    elif not _fbgemm_ok(x) or not _onednn(x):
         name = "fbgemm" if _fbgemm_ok(x) else "onednn"
     elif _cached(n, "w_full_range", lambda: bool(wq.abs().max() > 63)):
         name = "fbgemm"
