@@ -9,6 +9,8 @@
 
 __version__ = "0.1.0"
 
+# first, before anything imports torch: it sets OpenMP's wait policy (settings.py says why)
+from kiln import settings as _settings  # noqa: F401  # isort: skip
 from kiln.builder import Builder, BuilderConfig
 from kiln.engine.engine import Engine, ExecutionContext, TensorInfo, load
 from kiln.engine.profile import Profile

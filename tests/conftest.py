@@ -1,7 +1,9 @@
 import os
 
 import pytest
-import torch
+
+import kiln  # noqa: F401  # isort: skip  (before torch: it sets OpenMP's wait policy)
+import torch  # isort: skip
 
 # Triton reads this when its kernels are decorated, i.e. when kiln.kernels.triton is first
 # imported, which a test module may do at collection: set it here, before any of them. With a

@@ -119,6 +119,8 @@ def run(args, path: Path | None = None) -> dict:
                 row = dict(base_row(entries[name]), status="crashed",
                            error=describe_error("runner", exc))
             result["rows"].append(row)
+            if row.get("omp_wait_policy"):  # what the worker's kiln ran with
+                result["omp_wait_policy"] = row["omp_wait_policy"]
             if path is not None:  # a run that is stopped still leaves its rows
                 write(dict(result, complete=False), path)
             sys.stderr.write(f"  {row['status']} {row.get('ratio') or ''} {row['error']}\n")

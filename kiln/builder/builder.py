@@ -91,10 +91,11 @@ class Builder:
         if "autotune" in self.report and getattr(self, "_tuning_complete", True):
             self._record_binaries(engine)  # a CUDA build with the Triton kernels, whose tuning
             # run took random inputs (the recording run takes the same: they would fail there)
-        # random integer inputs can be trip counts or indices (a Loop of 2^62 iterations):
-        # such graphs keep their tactics to their first run
-        if cfg.device == "cpu" and all(i.dtype is not None and i.dtype.is_float
-                                            for i in engine.inputs):
+        # the tuning run feeds integer inputs zeros (a valid index, token id, mask, trip
+        # count); a graph with a Loop keeps its tactics to its first run all the same (its
+        # termination may hang on input values: a random trip count ran for ever)
+        if cfg.device == "cpu" and all(i.dtype is not None for i in engine.inputs) and (
+                all(i.dtype.is_float for i in engine.inputs) or not _has_loop(graph)):
             self._tune_cpu(engine)
             engine.build_info["build_seconds"] = round(time.perf_counter() - t0, 3)
             self.report["total_s"] = time.perf_counter() - t0
@@ -158,14 +159,15 @@ class Builder:
                                       "seconds": time.perf_counter() - t0}
 
     def _run_each_profile(self, ctx, engine: Engine, what: str, unreached: str) -> None:
-        """Run ``ctx`` once per profile on seeded random inputs at its opt shapes; random data
-        a model cannot take (indices, k, ...) is logged, not fatal."""
-        from kiln.engine.inputs import random_inputs
+        """Run ``ctx`` once per profile at its opt shapes, on seeded random floats and zero
+        integers and booleans (random ones would be out-of-range indices, huge trip counts);
+        data a model cannot take is logged, not fatal."""
+        from kiln.engine.inputs import tuning_inputs
 
         for k, p in enumerate(engine.profiles or [None]):
             ctx.profile = k if p is not None else None
             try:
-                ctx.run(random_inputs(engine.inputs, {}, p, seed=0))
+                ctx.run(tuning_inputs(engine.inputs, p))
             except Exception as e:
                 self.log(f"{what} at profile {k} failed on random inputs "
                          f"({type(e).__name__}: {str(e)[:200]}); {unreached}")
@@ -284,3 +286,12 @@ def _all_nodes(graph: Graph):
         yield n
         for g in n.subgraphs():
             yield from _all_nodes(g)
+
+
+def _has_loop(graph: Graph) -> bool:
+    """Does ``graph`` or any subgraph hold a Loop node?"""
+    from kiln.ops import control
+
+    return any(n.op is control.Loop or any(_has_loop(g) for g in n.subgraphs())
+               for n in graph.nodes)
+

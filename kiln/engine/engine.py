@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 import kiln
+from kiln import settings
 from kiln.engine import format as fmt
 from kiln.engine.executor import Executor
 from kiln.engine.profile import Profile, check_feeds
@@ -100,6 +101,7 @@ class Engine:
         self.binaries_note = ""  # why the file's binaries are not used here, if they are not
         # CPU GEMM and conv tactic picks (signature -> tactic) timed at build, saved in the file
         self.cpu_tactics: dict = {}
+        self.warm_up_notes: list[str] = []  # runs warm_up() could not make, and why
 
     @staticmethod
     def _chooser(choices: dict[str, str]):
@@ -129,6 +131,27 @@ class Engine:
             raise KeyError(f"the engine has no input '{name}'; its inputs are "
                            f"{[i.name for i in self.inputs]}")
         return [(p.min[name], p.opt[name], p.max[name]) for p in self.profiles if name in p.min]
+
+    def warm_up(self) -> int:
+        """Run the engine once per optimization profile at its opt shapes (the default shapes
+        where it has none: symbolic dims 1), on what the build tuned with (random floats, zero
+        integers), so that a first run's one-time work happens here: on the CPU, tracing and
+        planning the native program of that input signature, packing weights for the picked
+        tactics, kernels' first-call setup (all kept by the engine, shared by its contexts).
+        A request at those shapes then runs at steady-state latency. ``kiln.load(path,
+        warm_up=True)`` calls it. Returns the runs made; a run the model cannot take on such
+        data is skipped, its error in :attr:`warm_up_notes`."""
+        from kiln.engine.inputs import tuning_inputs
+
+        ctx, done = self.create_context(), 0
+        for k, p in enumerate(self.profiles or [None]):
+            ctx.profile = k if p is not None else None
+            try:
+                ctx.run(tuning_inputs(self.inputs, p))
+                done += 1
+            except Exception as e:  # data it cannot take: that signature stays cold
+                self.warm_up_notes.append(f"profile {k}: {type(e).__name__}: {str(e)[:200]}")
+        return done
 
     def create_context(self, cuda_graph: bool | None = None) -> ExecutionContext:
         """A new context. ``cuda_graph`` overrides the build's choice (CUDA engines only)."""
@@ -192,14 +215,16 @@ class Engine:
         return fmt.write_engine(path, header, w.tensors)
 
 
-def load(path: str | os.PathLike, portable: bool = False) -> Engine:
+def load(path: str | os.PathLike, portable: bool = False, warm_up: bool = False) -> Engine:
     """Load an engine file: checks magic, version, checksum and device, maps the weights (and,
     for a CUDA engine, copies them to the GPU).
 
     A CUDA engine must be loaded on the GPU model and with the CUDA, torch and triton versions
     it was built with; otherwise :class:`kiln.errors.EngineFileError` names both sides and says
     to rebuild. ``portable=True`` accepts the difference (kernels are tuned again on first
-    use; :attr:`Engine.portability_notes` lists what differed). CPU engines load anywhere."""
+    use; :attr:`Engine.portability_notes` lists what differed). CPU engines load anywhere.
+    ``warm_up=True`` runs :meth:`Engine.warm_up` before returning (a longer load, a first
+    request at steady-state latency)."""
     ef = fmt.read_engine(path)
     h = ef.header
     dev = h.get("device", {}).get("kind", "cpu")
@@ -230,6 +255,8 @@ def load(path: str | os.PathLike, portable: bool = False) -> Engine:
         _preload_cpu_tactics(engine, h["cpu_tactics"], path)
     if dev == "cuda" and "triton_binaries" in h:
         _install_binaries(engine, h["triton_binaries"], ef.tensors, path)
+    if warm_up:
+        engine.warm_up()
     return engine
 
 
@@ -300,6 +327,7 @@ class ExecutionContext:
         self.cuda: rt_cuda.CudaRunner | None = None  # the CUDA half: stream, graphs, staging
         if engine.torch_device is None:
             host.keep_freed_memory()  # activations reuse the pages of the last run's
+            settings.warn_if_spinning()
         else:
             b = engine.build_info
             graphs = b.get("cuda_graph", True) if cuda_graph is None else cuda_graph

@@ -37,3 +37,12 @@ def random_inputs(inputs: list, override: dict | None = None, profile=None,
             raise ShapeError(f"cannot make random data for input '{info.name}' of dtype "
                              f"{info.dtype}; pass it with --input {info.name}:file.npy")
     return out
+
+
+def tuning_inputs(inputs: list, profile=None, seed: int = 0) -> dict[str, np.ndarray]:
+    """What the builder's tuning run and :meth:`kiln.Engine.warm_up` feed: seeded random
+    floats at the profile's opt shapes, zero integers and booleans (a valid index, token id,
+    mask and trip count, where random ones would be out of range or run a Loop for ever)."""
+    feeds = random_inputs(inputs, {}, profile, seed=seed)
+    return {n: x if x.dtype.kind == "f" else np.zeros_like(x) for n, x in feeds.items()}
+

@@ -41,6 +41,8 @@ SMALL_WORK = 1 << 17
 # program's layout copies and parallel C regions did not pay there (PaddleOCR det v4 at
 # 640x640: 5.3 s against 2.4 s on the loop, a busy machine)
 MAX_MEAN_WORK = 1 << 17
+# integer results up to this many elements are kept from the traced run, for _foldable
+FOLD_MAX = 64
 _F32 = torch.float32
 
 
@@ -129,6 +131,7 @@ class _Plan:
         self.own = [(b, shape) for kind, *rest in outputs if kind == "own"
                     for b, shape in [rest]]
         self.pool: list = []
+        self.folded: dict = {}  # slot -> the traced value of a step fixed by the signature
         self.lock = threading.Lock()
 
 
@@ -136,6 +139,8 @@ class Program:
     """Runs ``steps`` (an executor's run steps) as one native program per input signature."""
 
     def __init__(self, steps: list, input_slots: list, consts: dict, output_slots: list):
+        from kiln.engine import program_ops  # noqa: F401  (imported at load, not at first run)
+
         self.steps, self.input_slots = steps, input_slots
         self.consts, self.output_slots = consts, output_slots
         self.plans: dict = {}
@@ -166,6 +171,7 @@ class Program:
         env: dict = dict(self.consts)
         env.update(zip(self.input_slots, args))
         metas = {s: _meta(x, ()) for s, x in env.items()}
+        small: dict = {}  # small integer results, which a plan may fold (_foldable)
         for st in self.steps:
             ins = [env.get(i) if i >= 0 else None for i in st.ins]
             store: dict = {}
@@ -173,6 +179,9 @@ class Program:
             for s, x in store.items():
                 env[s] = x
                 metas[s] = _meta(x, ins)
+                if isinstance(x, torch.Tensor) and x.numel() <= FOLD_MAX and not (
+                        x.dtype.is_floating_point or x.dtype.is_complex):
+                    small[s] = x.clone()
             for s in st.free:
                 env.pop(s, None)
         outs = [env[s] for s in self.output_slots]
@@ -181,18 +190,18 @@ class Program:
                 self.traced += 1
                 if len(self.plans) >= _MAX_PLANS:
                     del self.plans[next(iter(self.plans))]
-                self.plans[sig] = self._plan(metas)
+                self.plans[sig] = self._plan(metas, small)
         return outs
 
-    def _plan(self, metas: dict):
+    def _plan(self, metas: dict, small: dict | None = None):
         """The plan for a traced run's ``metas``, or False where a planner failed (the
         signature then runs step by step; a planner bug must not break a model)."""
         try:
-            return self._plan_records(metas)
+            return self._plan_records(metas, small or {})
         except _Decline:
             return False
 
-    def _plan_records(self, metas: dict) -> _Plan:
+    def _plan_records(self, metas: dict, small: dict) -> _Plan:
         from kiln.engine import program_ops
 
         work = sum(math.prod(m.shape) for st in self.steps for i in st.ins + st.outs
@@ -211,9 +220,12 @@ class Program:
         for s, c in self.consts.items():
             if isinstance(c, torch.Tensor) and c.dtype == _F32 and c.dim() <= 6:
                 pc.vals[s] = Val(tuple(c.shape), tuple(c.stride()), pc.fixed(c, s), 0, s)
-        fallbacks = []
+        fallbacks, folded = [], {}
         for k, st in enumerate(self.steps):
             pc.step = k
+            if _foldable(st, pc, folded, small) and not set(st.outs) & set(self.output_slots):
+                folded.update((s, small[s]) for s in st.outs)
+                continue
             ins = [pc.vals.get(i) if i >= 0 else None for i in st.ins]
             outs = [metas.get(s) for s in st.outs]
             planner = program_ops.PLANNERS.get(getattr(st.node, "op", None))
@@ -239,8 +251,10 @@ class Program:
             else:
                 outputs.append(("env", s))
         arena_floats = pc.place_arena()
-        return _Plan(pc, _with_drops(fallbacks, pc, self.output_slots), ext, outputs,
+        plan = _Plan(pc, _with_drops(fallbacks, pc, self.output_slots), ext, outputs,
                      arena_floats)
+        plan.folded = folded
+        return plan
 
     @staticmethod
     def _torch_record(pc, st, ins, outs, index, single) -> _Fallback:
@@ -304,6 +318,8 @@ class Program:
             return env[s]
         if s in self.consts:
             return self.consts[s]
+        if s in plan.folded:
+            return plan.folded[s]
         v = views.get(s)
         if v is not None:
             return v
@@ -347,6 +363,23 @@ class Program:
             table[b] = t.data_ptr()
         for s in fb.drop:
             env.pop(s, None)
+
+
+def _foldable(st, pc, folded: dict, small: dict) -> bool:
+    """Is this step's result fixed by the input signature, so that the plan keeps its traced
+    value instead of running it? ``Shape``/``Size`` of a float32 program value (whose shape the
+    plan fixes: a torch record's result that changes shape stops the program), and any step
+    whose inputs are all constants or such folded values and whose results are all small
+    integer tensors: the shape arithmetic exporters write (Shape -> Gather -> Unsqueeze ->
+    Concat -> Reshape) when a dim is symbolic."""
+    from kiln.ops import tensor as T
+
+    if not st.outs or any(s not in small for s in st.outs) or st.node.subgraphs():
+        return False
+    op = getattr(st.node, "op", None)
+    if op in (T.Shape, T.Size):
+        return len(st.ins) >= 1 and st.ins[0] in pc.vals
+    return all(i < 0 or i in folded or i in pc.consts for i in st.ins)
 
 
 def _unshared(x):

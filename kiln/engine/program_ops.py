@@ -208,6 +208,67 @@ def _transpose(pc, st, ins, outs):
                 x.off, x.root)]
 
 
+def _const_ints(pc, st, i: int):
+    """Input ``i`` of the step as a list of ints when it is a constant, [] where it is absent,
+    None where it is computed."""
+    if len(st.ins) <= i or st.ins[i] < 0:
+        return []
+    c = pc.consts.get(st.ins[i])
+    return None if c is None or not hasattr(c, "reshape") else [
+        int(v) for v in c.reshape(-1).tolist()]
+
+
+def _slice(pc, st, ins, outs):
+    """Slice with constant bounds and positive steps: a strided view, no record (a channel
+    split is an offset into the same memory)."""
+    x = ins[0]
+    if x is None or len(outs) != 1:
+        return None
+    if len(st.ins) > 1:
+        starts, ends, axes, steps = (_const_ints(pc, st, i) for i in range(1, 5))
+        if starts is None or ends is None or axes is None or steps is None:
+            return None
+    else:  # opset < 10: attributes
+        a = st.node.attrs
+        starts, ends, axes, steps = list(a.starts), list(a.ends), list(a.axes or []), []
+    rank = len(x.shape)
+    axes = axes or list(range(len(starts)))
+    steps = steps or [1] * len(starts)
+    if not (len(starts) == len(ends) == len(axes) == len(steps)) or min(steps, default=1) < 1:
+        return None
+    shape, strides, off = list(x.shape), list(x.strides), x.off
+    for a, b, e, p in zip(axes, starts, ends, steps):
+        a %= rank
+        lo, hi, step = slice(b, e, p).indices(x.shape[a])
+        shape[a] = len(range(lo, hi, step))
+        off += lo * x.strides[a] if shape[a] else 0
+        strides[a] *= step
+    if tuple(shape) != tuple(outs[0].shape):
+        return None
+    return [Val(tuple(shape), tuple(strides), x.buf, off, x.root)]
+
+
+def _split(pc, st, ins, outs):
+    """Split whose sizes are constant (an input, the attribute, or even parts): its outputs
+    are views of consecutive ranges along the axis, no record; the sizes are the traced
+    outputs' (the plan is per input shape)."""
+    x = ins[0]
+    if x is None or not outs or any(m is None for m in outs) or (
+            len(st.ins) > 1 and _const_ints(pc, st, 1) is None):
+        return None
+    rank = len(x.shape)
+    axis = (st.node.attrs.axis or 0) % rank
+    start, made = 0, []
+    for m in outs:
+        if len(m.shape) != rank or any(a != b for d, (a, b) in enumerate(zip(m.shape, x.shape))
+                                       if d != axis):
+            return None
+        made.append(Val(tuple(m.shape), x.strides, x.buf, x.off + start * x.strides[axis],
+                        x.root))
+        start += m.shape[axis]
+    return made if start == x.shape[axis] else None
+
+
 def _concat(pc, st, ins, outs):
     if len(outs) != 1 or not ins or any(v is None for v in ins):
         return None
@@ -358,6 +419,66 @@ def _fused_conv(pc, st, ins, outs):
     return [y]
 
 
+_SE_ACTS = ("", "Relu", "Sigmoid", "Tanh", "Silu", "Gelu", "GeluTanh", "HardSwish")
+
+
+def _squeeze_excite(pc, st, ins, outs):
+    """SqueezeExcite as records: the global mean, the two 1x1 convs as kiln GEMMs on the [N, C]
+    vector (the activation, and a Sigmoid gate, in their epilogues; a HardSigmoid gate as its
+    own record), and the broadcast product."""
+    x = ins[0]
+    a = st.node.attrs
+    if x is None or len(x.shape) != 4 or len(outs) != 1 or not native.available \
+            or a.activation not in _SE_ACTS or a.gate not in ("Sigmoid", "HardSigmoid"):
+        return None
+    import torch
+
+    ws = [pc.consts.get(i) if 0 <= i else None for i in (list(st.ins[1:]) + [-1] * 4)[:4]]
+    w1, b1, w2, b2 = ws
+    if w1 is None or w2 is None or any(
+            t is not None and (t.dtype != torch.float32 or t.device.type != "cpu") for t in ws):
+        return None
+    if (len(st.ins) > 2 and st.ins[2] >= 0 and b1 is None) or (
+            len(st.ins) > 4 and st.ins[4] >= 0 and b2 is None):
+        return None  # a computed bias
+    n, c, h, w = x.shape
+    cr = w1.shape[0]
+    if w1.numel() != cr * c or tuple(w2.shape[:2]) != (c, cr) or w2.numel() != c * cr:
+        return None
+    s = _emit_pool(pc, "avg", x, (n, c, 1, 1), (h, w), (1, 1), (1, 1), (0, 0))[0]
+    s = Val((n, c), (c, 1), s.buf, s.off, s.root)  # [N, C, 1, 1] in either layout
+    hid = pc.alloc((n, cr))
+    _emit_small_gemm(pc, s, w1.reshape(cr, c), b1, hid, a.activation)
+    g = pc.alloc((n, c))
+    sigmoid = a.gate == "Sigmoid"
+    _emit_small_gemm(pc, hid, w2.reshape(c, cr), b2, g, "Sigmoid" if sigmoid else "")
+    if not sigmoid:
+        emit_pw(pc, native.POINTWISE["HardSigmoid"], g, g, None, a.alpha, a.beta)
+    shape = outs[0].shape
+    y = pc.alloc(shape, _dense_like(shape, x))
+    gv = Val((n, c, 1, 1), (c, 1, 1, 1), g.buf, g.off, g.root)
+    if not emit_pw(pc, native.POINTWISE["Mul"], y, x, gv):
+        return None
+    return [y]
+
+
+def _emit_small_gemm(pc, x: Val, w, b, y: Val, act: str) -> None:
+    """``y = act(x @ w^T + b)`` for a contiguous [M, K] ``x`` and a constant [N, K] ``w``."""
+    m, k = x.shape[0], w.shape[1]
+    nout = w.shape[0]
+    pw = native.PackedWeight(w.t())
+    pc.keep.append(pw)
+    lo, hi = native._epilogue_params(act, None, None)
+    rec = [OP_GEMM, m, nout, k]
+    pc.put(rec, x)
+    rec += [k, pc.fixed(pw.data), -1 if b is None else pc.fixed(b.contiguous())]
+    pc.put(rec, None)
+    rec.append(nout)
+    pc.put(rec, y)
+    rec += [nout, native.ACTIVATIONS[act], pc.fparam(lo, hi)]
+    pc.emit(rec)
+
+
 def _emit_gemm_conv(pc, params, xs: Val, rs: Val | None, y: Val):
     n, c, h, w = xs.shape
     k_out = y.shape[1]
@@ -394,5 +515,6 @@ PLANNERS.update({
     T.Identity: _identity, T.Transpose: _transpose, T.Concat: _concat, T.Pad: _pad_op,
     N.MaxPool: _pool("max"), N.AveragePool: _pool("avg"),
     N.GlobalAveragePool: _global_pool("avg"), N.GlobalMaxPool: _global_pool("max"),
-    FC.FusedConv: _fused_conv,
+    FC.FusedConv: _fused_conv, FC.SqueezeExcite: _squeeze_excite, T.Slice: _slice,
+    T.Split: _split,
 })

@@ -45,6 +45,19 @@ def dim_from_str(s: str, known: dict[str, sympy.Expr] | None = None) -> Dim:
         return known[s]
     if s.isidentifier():
         return sym(s)
+    got = _PARSED.get(s)
+    if got is None:
+        got = _PARSED[s] = _parse_dim(s)
+    return got
+
+
+# dim expression -> its parse (sympy's parser takes ~4 ms a string; an engine file of a model
+# with dynamic H and W repeats a few dozen expressions hundreds of times: PaddleOCR det v4
+# loaded in 2.2 s, 522 parses of 27 strings)
+_PARSED: dict[str, Dim] = {}
+
+
+def _parse_dim(s: str) -> Dim:
     try:
         expr = sympy.sympify(s, locals={})
         names = {n.name: sym(n.name) for n in expr.free_symbols}

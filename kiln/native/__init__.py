@@ -3,7 +3,8 @@
 ``pip install -e .`` (or ``python setup.py build_ext --inplace``) compiles the C files here into
 ``kiln/native/_kernels*.so`` with the system's C compiler: one file per kernel (``gemm.c``,
 ``layernorm.c``, ``attention.c``, ``winograd.c``, ``pointwise.c``, ``pool.c``,
-``depthwise.c``, ``chain.c``), what they share in ``kernels.h``.
+``depthwise.c``, ``chain.c``, ``rnn.c``, bound in :mod:`kiln.native.rnn`), what they share in
+``kernels.h``.
 The library is optional: where it was not built, or this CPU lacks AVX2 + FMA, :data:`sgemm` is
 None, :data:`why_not` says why, and the CPU kernels use their library tactics instead.
 
@@ -18,6 +19,8 @@ import importlib.machinery
 from pathlib import Path
 
 import torch
+
+from kiln.ops.rules import broadcast_ints
 
 # kiln activation name -> the kernel's code (ACT_* in kernels.h); the kernel applies it in registers
 ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2, "GeluTanh": 3, "Sigmoid": 4, "Silu": 5, "Tanh": 6,
@@ -221,8 +224,8 @@ def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.dim() > 4:
         return False
     try:
-        return torch.broadcast_shapes(bias.shape, (b, h, sq, skv)) == (b, h, sq, skv)
-    except RuntimeError:
+        return broadcast_ints(bias.shape, (b, h, sq, skv)) == (b, h, sq, skv)
+    except ValueError:
         return False
 
 
@@ -282,7 +285,7 @@ def pointwise(op: str, a: torch.Tensor, b: torch.Tensor | None = None, p0: float
     broadcasting against ``a`` (ONNX/NumPy rules), into ``out`` (default: a new contiguous
     tensor of the broadcast shape; it may be any strided view). ``p0``/``p1``: Clip's bounds,
     LeakyRelu's slope (p0), HardSigmoid's alpha and beta. At most 6 dims."""
-    shape = tuple(a.shape) if b is None else tuple(torch.broadcast_shapes(a.shape, b.shape))
+    shape = tuple(a.shape) if b is None else broadcast_ints(a.shape, b.shape)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32)
     ts = (a, out) if b is None else (a, b, out)

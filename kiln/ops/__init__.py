@@ -4,6 +4,7 @@ from kiln.ir import REGISTRY
 from kiln.ops import (
     attention,  # noqa: F401
     control,  # noqa: F401
+    dynamic_quantize_lstm,  # noqa: F401
     fused_conv,  # noqa: F401
     fused_transformer,  # noqa: F401
     int8,  # noqa: F401

@@ -10,6 +10,12 @@ from kiln.ops.schema import onnx_op
 def _rnn_rule(ctx: InferCtx):
     """Y: [seq, dirs, batch, hidden] (layout 0) or [batch, seq, dirs, hidden] (layout 1);
     Y_h (and LSTM's Y_c): [dirs, batch, hidden] or [batch, dirs, hidden]."""
+    return lstm_like_rule(ctx, hidden_dim=2)
+
+
+def lstm_like_rule(ctx: InferCtx, hidden_dim: int):
+    """The output types of a recurrent node whose R input holds the hidden size in dim
+    ``hidden_dim`` (when the hidden_size attribute does not give it)."""
     a = ctx.attrs
     xs, ws, rs = ctx.shape(0), ctx.shape(1), ctx.shape(2)
     dirs = 2 if a.direction == "bidirectional" else 1
@@ -17,7 +23,7 @@ def _rnn_rule(ctx: InferCtx):
         dirs = ws[0]
     hidden = a.hidden_size
     if hidden is None and rs is not None and len(rs) == 3:
-        hidden = rs[2]
+        hidden = rs[hidden_dim]
     if xs is None or len(xs) != 3:
         seq = batch = None
     elif a.layout:

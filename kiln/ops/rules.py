@@ -32,6 +32,23 @@ def broadcast_shapes(*shapes):
     return tuple(out)
 
 
+def broadcast_ints(*shapes) -> tuple:
+    """The NumPy broadcast of concrete shapes (ints), as ``torch.broadcast_shapes`` gives it,
+    which kernels do not call: its first call imports torch's symbolic-shape machinery (about
+    0.2 s, paid by an engine's first run). Raises ValueError for shapes that do not
+    broadcast."""
+    rank = max((len(s) for s in shapes), default=0)
+    out = [1] * rank
+    for s in shapes:
+        for i, d in enumerate(s, rank - len(s)):
+            d = int(d)
+            if d != 1:
+                if out[i] not in (1, d):
+                    raise ValueError(f"shapes {[tuple(x) for x in shapes]} do not broadcast")
+                out[i] = d
+    return tuple(out)
+
+
 def norm_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 

@@ -65,7 +65,26 @@ def _fold_graph(graph: Graph, log) -> int:
     if folded:
         dead = {id(n) for n in folded}
         graph.nodes = [n for n in graph.nodes if id(n) not in dead]
+    _constant_captures(graph)
     return len(folded)
+
+
+def _constant_captures(graph: Graph) -> None:
+    """A subgraph's captured value is a constant where the outer value is: the subgraph's own
+    folding (it runs after this graph's) then sees through it, as it sees through its own
+    weights (silero-vad slices and unsqueezes its LSTM weights inside an If branch from outer
+    constants, which otherwise ran on every inference and repacked the weights each time). The
+    owner still feeds the capture at run time, with the same value."""
+    for node in graph.nodes:
+        subgraphs = node.subgraphs()
+        if not subgraphs:
+            continue
+        outer = {v.name: v for v in node.inputs if v is not None}
+        for g in subgraphs:
+            for c in g.captures:
+                v = outer.get(c.name)
+                if v is not None and v.const is not None and c.const is None:
+                    c.const = v.const
 
 
 def _known_shape(t: TensorType, arr: np.ndarray) -> TensorType:

@@ -152,3 +152,107 @@ def test_plan_of_large_layers_runs_on_the_python_loop(tmp_path):
     for _ in range(2):
         assert _err(ctx.run({"x": x})["y"], sess.run(None, {"x": x})[0]) <= 1e-5
     assert list(engine._executor.program.plans.values()) == [False]
+
+
+def _se_split(gate: str) -> onnx.ModelProto:
+    """conv -> squeeze-excite (mean, 1x1 conv, Relu, 1x1 conv, gate, Mul) -> a channel split by
+    two Slices (one from a negative start, one strided over W) -> Concat in swapped order; a
+    Split of uneven parts, concatenated swapped."""
+    rng = np.random.default_rng(0)
+    ints = {name: numpy_helper.from_array(np.array(v, np.int64), name) for name, v in [
+        ("s0", [0]), ("e0", [8]), ("s1", [-8]), ("e1", [1 << 30]), ("ax1", [1]),
+        ("s2", [0, 1]), ("e2", [8, 1 << 30]), ("ax2", [1, 3]), ("st2", [1, 2]),
+        ("sp", [4, 12])]}
+    inits = [_init(rng, "w", 16, 3, 3, 3), _init(rng, "b", 16), _init(rng, "f1", 4, 16, 1, 1),
+             _init(rng, "g1", 4), _init(rng, "f2", 16, 4, 1, 1), _init(rng, "g2", 16),
+             *ints.values()]
+    mk = helper.make_node
+    gate_node = (mk("HardSigmoid", ["z"], ["gate"], alpha=1 / 6, beta=0.5) if gate == "hard"
+                 else mk("Sigmoid", ["z"], ["gate"]))
+    nodes = [
+        mk("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+        mk("GlobalAveragePool", ["c"], ["p"]),
+        mk("Conv", ["p", "f1", "g1"], ["q"]),
+        mk("Relu", ["q"], ["r"]),
+        mk("Conv", ["r", "f2", "g2"], ["z"]),
+        gate_node,
+        mk("Mul", ["c", "gate"], ["se"]),
+        mk("Slice", ["se", "s0", "e0", "ax1"], ["lo"]),
+        mk("Slice", ["se", "s1", "e1", "ax1"], ["hi"]),
+        mk("Slice", ["se", "s2", "e2", "ax2", "st2"], ["odd"]),
+        mk("Concat", ["hi", "lo"], ["cat"], axis=1),
+        mk("Relu", ["odd"], ["y2"]),
+        mk("Sigmoid", ["cat"], ["y"]),
+        mk("Split", ["se", "sp"], ["p4", "p12"], axis=1),
+        mk("Concat", ["p12", "p4"], ["y3"], axis=1),
+    ]
+    g = helper.make_graph(nodes, "se", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, 3, 10, 10])], [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("y2", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("y3", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("gate", ["hard", "sigmoid"])
+def test_squeeze_excite_slices_and_splits_are_native(gate, tmp_path):
+    engine, sess = _build(_se_split(gate), tmp_path)
+    assert any(r["op"] == "SqueezeExcite" for r in engine.layers())
+    x = np.random.default_rng(1).standard_normal((1, 3, 10, 10)).astype(np.float32)
+    ctx = engine.create_context()
+    ctx.run({"x": x})  # traced
+    got = ctx.run({"x": x})
+    want = dict(zip(["y", "y2", "y3"], sess.run(None, {"x": x})))
+    for k in want:
+        assert _err(got[k], want[k]) <= 1e-5, k
+    torch_ops = Counter(fb.step.node.op.name for fb in _plan(engine._executor.program).fallbacks)
+    assert not {"SqueezeExcite", "Slice", "Split"} & set(torch_ops), torch_ops
+
+
+def _shape_arith() -> onnx.ModelProto:
+    """A dynamic batch, as timm's MobileViT export writes it: y = Reshape(Sigmoid(x),
+    Concat(Unsqueeze(Gather(Shape(Relu(x)), 0) * 4), [-1, 3])); n = Shape(NonZero(x > 0))
+    (depends on the values: never folded)."""
+    mk = helper.make_node
+    inits = [numpy_helper.from_array(np.array(0, np.int64), "zero"),
+             numpy_helper.from_array(np.array([0], np.int64), "ax0"),
+             numpy_helper.from_array(np.array([-1, 3], np.int64), "minus1"),
+             numpy_helper.from_array(np.array(4, np.int64), "four"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "fzero")]
+    nodes = [mk("Relu", ["x"], ["r"]),
+             mk("Shape", ["r"], ["s"]),
+             mk("Gather", ["s", "zero"], ["b"], axis=0),
+             mk("Mul", ["b", "four"], ["b4"]),
+             mk("Unsqueeze", ["b4", "ax0"], ["b1"]),
+             mk("Concat", ["b1", "minus1"], ["shape"], axis=0),
+             mk("Sigmoid", ["x"], ["t"]),
+             mk("Reshape", ["t", "shape"], ["y"]),
+             mk("Greater", ["x", "fzero"], ["pos"]),
+             mk("NonZero", ["pos"], ["nz"]),
+             mk("Shape", ["nz"], ["n"])]
+    g = helper.make_graph(nodes, "shapes", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, ["N", 4, 3, 3])], [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("n", TensorProto.INT64, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def test_shape_arithmetic_is_folded_per_signature(tmp_path):
+    engine, sess = _build(_shape_arith(), tmp_path)
+    ctx = engine.create_context()
+    rng = np.random.default_rng(2)
+    for batch in (1, 3, 1):
+        for _ in range(3):  # the traced run, then the planned ones on other values
+            x = rng.standard_normal((batch, 4, 3, 3)).astype(np.float32)
+            got = ctx.run({"x": x})
+            want = dict(zip(["y", "n"], sess.run(None, {"x": x})))
+            np.testing.assert_array_equal(got["n"], want["n"])
+            np.testing.assert_allclose(got["y"], want["y"], rtol=1e-6)
+    program = engine._executor.program
+    plans = [p for p in program.plans.values() if p]
+    assert len(plans) == 2
+    for plan in plans:
+        torch_ops = Counter(fb.step.node.op.name for fb in plan.fallbacks)
+        assert "Concat" not in torch_ops and "Gather" not in torch_ops, torch_ops
+        assert torch_ops["NonZero"] == 1 and torch_ops["Shape"] == 1, torch_ops  # of NonZero's
+        assert plan.folded

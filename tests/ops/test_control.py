@@ -202,3 +202,49 @@ def test_optional_get_element_of_empty_is_an_error():
     m = _model(nodes, [], [_vi("y", F, [2])])
     with pytest.raises(KilnError, match="empty"):
         run_kiln(m, {})
+
+
+def _outer_constant_model(nested: bool) -> onnx.ModelProto:
+    """An If whose branches read a Constant node's output of the outer graph (as torch exports
+    name them, ``/model/Constant_output_0``); ``nested``: the then branch reads it through an If
+    of its own. The builder folds the constant: the branches must still find it."""
+    from onnx import numpy_helper
+
+    c = "/model/Constant_output_0"
+    const = helper.make_node("Constant", [], [c],
+                             value=numpy_helper.from_array(np.array([2.0], np.float32)))
+
+    def branch(op, out, name):
+        return helper.make_graph([helper.make_node(op, ["x", c], [out])], name, [],
+                                 [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)])
+
+    then_g = branch("Mul", "t", "then")
+    if nested:
+        inner = helper.make_node("If", ["cond2"], ["t"], then_branch=branch("Mul", "t2", "it"),
+                                 else_branch=branch("Sub", "e2", "ie"))
+        then_g = helper.make_graph([inner], "then", [],
+                                   [helper.make_tensor_value_info("t", TensorProto.FLOAT, None)])
+    node = helper.make_node("If", ["cond"], ["y"], then_branch=then_g,
+                            else_branch=branch("Add", "e", "else"))
+    ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3]),
+           helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+           helper.make_tensor_value_info("cond2", TensorProto.BOOL, [])]
+    graph = helper.make_graph([const, node], "g", ins,
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_if_branches_read_a_folded_outer_constant_after_build(nested):
+    """tv_ssdlite320's build once failed here ('/model/Constant_output_0' is not in list, in
+    the executor's subgraph runner); built engines run both branches right."""
+    import kiln
+
+    engine = kiln.Builder(kiln.BuilderConfig(device="cpu")).build(_outer_constant_model(nested))
+    ctx = engine.create_context()
+    x = np.arange(3, dtype=np.float32)
+    cases = {(True, True): x * 2, (True, False): x - 2 if nested else x * 2,
+             (False, True): x + 2}
+    for (c1, c2), want in cases.items():
+        got = ctx.run({"x": x, "cond": np.array(c1), "cond2": np.array(c2)})["y"]
+        np.testing.assert_array_equal(got, want)

@@ -161,3 +161,37 @@ def test_gather_out_of_range_raises():
     with pytest.raises(KilnError):
         run_kiln(model, {"x": X, "i": _i64(7)})
 
+
+
+def test_slice_plans_follow_values_and_shapes():
+    """Slice keeps the index it works out per (starts, ends, axes, steps, input shape): a node
+    called with new values or a new shape slices by those."""
+    import torch
+
+    from kiln.kernels.registry import Call
+    from kiln.kernels.torch.tensor import slice_
+
+    call = Call(None, 1, 5)
+    x = torch.arange(24.0).reshape(4, 6)
+    t = torch.tensor
+    np.testing.assert_array_equal(slice_(call, x, t([1]), t([3]), t([1])), x[:, 1:3])
+    np.testing.assert_array_equal(slice_(call, x, t([2]), t([5]), t([1])), x[:, 2:5])
+    y = torch.arange(40.0).reshape(4, 10)
+    np.testing.assert_array_equal(slice_(call, y, t([2]), t([5]), t([1])), y[:, 2:5])
+    np.testing.assert_array_equal(slice_(call, y, t([-1]), t([-100]), t([1]), t([-2])),
+                                  y.numpy()[:, ::-2])
+
+
+def test_gather_scalar_index_negative_and_out_of_range():
+    import torch
+
+    from kiln.kernels.registry import Call
+    from kiln.kernels.torch.tensor import gather
+    from kiln.ops import tensor as T
+
+    x = torch.arange(12.0).reshape(3, 4)
+    call = Call(T.Gather.make_attrs(axis=1), 1, 2)
+    np.testing.assert_array_equal(gather(call, x, torch.tensor(-1)), x[:, 3])
+    np.testing.assert_array_equal(gather(call, x, torch.tensor(2, dtype=torch.int32)), x[:, 2])
+    with pytest.raises(IndexError, match="index 4 out of range"):
+        gather(call, x, torch.tensor(4))

@@ -239,3 +239,54 @@ def test_no_fuse_fold_subgraph_op():
     run_passes(g, ALL)
     assert g.op_counts() == {"Add": 1, "If": 1}
     assert_same_outputs(model, ALL, {"x": np.zeros(2, np.float32)})
+
+
+def _captured_weight_model(outer_const: bool):
+    """An If whose then branch slices and unsqueezes an outer value (silero-vad's LSTM weights,
+    cut from outer constants inside the branch); ``outer_const``: that value is a weight, else
+    a graph input."""
+    w = rng.standard_normal((4, 3)).astype(np.float32)
+    then_g = helper.make_graph(
+        [const("s0", np.array([0], np.int64)), const("s1", np.array([2], np.int64)),
+         helper.make_node("Slice", ["w", "s0", "s1"], ["ws"], name="cut"),
+         helper.make_node("MatMul", ["x", "ws"], ["t"], name="mm_then")],
+        "then", [], [helper.make_tensor_value_info("t", F32, None)])
+    else_g = helper.make_graph([helper.make_node("Identity", ["x"], ["e"], name="id")], "else",
+                               [], [helper.make_tensor_value_info("e", F32, None)])
+    node = helper.make_node("If", ["cond"], ["y"], name="if", then_branch=then_g,
+                            else_branch=else_g)
+    inputs = [("x", F32, [2, 2]), ("cond", TensorProto.BOOL, [])]
+    if not outer_const:
+        inputs.append(("w", F32, [4, 3]))
+    return make_model([node], inputs, ["y"], [("w", w)] if outer_const else []), w
+
+
+def _then_branch(g):
+    return next(n for n in g.nodes if n.op.name == "If").attrs.then_branch
+
+
+def test_fold_through_constant_capture_structure_and_counts():
+    model, w = _captured_weight_model(outer_const=True)
+    g = import_onnx(model)
+    assert _then_branch(g).op_counts() == {"Constant": 2, "MatMul": 1, "Slice": 1}
+    run_passes(g, ALL)
+    then = _then_branch(g)
+    assert then.op_counts() == {"MatMul": 1}
+    np.testing.assert_array_equal(then.nodes[0].inputs[1].const, w[:2])
+
+
+def test_fold_through_constant_capture_numerics():
+    model, _ = _captured_weight_model(outer_const=True)
+    x = rng.standard_normal((2, 2)).astype(np.float32)
+    for cond in (True, False):
+        assert_same_outputs(model, ALL, {"x": x, "cond": np.array(cond)})
+
+
+def test_no_fold_capture_of_graph_input():
+    model, _ = _captured_weight_model(outer_const=False)
+    g = import_onnx(model)
+    run_passes(g, ALL)
+    assert _then_branch(g).op_counts() == {"MatMul": 1, "Slice": 1}
+    x = rng.standard_normal((2, 2)).astype(np.float32)
+    w = rng.standard_normal((4, 3)).astype(np.float32)
+    assert_same_outputs(model, ALL, {"x": x, "cond": np.array(True), "w": w})

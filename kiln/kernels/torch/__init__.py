@@ -7,6 +7,7 @@ from kiln.kernels.torch import (  # noqa: F401
     attention,
     attention_more,
     control,
+    dynamic_quantize_lstm,
     fused_conv,
     fused_transformer,
     int8,

@@ -43,6 +43,7 @@ from kiln.kernels.registry import cudnn, register
 from kiln.kernels.torch.nn import conv as conv_reference
 from kiln.ops import fused_conv as FC
 from kiln.ops import nn as N
+from kiln.ops.rules import broadcast_ints
 from kiln.runtime import host
 from kiln.settings import SETTINGS
 
@@ -654,7 +655,7 @@ def fused_matmul(n, x, w, b=None, r=None):
         return linear(n, x, w.t(), b, n.a, r, src=w)
     y = torch.matmul(x, w)
     if b is not None:
-        y = y.add_(b) if y.shape == torch.broadcast_shapes(y.shape, b.shape) else y + b
+        y = y.add_(b) if tuple(y.shape) == broadcast_ints(y.shape, b.shape) else y + b
     return epilogue(y, n.a, r)
 
 

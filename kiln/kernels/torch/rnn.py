@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels.registry import register
+from kiln.native import rnn as native_rnn
 from kiln.ops import rnn as R
 
 # name -> (fn(x, alpha, beta), default alpha, default beta); alpha/beta are None when unused
@@ -46,6 +47,28 @@ def _activations(a, kind: str, dirs: int) -> list[list]:
         be = (betas.pop(0) if betas else db) if db is not None else None
         fns.append(lambda x, fn=fn, al=al, be=be: fn(x, al, be))
     return [fns[d * per:(d + 1) * per] for d in range(dirs)]
+
+
+def _native(n, kind: str, x, w, r, b, p, seq_lens, h0, c0):
+    """The node on kiln's C recurrence (kiln.native.rnn), its weights packed once per node;
+    None where that kernel does not take it (another dtype or device, an activation it lacks,
+    an empty sequence, no C library)."""
+    if not native_rnn.fits(x, w, r, b, p, seq_lens, h0, c0) or w.dtype != torch.float32:
+        return None
+    src = n.cache.get("rnn_src")
+    if src is None or any(a is not c for a, c in zip(src, (w, r, b, p))):
+        dirs = w.shape[0]
+        acts = native_rnn.activation_codes(n.a, kind, dirs)
+        run = None if acts is None else native_rnn.RecurrentCall(
+            native_rnn.RecurrentWeights(kind, w, r, b, p), n.a, acts,
+            reverse=n.a.direction == "reverse")
+        n.cache["rnn_src"], n.cache["rnn_run"] = (w, r, b, p), run
+    run = n.cache["rnn_run"]
+    if run is None:
+        return None
+    y, yh, yc = run(x, seq_lens, h0, c0)
+    outs = (y, yh) if yc is None else (y, yh, yc)
+    return outs[:max(n.n_out, 1)] if n.n_out > 1 else outs[0]
 
 
 def _prepare(n, kind: str, x, w, r, b, seq_lens, h0, c0=None):
@@ -108,6 +131,12 @@ def _out(mask, t, h):
 
 @register(R.RNN)
 def rnn(n, x, w, r, b=None, seq_lens=None, h0=None):
+    out = _native(n, "RNN", x, w, r, b, None, seq_lens, h0, None)
+    return out if out is not None else rnn_steps(n, x, w, r, b, seq_lens, h0)
+
+
+def rnn_steps(n, x, w, r, b=None, seq_lens=None, h0=None):
+    """RNN step by step in PyTorch (any activation, dtype or device)."""
     x, b, h0, _, mask, seq, dirs = _prepare(n, "RNN", x, w, r, b, seq_lens, h0)
     acts = _activations(n.a, "RNN", dirs)
     ys, hs = [], []
@@ -126,6 +155,12 @@ def rnn(n, x, w, r, b=None, seq_lens=None, h0=None):
 
 @register(R.GRU)
 def gru(n, x, w, r, b=None, seq_lens=None, h0=None):
+    out = _native(n, "GRU", x, w, r, b, None, seq_lens, h0, None)
+    return out if out is not None else gru_steps(n, x, w, r, b, seq_lens, h0)
+
+
+def gru_steps(n, x, w, r, b=None, seq_lens=None, h0=None):
+    """GRU step by step in PyTorch (any activation, dtype or device)."""
     x, b, h0, _, mask, seq, dirs = _prepare(n, "GRU", x, w, r, b, seq_lens, h0)
     acts = _activations(n.a, "GRU", dirs)
     hid = r.shape[-1]
@@ -153,6 +188,12 @@ def gru(n, x, w, r, b=None, seq_lens=None, h0=None):
 
 @register(R.LSTM)
 def lstm(n, x, w, r, b=None, seq_lens=None, h0=None, c0=None, p=None):
+    out = _native(n, "LSTM", x, w, r, b, p, seq_lens, h0, c0)
+    return out if out is not None else lstm_steps(n, x, w, r, b, seq_lens, h0, c0, p)
+
+
+def lstm_steps(n, x, w, r, b=None, seq_lens=None, h0=None, c0=None, p=None):
+    """LSTM step by step in PyTorch (any activation, dtype or device)."""
     x, b, h0, c0, mask, seq, dirs = _prepare(n, "LSTM", x, w, r, b, seq_lens, h0, c0)
     acts = _activations(n.a, "LSTM", dirs)
     hid = r.shape[-1]

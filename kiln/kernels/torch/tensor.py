@@ -14,6 +14,7 @@ from kiln.kernels.registry import register
 from kiln.kernels.torch.convert import TORCH_DTYPE, to_torch
 from kiln.kernels.torch.util import ints, unsigned_safe
 from kiln.ops import tensor as T
+from kiln.ops.rules import broadcast_ints
 
 
 def _is_np(x) -> bool:
@@ -185,18 +186,34 @@ def identity(n, x):
 @register(T.Slice)
 def slice_(n, x, starts=None, ends=None, axes=None, steps=None):
     if starts is not None:
-        st, en = ints(starts), ints(ends)
-        ax = ints(axes) if axes is not None else list(range(len(st)))
-        sp = ints(steps) if steps is not None else [1] * len(st)
+        key = (tuple(ints(starts)), tuple(ints(ends)),
+               None if axes is None else tuple(ints(axes)),
+               None if steps is None else tuple(ints(steps)), tuple(x.shape))
     else:  # opset < 10: attributes
-        st, en = list(n.a.starts), list(n.a.ends)
-        ax = list(n.a.axes) if n.a.axes else list(range(len(st)))
-        sp = [1] * len(st)
-    index = [slice(None)] * x.ndim
+        key = (tuple(n.a.starts), tuple(n.a.ends), tuple(n.a.axes) if n.a.axes else None, None,
+               tuple(x.shape))
+    # the index for these values and this input shape, worked out once (a node sees few)
+    plans = n.cache.setdefault("slice_plans", {})
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= 16:
+            plans.clear()
+        plan = plans[key] = _slice_plan(x.ndim, *key)
+    index, flips = plan
+    out = x[index]
+    if flips:
+        out = np.flip(out, flips) if _is_np(out) else out.flip(flips)
+    return out
+
+
+def _slice_plan(ndim: int, st, en, ax, sp, shape) -> tuple[tuple, list]:
+    ax = list(ax) if ax is not None else list(range(len(st)))
+    sp = list(sp) if sp is not None else [1] * len(st)
+    index = [slice(None)] * ndim
     flips = []
     for a, s, e, p in zip(ax, st, en, sp):
-        a = _axis(a, x.ndim)
-        b, f, step = slice(s, e, p).indices(x.shape[a])
+        a = _axis(a, ndim)
+        b, f, step = slice(s, e, p).indices(shape[a])
         if p > 0:
             index[a] = slice(b, max(f, b), step)
         else:  # torch has no negative steps: take the mirrored range, then flip
@@ -204,10 +221,7 @@ def slice_(n, x, starts=None, ends=None, axes=None, steps=None):
             lo = b + step * (count - 1) if count else 0
             index[a] = slice(lo, lo + (-step) * (count - 1) + 1 if count else 0, -step)
             flips.append(a)
-    out = x[tuple(index)]
-    if flips:
-        out = np.flip(out, flips) if _is_np(out) else out.flip(flips)
-    return out
+    return tuple(index), flips
 
 
 def _norm_index(idx, dim: int):
@@ -219,6 +233,11 @@ def gather(n, x, idx):
     ax = _axis(n.a.axis, x.ndim)
     if _is_np(x):
         return np.take(x, np.asarray(idx.numpy() if hasattr(idx, "numpy") else idx), axis=ax)
+    if idx.dim() == 0:  # one index: a view (shapes, axes and heads are gathered this way)
+        i, size = int(idx), x.shape[ax]
+        if not -size <= i < size:
+            raise IndexError(f"Gather: index {i} out of range for axis {ax} of size {size}")
+        return x.select(ax, i + size if i < 0 else i)
     idx = _norm_index(idx.to(torch.int64), x.shape[ax])
     out = x.index_select(ax, idx.reshape(-1))
     return out.reshape(x.shape[:ax] + idx.shape + x.shape[ax + 1:])
@@ -298,7 +317,10 @@ def scatter_nd(n, x, idx, upd):
 
 @register(T.Expand)
 def expand(n, x, shape):
-    target = torch.broadcast_shapes(tuple(x.shape), tuple(ints(shape)))
+    try:
+        target = broadcast_ints(tuple(x.shape), tuple(ints(shape)))
+    except ValueError as e:
+        raise RuntimeError(str(e)) from None
     if _is_np(x):
         return np.broadcast_to(x, target).copy()
     return x.expand(target)

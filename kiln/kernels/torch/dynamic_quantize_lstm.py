@@ -1,0 +1,129 @@
+"""PyTorch kernel: com.microsoft DynamicQuantizeLSTM, computed the way onnxruntime computes it,
+so that results agree with it to float32 rounding rather than to quantization error.
+
+Per direction: X (its first max(sequence_lens) steps, one set of parameters for all of them)
+is quantized to uint8 with a dynamic scale and zero point (the range of the data widened to
+hold 0, as DynamicQuantizeLinear), multiplied by the 8-bit W in exact integer arithmetic, and
+scaled back by x_scale * W_scale (per direction or per gate column). Each step then does the
+same for the previous step's output rows (h0 at step 0) against R, adds the biases and runs
+the LSTM gates in float32. A reverse direction reverses each sequence within its length first,
+as onnxruntime does, so every step quantizes the same rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kiln.kernels.registry import register
+from kiln.kernels.torch.rnn import _activations, _clip
+from kiln.ops import dynamic_quantize_lstm as D
+
+_F32 = np.float32
+
+
+def dynamic_params(a: torch.Tensor) -> tuple[np.float32, int]:
+    """uint8 scale and zero point of ``a``'s range widened to include 0 (all float32)."""
+    lo = _F32(min(float(a.min()), 0.0)) if a.numel() else _F32(0)
+    hi = _F32(max(float(a.max()), 0.0)) if a.numel() else _F32(0)
+    scale = _F32(1) if hi == lo else _F32((hi - lo) / _F32(255))
+    zp = np.round(np.clip(_F32(0) - lo / scale, _F32(0), _F32(255)))  # half to even
+    return scale, int(zp)
+
+
+def _qmatmul(a: torch.Tensor, bq: torch.Tensor, mult_b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] float32 quantized on the fly, times bq [K, N] (integers minus their zero
+    points, float64), scaled back: float32(int result) * (a_scale * b_scale)."""
+    scale, zp = dynamic_params(a)
+    q = (torch.round(a / float(scale)) + zp).clamp_(0, 255) - zp
+    acc = (q.double() @ bq).float()  # exact: every product and partial sum is an integer
+    return acc * (mult_b * scale)
+
+
+def _weights(n, w, r, w_scale, w_zp, r_scale, r_zp):
+    """(W, R) as float64 integers minus zero points [dirs, K, 4H] and their float32 scales
+    [dirs, 4H], made once per node."""
+    key = (w, r, w_scale, w_zp, r_scale, r_zp)
+    got = n.cache.get("dq_lstm")
+    if got is None or any(a is not b for a, b in zip(got[0], key)):
+        dirs, cols = w.shape[0], w.shape[2]
+
+        def per_col(t, dtype):
+            t = torch.zeros(dirs, dtype=dtype) if t is None else t.to(dtype)
+            return (t.reshape(dirs, 1) if t.numel() == dirs else t.reshape(dirs, cols)).expand(
+                dirs, cols)
+
+        wq = (w.to(torch.int32) - per_col(w_zp, torch.int32)[:, None, :]).double()
+        rq = (r.to(torch.int32) - per_col(r_zp, torch.int32)[:, None, :]).double()
+        got = n.cache["dq_lstm"] = (key, (wq, rq, per_col(w_scale, torch.float32),
+                                          per_col(r_scale, torch.float32)))
+    return got[1]
+
+
+def _reverse_within(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """x [T, B, ...] with each batch row's first lens[b] steps reversed (an involution)."""
+    t = torch.arange(x.shape[0])[:, None]
+    idx = torch.where(t < lens[None, :], lens[None, :] - 1 - t, t)
+    idx = idx.reshape(idx.shape + (1,) * (x.dim() - 2)).expand_as(x)
+    return x.gather(0, idx)
+
+
+@register(D.DynamicQuantizeLSTM)
+def dynamic_quantize_lstm(n, x, w, r, b=None, seq_lens=None, h0=None, c0=None, p=None,
+                          w_scale=None, w_zp=None, r_scale=None, r_zp=None):
+    if w_scale is None or r_scale is None:
+        raise ValueError(f"DynamicQuantizeLSTM '{n.node_name}': W_scale and R_scale are required")
+    seq, batch = x.shape[0], x.shape[1]
+    dirs, hid = w.shape[0], r.shape[1]
+    wq, rq, ws, rs = _weights(n, w, r, w_scale, w_zp, r_scale, r_zp)
+    x = x.float()
+    lens = (torch.full((batch,), seq, dtype=torch.int64) if seq_lens is None
+            else seq_lens.reshape(-1).long())
+    steps = int(lens.max()) if batch else 0
+    bias = (torch.zeros(dirs, 4 * hid) if b is None
+            else b.float()[:, :4 * hid] + b.float()[:, 4 * hid:])
+    acts = _activations(n.a, "LSTM", dirs)
+    y = x.new_zeros((seq, dirs, batch, hid))
+    yh, yc = x.new_zeros((dirs, batch, hid)), x.new_zeros((dirs, batch, hid))
+    for d in range(dirs):
+        rev = d == 1 or (dirs == 1 and n.a.direction == "reverse")
+        xd = _reverse_within(x, lens) if rev else x
+        h = x.new_zeros((batch, hid)) if h0 is None else h0[d].float()
+        c = x.new_zeros((batch, hid)) if c0 is None else c0[d].float()
+        pd = None if p is None else p[d].float()
+        xw = _qmatmul(xd[:steps].reshape(-1, xd.shape[2]), wq[d], ws[d])
+        xw = xw.reshape(steps, batch, 4 * hid)
+        yd, hd, cd = _run(n, acts[d], xw, rq[d], rs[d], bias[d], pd, h, c, lens, steps)
+        y[:steps, d] = _reverse_within(yd, lens) if rev else yd
+        yh[d], yc[d] = hd, cd
+    outs = (y, yh, yc)
+    return outs[:max(n.n_out, 1)] if n.n_out > 1 else y
+
+
+def _run(n, acts, xw, rq, rs, bias, p, h, c, lens, steps):
+    """The forward recurrence over ``steps`` steps; returns (Y [steps, B, H], Y_h, Y_c)."""
+    f, g, hf = acts
+    hid = h.shape[1]
+    clip, forget = n.a.clip, n.a.input_forget
+    prev = h  # the rows the next step quantizes: last step's output (0 past a row's length)
+    ys = []
+    y_h, y_c = h.clone(), c.clone()
+    for t in range(steps):
+        gates = xw[t] + _qmatmul(prev, rq, rs) + bias
+        gi, go, gf, gc = gates.split(hid, -1)
+        if p is not None:
+            gi, gf = gi + p[:hid] * c, gf + p[2 * hid:] * c
+        it = f(_clip(gi, clip))
+        ft = 1 - it if forget else f(_clip(gf, clip))
+        c = ft * c + it * g(_clip(gc, clip))
+        if p is not None:
+            go = go + p[hid:2 * hid] * c
+        h = f(_clip(go, clip)) * hf(c)
+        live = (t < lens)[:, None]
+        out = torch.where(live, h, torch.zeros_like(h))
+        ending = (t + 1 == lens)[:, None]
+        y_h, y_c = torch.where(ending, h, y_h), torch.where(ending, c, y_c)
+        ys.append(out)
+        prev = out
+    y = torch.stack(ys) if ys else xw.new_zeros((0, h.shape[0], hid))
+    empty = (lens == 0)[:, None]  # no step: zero final states, as onnxruntime gives
+    return y, y_h.masked_fill(empty, 0), y_c.masked_fill(empty, 0)

@@ -1,0 +1,267 @@
+/* ONNX RNN, GRU and LSTM recurrences: one direction over a whole sequence in one call.
+ *
+ * The input projection x W^T + biases is one GEMM the caller makes for every step at once; what
+ * is left per step is h R^T (a GEMV per batch row) and the gate arithmetic, both here, so that
+ * nothing runs in Python between steps. Each gate's columns are padded to HP (a multiple of 8)
+ * so that every gate is whole vectors: the padded columns of the weights and biases are zero,
+ * so the padded state columns stay zero and are never read back as h's inputs (the GEMV reads
+ * only h's first H columns). Gate orders are ONNX's: RNN (h), GRU (z, r, h), LSTM (i, o, f, c).
+ */
+#include "kernels.h"
+
+enum { RNN_RNN, RNN_GRU, RNN_LSTM };
+enum { RNN_REVERSE = 1, RNN_LINEAR_BEFORE_RESET = 2, RNN_INPUT_FORGET = 4, RNN_CLIP = 8 };
+/* activation codes (kiln/native/rnn.py's RNN_ACTIVATIONS) */
+enum { RA_SIGMOID, RA_TANH, RA_RELU, RA_LEAKY_RELU, RA_HARD_SIGMOID, RA_AFFINE, RA_SCALED_TANH };
+
+typedef struct {
+    int code;
+    float alpha, beta;
+} rnn_act;
+
+TGT static inline __m256 tanh256(__m256 v)  /* 2 sigmoid(2x) - 1 */
+{
+    return _mm256_fmsub_ps(_mm256_set1_ps(2.0f), sigmoid256(_mm256_add_ps(v, v)),
+                           _mm256_set1_ps(1.0f));
+}
+
+TGT static inline __m256 apply(__m256 v, const rnn_act *a)
+{
+    __m256 al = _mm256_set1_ps(a->alpha), be = _mm256_set1_ps(a->beta);
+    switch (a->code) {
+    case RA_SIGMOID: return sigmoid256(v);
+    case RA_TANH: return tanh256(v);
+    case RA_RELU: return _mm256_max_ps(_mm256_setzero_ps(), v);
+    case RA_LEAKY_RELU:
+        return _mm256_blendv_ps(v, _mm256_mul_ps(v, al),
+                                _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
+    case RA_HARD_SIGMOID:
+        return _mm256_min_ps(_mm256_set1_ps(1.0f),
+                             _mm256_max_ps(_mm256_setzero_ps(), _mm256_fmadd_ps(al, v, be)));
+    case RA_AFFINE: return _mm256_fmadd_ps(al, v, be);
+    case RA_SCALED_TANH: return _mm256_mul_ps(al, tanh256(_mm256_mul_ps(be, v)));
+    default: return v;
+    }
+}
+
+TGT static inline __m256 clip8(__m256 v, int on, float clip)
+{
+    if (!on)
+        return v;
+    return _mm256_min_ps(_mm256_set1_ps(clip), _mm256_max_ps(_mm256_set1_ps(-clip), v));
+}
+
+/* acc[j0..j1) += h[0..K) RT[:, j0..j1) (RT row stride ldr); j0, j1 multiples of 8. Eight
+ * accumulators per block: enough independent FMAs to cover their latency. */
+TGT static void gemv_acc(long K, long j0, long j1, const float *h, const float *RT, long ldr,
+                         float *acc)
+{
+    long j = j0;
+    for (; j + 64 <= j1; j += 64) {
+        __m256 a[8];
+        for (int u = 0; u < 8; u++) a[u] = _mm256_loadu_ps(acc + j + 8 * u);
+        for (long k = 0; k < K; k++) {
+            __m256 hk = _mm256_broadcast_ss(h + k);
+            const float *r = RT + k * ldr + j;
+            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(hk, _mm256_loadu_ps(r + 8 * u), a[u]);
+        }
+        for (int u = 0; u < 8; u++) _mm256_storeu_ps(acc + j + 8 * u, a[u]);
+    }
+    for (; j + 8 <= j1; j += 8) {
+        __m256 a0 = _mm256_loadu_ps(acc + j), a1 = _mm256_setzero_ps();
+        long k = 0;
+        for (; k + 2 <= K; k += 2) {
+            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(h + k), _mm256_loadu_ps(RT + k * ldr + j), a0);
+            a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(h + k + 1),
+                                 _mm256_loadu_ps(RT + (k + 1) * ldr + j), a1);
+        }
+        for (; k < K; k++)
+            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(h + k), _mm256_loadu_ps(RT + k * ldr + j), a0);
+        _mm256_storeu_ps(acc + j, _mm256_add_ps(a0, a1));
+    }
+}
+
+/* acc rows of the active batch rows += h rows RT[:, 0..N): split by column blocks over threads
+ * when the work is large enough to pay for a parallel region. */
+TGT static void gemv_rows(long B, const unsigned char *live, long K, long N, const float *h,
+                          long ldh, const float *RT, long ldr, float *acc, long lda, int nthreads)
+{
+    long blocks = (N + 63) / 64;
+    int par = nthreads > 1 && blocks > 1 && B * K * N >= (1L << 17);
+#pragma omp parallel for num_threads(nthreads) if (par) schedule(static) collapse(2)
+    for (long b = 0; b < B; b++)
+        for (long q = 0; q < blocks; q++) {
+            if (!live[b])
+                continue;
+            long j0 = q * 64, j1 = j0 + 64 < N ? j0 + 64 : N;
+            gemv_acc(K, j0, j1, h + b * ldh, RT, ldr, acc + b * lda);
+        }
+}
+
+/* What kiln_rnn reads from its long array (pointers as integers), in this order. */
+enum { P_KIND, P_DIRS, P_T, P_B, P_H, P_HP, P_I, P_XW, P_XWT, P_XWB, P_X, P_XT, P_XB, P_WT,
+       P_BIAS, P_RT, P_RBH, P_PEEP, P_H0, P_C0, P_STATE_ROW, P_STATE_DIR, P_LENS, P_FLAGS,
+       P_CODES, P_Y = P_CODES + 6, P_YT, P_YB, P_YDIR, P_YH, P_YC, P_THREADS, P_COUNT };
+
+typedef struct {
+    long kind, T, B, H, HP, I, N, xwt, xwb, xt, xb, ldw, srow;
+    const float *xw, *x, *wt, *bias, *rt, *rbh, *peep, *h0, *c0;
+    const long *lens;
+    int flags, nthreads;
+    float clip;
+    rnn_act act[3];
+    float *y, *yh, *yc;
+    long yt, yb;
+} rnn_dir;
+
+/* One direction over T steps and B batch rows. Its input rows (x W^T + W's bias + R's bias,
+ * except GRU's h gate, whose R bias is rbh) are read from xw when given, else made here per step
+ * from x and wt (for short sequences, where a GEMM over all steps would cost more to call than
+ * it saves). Returns 0, or 1 when scratch memory could not be had. */
+TGT static int rnn_direction(const rnn_dir *q)
+{
+    long T = q->T, B = q->B, H = q->H, HP = q->HP, N = q->N, kind = q->kind;
+    int reverse = q->flags & RNN_REVERSE, lbr = q->flags & RNN_LINEAR_BEFORE_RESET;
+    int cl = (q->flags & RNN_CLIP) != 0;
+    float clip = q->clip;
+    const rnn_act *act = q->act;
+    float *h = scratch(B * HP), *c = scratch(B * HP), *acc = scratch(B * N), *rh = scratch(HP);
+    float *xa = q->xw ? NULL : scratch(B * N);
+    unsigned char *live = malloc(B ? B : 1);
+    if (!h || !c || !acc || !rh || !live || (!q->xw && !xa)) {
+        free(h); free(c); free(acc); free(rh); free(live); free(xa);
+        return 1;
+    }
+    memset(h, 0, sizeof(float) * B * HP);
+    memset(c, 0, sizeof(float) * B * HP);
+    for (long b = 0; b < B; b++) {
+        if (q->h0) memcpy(h + b * HP, q->h0 + b * q->srow, sizeof(float) * H);
+        if (q->c0) memcpy(c + b * HP, q->c0 + b * q->srow, sizeof(float) * H);
+    }
+    __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (long s = 0; s < T; s++) {
+        long t = reverse ? T - 1 - s : s;
+        for (long b = 0; b < B; b++) {
+            live[b] = !q->lens || t < q->lens[b];
+            if (xa && live[b]) {
+                memcpy(xa + b * N, q->bias, sizeof(float) * N);
+                gemv_acc(q->I, 0, N, q->x + t * q->xt + b * q->xb, q->wt, q->ldw, xa + b * N);
+            }
+            float *a = acc + b * N;
+            const float *x = xa ? xa + b * N : q->xw + t * q->xwt + b * q->xwb;
+            if (kind == RNN_GRU) {  /* z, r from x; h's R part starts from its R bias */
+                memcpy(a, x, sizeof(float) * 2 * HP);
+                if (q->rbh) memcpy(a + 2 * HP, q->rbh, sizeof(float) * HP);
+                else memset(a + 2 * HP, 0, sizeof(float) * HP);
+            } else {
+                memcpy(a, x, sizeof(float) * N);
+            }
+        }
+        /* GRU without linear_before_reset multiplies r into h before h's GEMV: done below */
+        long ncols = kind == RNN_GRU && !lbr ? 2 * HP : N;
+        gemv_rows(B, live, H, ncols, h, HP, q->rt, N, acc, N, q->nthreads);
+        for (long b = 0; b < B; b++) {
+            float *hb = h + b * HP, *cb = c + b * HP, *a = acc + b * N;
+            float *yb = q->y ? q->y + t * q->yt + b * q->yb : NULL;
+            if (!live[b]) {
+                if (yb) memset(yb, 0, sizeof(float) * H);
+                continue;
+            }
+            const float *x = xa ? xa + b * N : q->xw + t * q->xwt + b * q->xwb;
+            if (kind == RNN_RNN) {
+                for (long j = 0; j < HP; j += 8)
+                    _mm256_storeu_ps(hb + j, apply(clip8(_mm256_loadu_ps(a + j), cl, clip),
+                                                   &act[0]));
+            } else if (kind == RNN_GRU) {
+                for (long j = 0; j < 2 * HP; j += 8)  /* z, r */
+                    _mm256_storeu_ps(a + j, apply(clip8(_mm256_loadu_ps(a + j), cl, clip),
+                                                  &act[0]));
+                if (!lbr) {  /* h's R part: (r * h) Rh^T + Rbh */
+                    for (long j = 0; j < HP; j += 8)
+                        _mm256_storeu_ps(rh + j, _mm256_mul_ps(_mm256_loadu_ps(a + HP + j),
+                                                               _mm256_loadu_ps(hb + j)));
+                    gemv_acc(H, 0, HP, rh, q->rt + 2 * HP, N, a + 2 * HP);
+                }
+                for (long j = 0; j < HP; j += 8) {
+                    __m256 z = _mm256_loadu_ps(a + j), r = _mm256_loadu_ps(a + HP + j);
+                    __m256 hr = _mm256_loadu_ps(a + 2 * HP + j);
+                    __m256 pre = _mm256_add_ps(_mm256_loadu_ps(x + 2 * HP + j),
+                                               lbr ? _mm256_mul_ps(r, hr) : hr);
+                    __m256 ht = apply(clip8(pre, cl, clip), &act[1]);
+                    __m256 hv = _mm256_loadu_ps(hb + j);  /* (1 - z) ht + z h */
+                    _mm256_storeu_ps(hb + j, _mm256_fmadd_ps(z, _mm256_sub_ps(hv, ht), ht));
+                }
+            } else {
+                const float *peep = q->peep;
+                for (long j = 0; j < HP; j += 8) {
+                    __m256 cv = _mm256_loadu_ps(cb + j);
+                    __m256 gi = _mm256_loadu_ps(a + j), go = _mm256_loadu_ps(a + HP + j);
+                    __m256 gf = _mm256_loadu_ps(a + 2 * HP + j);
+                    __m256 gc = _mm256_loadu_ps(a + 3 * HP + j);
+                    __m256 pi = peep ? _mm256_loadu_ps(peep + j) : zero;
+                    __m256 po = peep ? _mm256_loadu_ps(peep + HP + j) : zero;
+                    __m256 pf = peep ? _mm256_loadu_ps(peep + 2 * HP + j) : zero;
+                    __m256 it = apply(clip8(_mm256_fmadd_ps(pi, cv, gi), cl, clip), &act[0]);
+                    __m256 ft = q->flags & RNN_INPUT_FORGET ? _mm256_sub_ps(one, it)
+                        : apply(clip8(_mm256_fmadd_ps(pf, cv, gf), cl, clip), &act[0]);
+                    __m256 ct = apply(clip8(gc, cl, clip), &act[1]);
+                    __m256 cn = _mm256_fmadd_ps(ft, cv, _mm256_mul_ps(it, ct));
+                    __m256 ot = apply(clip8(_mm256_fmadd_ps(po, cn, go), cl, clip), &act[0]);
+                    _mm256_storeu_ps(cb + j, cn);
+                    _mm256_storeu_ps(hb + j, _mm256_mul_ps(ot, apply(cn, &act[2])));
+                }
+            }
+            if (yb) memcpy(yb, hb, sizeof(float) * H);
+        }
+    }
+    for (long b = 0; b < B; b++) {
+        if (q->yh) memcpy(q->yh + b * q->srow, h + b * HP, sizeof(float) * H);
+        if (q->yc) memcpy(q->yc + b * q->srow, c + b * HP, sizeof(float) * H);
+    }
+    free(h); free(c); free(acc); free(rh); free(live); free(xa);
+    return 0;
+}
+
+/* An RNN, GRU or LSTM node, every direction (the second, of a bidirectional node, runs in
+ * reverse; with two threads the two run side by side when there is enough work for it).
+ * p: the P_* entries (pointers as integers; a 0 pointer is absent), per direction d the
+ * weights at rt + d*H*N, wt columns + d*N, bias + d*N, rbh + d*HP, peep + d*3*HP, states
+ * (h0, c0, yh, yc: [B, H] at row stride P_STATE_ROW) + d*P_STATE_DIR, y + d*P_YDIR, xw + d*N;
+ * y[t, b] at y + t*P_YT + b*P_YB, xw[t, b] at xw + t*P_XWT + b*P_XWB, x[t, b] likewise.
+ * f: clip, then per direction 3 alphas and 3 betas. acts: P_CODES + 3*d .. + 2 (f, g, h as ONNX
+ * names them; RNN reads f only, GRU f and g). Returns 0, or 1 when memory ran out. */
+TGT int kiln_rnn(const long *p, const float *f)
+{
+    long dirs = p[P_DIRS], kind = p[P_KIND], HP = p[P_HP], H = p[P_H];
+    long G = kind == RNN_LSTM ? 4 : kind == RNN_GRU ? 3 : 1, N = G * HP;
+    rnn_dir q[2];
+    for (long d = 0; d < dirs && d < 2; d++) {
+        rnn_dir *r = &q[d];
+        long so = d * p[P_STATE_DIR];
+#define PTR(k, off) (p[k] ? (float *)p[k] + (off) : NULL)
+        *r = (rnn_dir){
+            .kind = kind, .T = p[P_T], .B = p[P_B], .H = H, .HP = HP, .I = p[P_I], .N = N,
+            .xwt = p[P_XWT], .xwb = p[P_XWB], .xt = p[P_XT], .xb = p[P_XB], .ldw = dirs * N,
+            .srow = p[P_STATE_ROW], .xw = PTR(P_XW, d * N), .x = PTR(P_X, 0),
+            .wt = PTR(P_WT, d * N), .bias = PTR(P_BIAS, d * N), .rt = PTR(P_RT, d * H * N),
+            .rbh = PTR(P_RBH, d * HP), .peep = PTR(P_PEEP, d * 3 * HP), .h0 = PTR(P_H0, so),
+            .c0 = PTR(P_C0, so), .lens = (const long *)p[P_LENS],
+            .flags = (int)p[P_FLAGS] | (d == 1 ? RNN_REVERSE : 0), .nthreads = (int)p[P_THREADS],
+            .clip = f[0], .y = PTR(P_Y, d * p[P_YDIR]), .yh = PTR(P_YH, so),
+            .yc = PTR(P_YC, so), .yt = p[P_YT], .yb = p[P_YB]};
+#undef PTR
+        for (int i = 0; i < 3; i++)
+            r->act[i] = (rnn_act){(int)p[P_CODES + 3 * d + i], f[1 + 6 * d + i], f[4 + 6 * d + i]};
+    }
+    long work = p[P_T] * p[P_B] * H * N;
+    int side = dirs == 2 && p[P_THREADS] > 1 && work >= (1L << 20);
+    int rc = 0;
+    if (side) {
+        q[0].nthreads = q[1].nthreads = 1;
+#pragma omp parallel for num_threads(2) reduction(| : rc)
+        for (int d = 0; d < 2; d++) rc |= rnn_direction(&q[d]);
+    } else {
+        for (long d = 0; d < dirs && d < 2; d++) rc |= rnn_direction(&q[d]);
+    }
+    return rc;
+}

@@ -1,0 +1,122 @@
+"""com.microsoft DynamicQuantizeLSTM against onnxruntime (its own contrib op), and its integer
+arithmetic against an exact NumPy evaluation of one step.
+
+Where onnxruntime's answer is an artefact of its machine, kiln keeps the exact integer result and
+the tests avoid the artefact: on AVX2 without VNNI its uint8 x int8 GEMM saturates each pair of
+products to int16 (255 * 127 * 2 > 32767), so signed weights here stay within [-63, 63]; and
+from batch 2 (hidden <= 256) it quantizes each thread's rows of h with their own parameters, so
+the batch-2 case uses a hidden size of 264, where it quantizes the whole batch as kiln does."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kiln.kernels.torch.dynamic_quantize_lstm import dynamic_params
+from tests.ops.harness import run_kiln
+
+RNG = np.random.default_rng(0)
+NAMES = ["X", "W", "R", "B", "sequence_lens", "initial_h", "initial_c", "P", "W_scale",
+         "W_zero_point", "R_scale", "R_zero_point"]
+
+
+def _model(seq=5, batch=1, inp=7, hid=6, direction="bidirectional", per_column=False,
+           signed=True, lens=None, states=False, peepholes=False):
+    dirs = 2 if direction == "bidirectional" else 1
+    qt, lo, hi, zp = (np.int8, -63, 64, 0) if signed else (np.uint8, 0, 256, 128)
+    sshape = (dirs, 4 * hid) if per_column else (dirs,)
+    vals = {
+        "W": RNG.integers(lo, hi, (dirs, inp, 4 * hid)).astype(qt),
+        "R": RNG.integers(lo, hi, (dirs, hid, 4 * hid)).astype(qt),
+        "B": (RNG.standard_normal((dirs, 8 * hid)) * 0.3).astype(np.float32),
+        "W_scale": (RNG.random(sshape) * 0.01 + 0.001).astype(np.float32),
+        "W_zero_point": np.full(sshape, zp, qt),
+        "R_scale": (RNG.random(sshape) * 0.01 + 0.001).astype(np.float32),
+        "R_zero_point": np.full(sshape, zp, qt)}
+    feeds = {"X": RNG.standard_normal((seq, batch, inp)).astype(np.float32)}
+    if lens is not None:
+        feeds["sequence_lens"] = np.array(lens, np.int32)
+    if states:
+        for k in ("initial_h", "initial_c"):
+            feeds[k] = RNG.standard_normal((dirs, batch, hid)).astype(np.float32)
+    if peepholes:
+        vals["P"] = RNG.standard_normal((dirs, 3 * hid)).astype(np.float32)
+    node = helper.make_node("DynamicQuantizeLSTM",
+                            [k if k in vals or k in feeds else "" for k in NAMES],
+                            ["Y", "Y_h", "Y_c"], domain="com.microsoft", hidden_size=hid,
+                            direction=direction)
+    ins = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+           for k, v in feeds.items()]
+    outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in node.output]
+    graph = helper.make_graph([node], "g", ins, outs,
+                              [numpy_helper.from_array(v, k) for k, v in vals.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    return model, feeds, vals
+
+
+def _ort(model, feeds):
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+@pytest.mark.parametrize("case", [
+    {}, {"per_column": True}, {"signed": False}, {"direction": "forward"},
+    {"direction": "reverse", "lens": [3]}, {"states": True, "peepholes": True},
+    {"seq": 1, "hid": 16}, {"batch": 2, "hid": 264, "seq": 3, "lens": [3, 2], "states": True},
+], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+def test_dynamic_quantize_lstm_matches_onnxruntime(case):
+    model, feeds, _ = _model(**case)
+    for name, got, want in zip(("Y", "Y_h", "Y_c"), run_kiln(model, feeds), _ort(model, feeds)):
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        err = float(np.abs(got - want).max() / np.abs(want).max())
+        assert err <= 1e-5, f"{name}: max rel err {err:.2e}"
+
+
+def test_dynamic_quantize_lstm_one_step_exact_integers():
+    """One forward step from zero state is sigmoid/tanh of x's uint8 quantization times the
+    8-bit W in exact integers, scaled back, plus the biases — evaluated here in NumPy, with
+    weights large enough that onnxruntime's AVX2 kernel would saturate."""
+    hid, inp = 4, 6
+    model, feeds, vals = _model(seq=1, inp=inp, hid=hid, direction="forward")
+    vals["W"] = RNG.integers(-128, 128, vals["W"].shape).astype(np.int8)
+    for init in model.graph.initializer:
+        if init.name == "W":
+            init.CopyFrom(numpy_helper.from_array(vals["W"], "W"))
+    x = feeds["X"].reshape(1, inp)
+    scale, zp = dynamic_params(__import__("torch").from_numpy(x))
+    q = np.clip(np.round(x / scale) + zp, 0, 255).astype(np.int64) - zp
+    acc = q @ vals["W"][0].astype(np.int64)
+    gates = acc.astype(np.float32) * np.float32(scale * vals["W_scale"][0])
+    gates = gates + vals["B"][0, :4 * hid] + vals["B"][0, 4 * hid:]
+    i, o, f, c = np.split(gates.astype(np.float64), 4, axis=-1)
+
+    def sig(v):
+        return 1 / (1 + np.exp(-v))
+
+    cell = sig(i) * np.tanh(c)
+    h = sig(o) * np.tanh(cell)
+    y, y_h, y_c = run_kiln(model, feeds)
+    np.testing.assert_allclose(y_h[0], h, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y_c[0], cell, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y[0, 0], h, rtol=1e-5, atol=1e-6)
+
+
+def test_dynamic_params_follow_dynamic_quantize_linear():
+    import torch
+
+    scale, zp = dynamic_params(torch.tensor([-1.0, 3.0]))
+    assert scale == np.float32(4.0) / np.float32(255) and zp == 64  # 1 / (4/255) = 63.75
+    assert dynamic_params(torch.zeros(3)) == (np.float32(1), 0)
+    scale, zp = dynamic_params(torch.tensor([0.5, 2.0]))  # range widened to hold 0
+    assert zp == 0 and scale == np.float32(2.0) / np.float32(255)
+
+
+def test_dynamic_quantize_lstm_without_scales_is_refused():
+    model, feeds, _ = _model(direction="forward")
+    node = model.graph.node[0]
+    node.input[8] = ""  # no W_scale
+    with pytest.raises(Exception, match="W_scale"):
+        run_kiln(model, feeds)
