@@ -67,21 +67,24 @@ def accuracy(path: str, calib, held, tmp: Path) -> dict:
 
     ref = embed(Builder(BuilderConfig()).build(path), held)
     rows = {}
-    for cal, asym in (("entropy", False), ("minmax", False), ("percentile", False),
-                      ("entropy", True), ("minmax", True)):
+    for cal, asym, smooth in (("entropy", False, 0.0), ("minmax", False, 0.0),
+                              ("percentile", False, 0.0), ("entropy", True, 0.0),
+                              ("minmax", True, 0.0), ("entropy", True, 0.5),
+                              ("auto", True, 0.5)):
         cfg = BuilderConfig(int8=True, calib=calib, calibrator=cal, int8_asymmetric=asym,
-                            calib_cache=str(tmp / f"{cal}{asym}.cache"), check_finite=False)
+                            int8_smoothing=smooth, check_finite=False,
+                            calib_cache=str(tmp / f"{cal}{asym}{smooth}.cache"))
         cos = (embed(Builder(cfg).build(path), held) * ref).sum(1)
-        rows[f"{cal}{' asymmetric' if asym else ''}"] = (float(cos.mean()), float(cos.min()))
-        print(f"  {cal:<10} {'asym' if asym else 'sym ':<5} mean cosine {cos.mean():.5f} "
-              f"(min {cos.min():.5f})", flush=True)
-    keep, _ = search(path, calib, "cos>=0.9995", None, "minmax", True, log=lambda m: None)
-    cfg = BuilderConfig(int8=True, calib=calib, calibrator="minmax", int8_asymmetric=True,
-                        calib_cache=str(tmp / "minmaxTrue.cache"), check_finite=False,
-                        layer_precision={k: "fp32" for k in keep})
+        label = f"{cal:<10} {'asym' if asym else 'sym ':<5} smooth {smooth:<3}"
+        rows[label] = (float(cos.mean()), float(cos.min()))
+        print(f"  {label}{' (default)' if cal == 'auto' else '          '} mean cosine "
+              f"{cos.mean():.5f} (min {cos.min():.5f})", flush=True)
+    keep, _ = search(path, calib, "cos>=0.9995", None, log=lambda m: None)  # the defaults
+    cfg = BuilderConfig(int8=True, calib=calib, calib_cache=str(tmp / "autoTrue0.5.cache"),
+                        check_finite=False, layer_precision={k: "fp32" for k in keep})
     cos = (embed(Builder(cfg).build(path), held) * ref).sum(1)
     rows["debug precision keeps"] = (float(cos.mean()), float(cos.min()), keep)
-    print(f"  minmax asym + {len(keep)} layer(s) kept in FP32 by kiln debug precision: mean "
+    print(f"  defaults + {len(keep)} layer(s) kept in FP32 by kiln debug precision: mean "
           f"cosine {cos.mean():.5f} (min {cos.min():.5f}); kept: {keep}", flush=True)
     return rows
 
@@ -107,8 +110,8 @@ def latency(models: dict, calib_of: dict, feeds_of: dict, tmp: Path, n: int,
     for name, path in models.items():
         feeds, calib = feeds_of[name], calib_of[name]
         ms = paired_ms({"fp32": _kiln_fn(path, feeds), "int8": _kiln_fn(
-            path, feeds, int8=True, calib=calib, calibrator="minmax", int8_asymmetric=True,
-            calib_cache=str(tmp / f"{name}.lat.cache"))}, n)
+            path, feeds, int8=True, calib=calib, calib_cache=str(tmp / f"{name}.lat.cache"))},
+            n)
         fp32, int8 = ms["fp32"], ms["int8"]
         print(f"  {name}: kiln FP32 {fp32:.1f} ms, kiln INT8 {int8:.1f} ms: INT8 is "
               f"{fp32 / int8:.2f}x faster", flush=True)

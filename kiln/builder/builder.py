@@ -21,7 +21,8 @@ from kiln.passes.fusion.match import NOT_FUSED
 from kiln.passes.pipeline import optimize
 from kiln.passes.quantize.data import load_batches
 from kiln.passes.quantize.dynamic import fold_dynamic_quant
-from kiln.passes.quantize.qdq import fold_qdq
+from kiln.passes.quantize.int8 import weight_grids
+from kiln.passes.quantize.qdq import fold_qdq, lower_qlinear
 
 
 class Builder:
@@ -62,12 +63,15 @@ class Builder:
             validate_profile(p, [TensorInfo.of(v) for v in graph.inputs])
         before, near = graph.op_counts(), []
         self.report = {}
+        lower_qlinear(graph, self.log)  # QOperator layers in QDQ form, which folds below
+        grid = weight_grids(graph)  # a quantized model's weight scales, before they fold
         explicit = {**fold_qdq(graph, self.log), **fold_dynamic_quant(graph, self.log)}
         if cfg.optimize:
             graph = optimize(graph, log=_near_misses(self.log, near), device=cfg.device)
         keep_fp32 = [k for k, p in cfg.layer_precision.items() if p == "fp32"]
         if cfg.int8 or cfg.fp8 or explicit:
-            self.report["int8"] = apply_int8(graph, cfg, explicit, self.log)
+            self.report["int8"] = apply_int8(graph, cfg, explicit, self.log,
+                                             grid if explicit else None)
         if cfg.fp16 or cfg.bf16:  # FP16 when both are allowed: more mantissa, same speed
             lower_precision(graph, "fp16" if cfg.fp16 else "bf16", log=self.log,
                             io=cfg.low_precision_io, keep_fp32=keep_fp32)

@@ -37,11 +37,17 @@ class BuilderConfig:
         calib: INT8 calibration data: a folder of .npz/.npy batches, a Python file defining
             ``batches()``, or an iterable of ``{input name: array}`` (see
             :mod:`kiln.passes.quantize.data`).
-        calibrator: ``"entropy"`` (TensorRT's EntropyCalibrator2, default), ``"percentile"``
-            (99.99) or ``"minmax"``.
+        calibrator: ``"auto"`` (default: min-max for the inputs of matrix products,
+            entropy for the rest, as TensorRT recommends for NLP and CNN networks),
+            ``"entropy"`` (TensorRT's EntropyCalibrator2), ``"percentile"`` (99.99) or
+            ``"minmax"``.
         int8_asymmetric: activations get asymmetric INT8 ranges ``[min, max]`` clipped to
-            the calibrated ``amax`` (twice the resolution for GELU/ReLU outputs); the cache
-            then carries zero points (a kiln extension of TensorRT's format).
+            the calibrated ``amax`` (twice the resolution for GELU/ReLU outputs; None, the
+            default: on for INT8, off for FP8; False: TensorRT's symmetric
+            ``[-amax, amax]``); the cache then carries zero
+            points (a kiln extension of TensorRT's format).
+        int8_smoothing: SmoothQuant's alpha for the LayerNorm outputs that INT8 matrix
+            products read (:mod:`kiln.passes.quantize.smooth`; default 0.5, 0: off).
         calib_cache: calibration cache file (TensorRT's text format): read instead of
             calibrating when it exists and matches, written after calibrating otherwise.
         layer_precision: layer name (or part of a fused name) -> ``"fp32"``, ``"fp16"``,
@@ -66,9 +72,10 @@ class BuilderConfig:
     plan_margin: float = 0.25
     cuda_graph: bool = True
     calib: object = None
-    calibrator: str = "entropy"
+    calibrator: str = "auto"
     calib_cache: str | None = None
-    int8_asymmetric: bool = False
+    int8_asymmetric: bool | None = None
+    int8_smoothing: float = 0.5
     layer_precision: dict[str, str] = field(default_factory=dict)
     check_finite: bool = True
     verbose: bool = False
@@ -82,6 +89,9 @@ class BuilderConfig:
 
         from kiln.passes.quantize.calibrate import CALIBRATORS
 
+        if not 0.0 <= self.int8_smoothing <= 1.0:
+            raise ValueError(f"int8_smoothing is SmoothQuant's alpha, in [0, 1] (0: off), not "
+                             f"{self.int8_smoothing!r}")
         if self.calibrator not in CALIBRATORS:
             raise ValueError(f"calibrator must be one of {sorted(CALIBRATORS)}, "
                              f"not {self.calibrator!r}")

@@ -50,12 +50,19 @@ def add_calibration_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calib", metavar="DIR",
                    help="calibration data: a folder of .npz batches (keys: input names) or of "
                         ".npy batches (one-input models), or a Python file defining batches()")
-    g.add_argument("--calibrator", choices=["entropy", "percentile", "minmax"],
-                   default="entropy", help="how activation ranges are chosen (default: "
-                                           "entropy, TensorRT's EntropyCalibrator2)")
-    g.add_argument("--asymmetric", action="store_true",
-                   help="asymmetric INT8 ranges [min, max] for activations; more accurate, "
-                        "and the cache carries zero points (kiln's extension)")
+    g.add_argument("--calibrator", choices=["auto", "entropy", "percentile", "minmax"],
+                   default="auto", help="how activation ranges are chosen (default: auto, "
+                                        "min-max for matrix products' inputs and TensorRT's "
+                                        "EntropyCalibrator2 for the rest)")
+    sym = g.add_mutually_exclusive_group()
+    sym.add_argument("--asymmetric", dest="asymmetric", action="store_true", default=None,
+                     help="asymmetric INT8 ranges [min, max] for activations (the default; "
+                          "the cache carries zero points, kiln's extension)")
+    sym.add_argument("--symmetric", dest="asymmetric", action="store_false",
+                     help="symmetric ranges [-amax, amax], as TensorRT's")
+    g.add_argument("--smooth", type=float, default=0.5, metavar="ALPHA",
+                   help="SmoothQuant's alpha for LayerNorm outputs read by INT8 matrix "
+                        "products (default 0.5; 0: off)")
     g.add_argument("--calib-cache", metavar="FILE",
                    help="calibration cache (TensorRT text format): read when it exists, "
                         "written after calibrating otherwise")

@@ -35,7 +35,7 @@ def main(args) -> int:
         names = [i.name for i in onnx.load(args.model, load_external_data=False).graph.input]
         evals = load_batches(args.inputs, names)
     keep, value = search(args.model, args.calib, args.metric, evals, args.calibrator,
-                         args.asymmetric, log=print)
+                         args.asymmetric, log=print, smoothing=args.smooth)
     if not keep:
         print(f"every layer can run in INT8 ({args.metric.split('>')[0].split('<')[0]} = "
               f"{value:.6f})")

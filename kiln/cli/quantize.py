@@ -19,7 +19,7 @@ def add_arguments(p):
 def main(args) -> int:
     import onnx
 
-    from kiln.builder.calibration import int8_scales
+    from kiln.builder.calibration import int8_ranges
     from kiln.builder.config import BuilderConfig
     from kiln.frontend import import_onnx
     from kiln.passes.pipeline import optimize
@@ -27,11 +27,12 @@ def main(args) -> int:
 
     log = print if args.verbose else (lambda m: None)
     cfg = BuilderConfig(int8=True, calib=args.calib, calibrator=args.calibrator,
-                        calib_cache=args.calib_cache, int8_asymmetric=args.asymmetric)
+                        calib_cache=args.calib_cache, int8_asymmetric=args.asymmetric,
+                        int8_smoothing=args.smooth)
     graph = optimize(import_onnx(args.model), log=log)
-    scales = int8_scales(graph, cfg, log)
+    scales, smooth = int8_ranges(graph, cfg, log)
     model = onnx.load(args.model)
-    qdq, layers = write_qdq(model, scales, log)
+    qdq, layers = write_qdq(model, scales, log, smooth)
     out = args.output or (args.model.rsplit(".", 1)[0] + ".qdq.onnx")
     onnx.save(qdq, out)
     print(f"wrote {out}: {layers} layer(s) quantized with {cfg.calibrator} scales")

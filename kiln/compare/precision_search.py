@@ -51,8 +51,8 @@ def meets(value: float, op: str, target: float) -> bool:
     return value >= target if op == ">=" else value <= target
 
 
-def search(model, calib, metric: str, eval_batches=None, calibrator="entropy",
-           asymmetric=False, log=print) -> tuple[list[str], float]:
+def search(model, calib, metric: str, eval_batches=None, calibrator="auto",
+           asymmetric=None, log=print, smoothing=0.5) -> tuple[list[str], float]:
     """(layers to keep in FP32, the score with them kept); see the module docstring."""
     from kiln.builder import Builder, BuilderConfig
 
@@ -63,6 +63,7 @@ def search(model, calib, metric: str, eval_batches=None, calibrator="entropy",
         def build(keep=()):
             cfg = BuilderConfig(int8=True, calib=calib, calibrator=calibrator,
                                 calib_cache=cache, int8_asymmetric=asymmetric,
+                                int8_smoothing=smoothing,
                                 layer_precision={k: "fp32" for k in keep}, check_finite=False)
             b = Builder(cfg)
             return b.build(str(model)), b.report["int8"]["int8"]

@@ -9,8 +9,11 @@
 The first line names the calibrator; each further line is a tensor name and the big-endian hex
 of its float32 scale (``amax / 127``). Asymmetric calibration (kiln's extension, which TensorRT
 does not read) appends ``Asymmetric`` to the calibrator's name and the uint8 zero point to each
-line (``name: 3c010a14 57``). TensorRT writes its own version number after ``TRT-``;
-kiln writes ``8601`` there for tools that parse it and ignores it when reading. A cache is
+line (``name: 3c010a14 57``). Smoothing (kiln's extension, :mod:`kiln.passes.quantize.smooth`)
+appends ``Smoothed`` and one line per smoothed activation, ``smooth <name>: <hex of the
+float32 multipliers>``, whose scale lines are those of the smoothed tensor. TensorRT writes
+its own version number after ``TRT-``; kiln writes ``8601`` there for tools that parse it
+and ignores it when reading. A cache is
 refused when its calibrator is not the one asked for, or when its tensors are not the ones the
 model needs (a cache of another model, or of an older version of this one).
 """
@@ -37,16 +40,26 @@ def decode_scale(text: str) -> float:
         raise ValueError(f"'{text.strip()}' is not the hex of a float32") from None
 
 
+SMOOTH = "smooth "  # the prefix of a smoothing line
+
+
 def write_cache(path, algorithm: str, scales: dict[str, tuple[float, int]],
-                asymmetric: bool = False) -> None:
+                asymmetric: bool = False, smooth: dict | None = None) -> None:
     """Write ``scales`` (tensor name -> (float32 scale, uint8 zero point)) for ``algorithm``
-    to ``path`` atomically (a temporary file renamed over it)."""
-    lines = [f"TRT-{VERSION}-{algorithm}{'Asymmetric' if asymmetric else ''}"]
+    to ``path`` atomically (a temporary file renamed over it); ``smooth`` (name -> float32
+    multipliers; None: not smoothed) after them."""
+    import numpy as np
+
+    lines = [f"TRT-{VERSION}-{algorithm}{'Asymmetric' if asymmetric else ''}"
+             f"{'Smoothed' if smooth is not None else ''}"]
     for name in sorted(scales):
         if "\n" in name:
             raise ValueError(f"tensor name {name!r} cannot be written in a calibration cache")
         s, z = scales[name]
         lines.append(f"{name}: {encode_scale(s)}" + (f" {z}" if asymmetric else ""))
+    for name in sorted(smooth or {}):
+        m = np.asarray(smooth[name], ">f4")
+        lines.append(f"{SMOOTH}{name}: {m.tobytes().hex()}")
     tmp = Path(f"{path}.tmp")
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, path)
@@ -68,7 +81,7 @@ def read_cache(path) -> tuple[str, dict[str, tuple[float, int]]]:
                         f"'TRT-<version>-<calibrator>', not {head[:80]!r}")
     scales: dict[str, tuple[float, int]] = {}
     for k, line in enumerate(lines[1:], 2):
-        if not line.strip():
+        if not line.strip() or line.startswith(SMOOTH):
             continue
         name, sep, value = line.rpartition(":")
         try:
@@ -82,6 +95,23 @@ def read_cache(path) -> tuple[str, dict[str, tuple[float, int]]]:
         except ValueError as e:
             raise KilnError(f"calibration cache {path}, line {k}: {e}") from None
     return parts[2], scales
+
+
+def read_smoothing(path) -> dict:
+    """The smoothing lines of a cache: activation name -> float32 multipliers."""
+    import numpy as np
+
+    out = {}
+    for k, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.startswith(SMOOTH):
+            name, _, value = line[len(SMOOTH):].rpartition(":")
+            try:
+                out[name] = np.frombuffer(bytes.fromhex(value.strip()), ">f4").astype(
+                    np.float32)
+            except ValueError:
+                raise KilnError(f"calibration cache {path}, line {k}: the smoothing "
+                                "multipliers are not float32 hex") from None
+    return out
 
 
 def check_cache(path, algorithm: str, want: str, scales: dict[str, float],

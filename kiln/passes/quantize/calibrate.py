@@ -5,6 +5,8 @@ the INT8 levels, so the scale is ``amax / 127``.
 
 - :class:`MinMaxCalibrator`: ``amax = max |x|`` over all batches.
 - :class:`PercentileCalibrator`: the ``percentile`` (99.99) of ``|x|``, read off a histogram.
+- :class:`AutoCalibrator` (the default): min-max for matrix products' inputs, entropy for
+  the rest, as TensorRT recommends per network kind (NLP / CNN).
 - :class:`EntropyCalibrator`: TensorRT's EntropyCalibrator2. A 2048-bin histogram of ``|x|``
   over ``[0, max|x|]``; for every candidate ``i`` from 128 to 2048 bins, the reference
   distribution P is the first ``i`` bins with everything beyond folded into bin ``i - 1``, and Q
@@ -200,12 +202,33 @@ def entropy_threshold(counts: np.ndarray, width: float, levels: int = LEVELS,
     return best_i * width
 
 
-CALIBRATORS = {"entropy": EntropyCalibrator, "percentile": PercentileCalibrator,
-               "minmax": MinMaxCalibrator}
+class AutoCalibrator(EntropyCalibrator):
+    """TensorRT's advice per tensor: min-max for the inputs of matrix products (TensorRT:
+    "preferred for NLP tasks"; the entropy threshold clips transformers' outlier channels,
+    which the network depends on), EntropyCalibrator2 for the rest (convolutions: "preferred
+    for CNNs"). ``minmax_names``: the tensors that take min-max (set by the caller)."""
+
+    algorithm = "AutoCalibration"
+
+    def __init__(self, bins: int = BINS):
+        super().__init__(bins)
+        self.minmax_names: set[str] = set()
+
+    def amax(self):
+        out = super().amax()
+        for k in out:
+            if k in self.minmax_names:
+                out[k] = max(-self.mins.get(k, 0.0), self.maxs.get(k, 0.0))
+        return out
+
+
+CALIBRATORS = {"auto": AutoCalibrator, "entropy": EntropyCalibrator,
+               "percentile": PercentileCalibrator, "minmax": MinMaxCalibrator}
 
 
 def make_calibrator(kind: str) -> Calibrator:
-    """A calibrator by its CLI name: ``entropy`` (default), ``percentile`` or ``minmax``."""
+    """A calibrator by its CLI name: ``auto`` (default), ``entropy``, ``percentile`` or
+    ``minmax``."""
     if kind not in CALIBRATORS:
         raise ValueError(f"unknown calibrator {kind!r}: choose one of {sorted(CALIBRATORS)}")
     return CALIBRATORS[kind]()

@@ -72,15 +72,69 @@ def _gemm_w(n: Node) -> np.ndarray:
     return w.T if n.op in (N.Gemm, FC.FusedGemm) and n.attrs.transB else w
 
 
-def quantize_weight(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel symmetric INT8 along ``axis``: (codes int8, scale float32 per channel)."""
+def quantize_weight(w: np.ndarray, axis: int,
+                    grid: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel symmetric INT8 along ``axis``: (codes int8, scale float32 per channel).
+
+    ``grid``: scales the model's own quantizer used (see :func:`weight_grids`). A channel
+    that already lies on one of them (every value ``code * scale`` with an integer code in
+    [-128, 127]: a weight dequantized from an onnxruntime-quantized model) keeps those codes
+    and that scale, so that the layer computes what the quantized model asked for instead of
+    rounding its weight a second time onto kiln's 7-bit grid."""
     other = tuple(i for i in range(w.ndim) if i != axis)
     amax = np.abs(w).max(axis=other) if other else np.abs(w)
     scale = np.where(amax > 0, amax / W_LEVELS, 1.0).astype(np.float32)
+    if grid is not None and len(grid):
+        scale = np.where(np.isnan(g := _on_grid(np.moveaxis(w, axis, -1).reshape(
+            -1, w.shape[axis]), amax, grid)), scale, g).astype(np.float32)
     shape = [1] * w.ndim
     shape[axis] = -1
-    q = np.clip(np.rint(w / scale.reshape(shape)), -W_LEVELS, W_LEVELS).astype(np.int8)
+    q = np.clip(np.rint(w / scale.reshape(shape)), -128, 127).astype(np.int8)
     return q, scale
+
+
+def _on_grid(w2: np.ndarray, amax: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Per column of ``w2`` ([K, N]): the scale of ``grid`` it lies on, NaN where none. The
+    largest code of a column is tried from 127 down to 1: its scale is ``amax / code``."""
+    found = np.full(w2.shape[1], np.nan, np.float32)
+    grid = np.sort(np.asarray(grid, np.float64))
+    for code in range(128, 0, -1):
+        todo = np.isnan(found) & (amax > 0)
+        if not todo.any():
+            break
+        s = amax[todo].astype(np.float64) / code
+        i = np.clip(np.searchsorted(grid, s), 1, len(grid) - 1)
+        near = np.where(np.abs(grid[i] - s) < np.abs(grid[i - 1] - s), grid[i], grid[i - 1])
+        close = np.abs(near - s) <= 1e-6 * s
+        if not close.any():
+            continue
+        cols = np.flatnonzero(todo)[close]
+        q = w2[:, cols] / near[close].astype(np.float32)
+        ok = (np.abs(q - np.rint(q)) <= 1e-3).all(axis=0) & (np.abs(q) <= 128.001).all(axis=0)
+        found[cols[ok]] = near[close][ok]
+    return found
+
+
+def weight_grids(graph: Graph) -> np.ndarray:
+    """The weight scales of a quantized model (before its dequantizations fold into float
+    weights): every constant scale of a DequantizeLinear of constant integer codes, and of the
+    ``Mul`` that dequantizes a MatMulInteger/ConvInteger (onnxruntime's dynamic format)."""
+    from kiln.ops import math as M
+    from kiln.ops import quant as Q
+
+    found: list[np.ndarray] = []
+    for n in graph.nodes:
+        if n.op is Q.DequantizeLinear and len(n.inputs) > 1:
+            x, s = n.inputs[0], n.inputs[1]
+            if x is not None and x.const is not None and x.const.dtype.kind in "iu" and \
+                    s is not None and s.const is not None:
+                found.append(np.asarray(s.const, np.float32).ravel())
+        elif n.op is M.Mul:
+            prods = [i.producer for i in n.inputs if i is not None]
+            if any(p is not None and p.op is Q.DynamicQuantizeLinear for p in prods):
+                found += [np.asarray(i.const, np.float32).ravel() for i in n.inputs
+                          if i is not None and i.const is not None]
+    return np.unique(np.concatenate(found)) if found else np.zeros(0, np.float32)
 
 
 def scales_from_amax(amax: dict[str, float], mins: dict[str, float] | None = None,
@@ -116,14 +170,14 @@ def quantize_weight_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def quantize_graph(graph: Graph, scales: dict[str, tuple[float, int]], keep=(),
-                   log=lambda m: None, fp8: bool = False) -> dict:
+                   log=lambda m: None, fp8: bool = False, grid=None) -> dict:
     """Rewrite every layer that can run in INT8 (see the module docstring), in place.
 
     ``scales``: activation tensor name -> (scale, uint8 zero point). ``keep``: layer names
     (or parts of fused names) that stay in float. ``fp8``: matrix products become
     Fp8MatMul layers instead (scale ``amax / 448`` from the same calibration; convolutions
-    stay in float). Returns ``{"int8": [names], "float":
-    {name: reason}}``."""
+    stay in float). ``grid``: the model's own weight scales (:func:`weight_grids`), kept
+    where a weight lies on them. Returns ``{"int8": [names], "float": {name: reason}}``."""
     keep = set(keep)
     done, kept = [], {}
     for n in list(graph.nodes):
@@ -139,7 +193,7 @@ def quantize_graph(graph: Graph, scales: dict[str, tuple[float, int]], keep=(),
         if why is not None:
             kept[n.name] = why
             continue
-        _rewrite(graph, n, scales[n.inputs[0].name], fp8)
+        _rewrite(graph, n, scales[n.inputs[0].name], fp8, grid)
         done.append(n.name)
     _drop_unused_weights(graph)
     log(f"int8: {len(done)} layer(s) in {'FP8' if fp8 else 'INT8'}, {len(kept)} with a weight "
@@ -154,10 +208,11 @@ def _epilogue(a) -> dict:
             if hasattr(a, k)}
 
 
-def _rewrite(graph: Graph, n: Node, xs: tuple[float, int], fp8: bool = False) -> None:
+def _rewrite(graph: Graph, n: Node, xs: tuple[float, int], fp8: bool = False,
+             grid=None) -> None:
     scale, zero = xs
     if n.op in CONVS:
-        wq, ws = quantize_weight(n.inputs[1].const, 0)
+        wq, ws = quantize_weight(n.inputs[1].const, 0, grid)
         a = n.attrs
         conv = {f.name: getattr(a, f.name) for f in dataclasses.fields(I8.Int8Conv.Attrs)
                 if hasattr(a, f.name) and f.name not in ("x_scale", "x_zero")}
@@ -170,7 +225,7 @@ def _rewrite(graph: Graph, n: Node, xs: tuple[float, int], fp8: bool = False) ->
     if fp8:
         wq, ws = quantize_weight_fp8(_gemm_w(n))
     else:
-        wq, ws = quantize_weight(_gemm_w(n), 1)
+        wq, ws = quantize_weight(_gemm_w(n), 1, grid)
     rest = list(n.inputs[2:])
     if n.op is FC.FusedMatMulLayerNorm:  # inputs x, W, b, r, scale, ln_bias
         rest, ln_in = rest[:2], rest[2:]

@@ -77,6 +77,72 @@ def fold_qdq(graph: Graph, log=lambda m: None) -> dict[str, tuple[float, int]]:
     return scales
 
 
+def lower_qlinear(graph: Graph, log=lambda m: None) -> int:
+    """onnxruntime's QOperator layers with a constant weight, in QDQ form, so that
+    :func:`fold_qdq` and the INT8 rewrite make them kiln INT8 layers::
+
+        QLinearMatMul(a, sa, za, Wq, sw, zw, sy, zy)
+            ==>  QuantizeLinear(MatMul(DQ(a, sa, za), DQ(Wq, sw, zw)), sy, zy)
+        QLinearConv(x, sx, zx, Wq, sw, zw, sy, zy, B)
+            ==>  QuantizeLinear(Conv(DQ(x), DQ(Wq), B * sx * sw), sy, zy)
+
+    The quantized tensors between such layers become Q -> DQ pairs, which fold; the weight
+    keeps its codes (:func:`kiln.passes.quantize.int8.weight_grids`). Fires for constant
+    weights and scalar activation scales; returns the number of layers lowered."""
+    from kiln.ir import DType, Node, TensorType, Value
+    from kiln.ops import nn as N
+
+    done = 0
+    new_nodes = []
+    for n in graph.nodes:
+        if n.op not in (Q.QLinearMatMul, Q.QLinearConv) or len(n.inputs) < 8:
+            new_nodes.append(n)
+            continue
+        x, sx, zx, w, sw, zw, sy, zy = n.inputs[:8]
+        bias = n.inputs[8] if len(n.inputs) > 8 else None
+        conv = n.op is Q.QLinearConv
+        if w.const is None or sw.const is None or any(
+                v is not None and v.const is None for v in (sx, zx, zw, sy, zy, bias)) or \
+                np.size(sx.const) != 1 or np.size(sy.const) != 1:
+            new_nodes.append(n)
+            continue
+
+        def fresh(base, shape):
+            return Value(graph.fresh_name(base), TensorType(DType.float32, shape))
+
+        y = n.outputs[0]
+        xf = fresh(f"{x.name}_dequantized", x.type.shape)
+        new_nodes.append(Node(Q.DequantizeLinear, f"{n.name}/dq_x", [x, sx, zx], [xf],
+                              Q.DequantizeLinear.make_attrs()))
+        wf = fresh(f"{w.name}_dequantized", w.const.shape)
+        axis = 0 if conv else 1
+        new_nodes.append(Node(Q.DequantizeLinear, f"{n.name}/dq_w", [w, sw, zw], [wf],
+                              Q.DequantizeLinear.make_attrs(axis=axis if np.size(sw.const) > 1
+                                                            else 1)))
+        yf = fresh(f"{y.name}_float", y.type.shape)
+        if conv:
+            ins = [xf, wf]
+            if bias is not None:
+                b = (bias.const.astype(np.float64) * float(np.asarray(sx.const).ravel()[0])
+                     * np.asarray(sw.const, np.float64).ravel()).astype(np.float32)
+                ins.append(graph.add_weight(graph.fresh_name(f"{bias.name}_float"), b,
+                                            TensorType(DType.float32, b.shape)))
+            a = n.attrs
+            attrs = N.Conv.make_attrs(**{f: getattr(a, f) for f in (
+                "auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
+                if hasattr(a, f)})
+            new_nodes.append(Node(N.Conv, n.name, ins, [yf], attrs))
+        else:
+            new_nodes.append(Node(N.MatMul, n.name, [xf, wf], [yf]))
+        new_nodes.append(Node(Q.QuantizeLinear, f"{n.name}/q_y", [yf, sy, zy], [y],
+                              Q.QuantizeLinear.make_attrs()))
+        done += 1
+    graph.nodes = new_nodes
+    if done:
+        log(f"explicit quantization: {done} QLinearMatMul/QLinearConv layer(s) in QDQ form")
+    return done
+
+
 # ---------------------------------------------------------------- writing QDQ models
 
 _WEIGHT_AXIS = {"MatMul": 1, "Conv": 0}
@@ -92,10 +158,13 @@ def _weight_axis(node) -> int | None:
 
 
 def write_qdq(model: onnx.ModelProto, scales: dict[str, tuple[float, int]],
-              log=lambda m: None) -> tuple[onnx.ModelProto, int]:
+              log=lambda m: None, smooth: dict | None = None) -> tuple[onnx.ModelProto, int]:
     """A copy of ``model`` with Q/DQ on the layers whose input has a scale in ``scales``
     (tensor name -> (scale, uint8 zero point): zero 128 is written as int8 codes with zero
-    point 0, others as uint8 codes). Returns (model, layers)."""
+    point 0, others as uint8 codes). ``smooth`` (tensor name -> per-channel multipliers
+    ``m``, :mod:`kiln.passes.quantize.smooth`): those inputs go through ``Mul(x, m)`` before
+    their Q/DQ and the weights are divided by ``m`` per row first. Returns (model, layers)."""
+    smooth = smooth or {}
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
@@ -112,21 +181,35 @@ def write_qdq(model: onnx.ModelProto, scales: dict[str, tuple[float, int]],
             w = numpy_helper.to_array(inits[node.input[1]])
             if w.dtype == np.float32 and (w.ndim == 2 or node.op_type == "Conv"):
                 x = node.input[0]
-                if x not in done_x:
-                    done_x[x] = _qdq_activation(g, new_nodes, x, scales[x])
-                if node.input[1] not in done_w:
-                    done_w[node.input[1]] = _qdq_weight(g, new_nodes, node.input[1], w, axis)
-                node.input[0], node.input[1] = done_x[x], done_w[node.input[1]]
+                m = smooth.get(x) if node.op_type != "Conv" else None
+                wkey = node.input[1] if m is None else (node.input[1], x)
+                if m is not None:
+                    w = w / (m[:, None] if axis == 1 else m[None, :])
+                if (x, m is not None) not in done_x:
+                    xin = x if m is None else _smooth_mul(g, new_nodes, x, m)
+                    done_x[(x, m is not None)] = _qdq_activation(g, new_nodes, xin, scales[x])
+                if wkey not in done_w:
+                    done_w[wkey] = _qdq_weight(g, new_nodes, node.input[1] if m is None
+                                               else f"{node.input[1]}_smoothed", w, axis)
+                node.input[0], node.input[1] = done_x[(x, m is not None)], done_w[wkey]
                 layers += 1
         new_nodes.append(node)
     del g.node[:]
     g.node.extend(new_nodes)
     still_read = {i for n in g.node for i in n.input}
-    for name in done_w:
+    for name in {k if isinstance(k, str) else k[0] for k in done_w}:
         if name not in still_read:
             g.initializer.remove(inits[name])
-    log(f"QDQ: {layers} layer(s) quantized, {len(done_x)} activation Q/DQ pair(s)")
+    log(f"QDQ: {layers} layer(s) quantized, {len(done_x)} activation Q/DQ pair(s)"
+        + (f", {sum(1 for k in done_x if k[1])} smoothed" if smooth else ""))
     return out, layers
+
+
+def _smooth_mul(g, nodes, x: str, m: np.ndarray) -> str:
+    name = f"{x}_smooth"
+    g.initializer.append(numpy_helper.from_array(np.asarray(m, np.float32), name))
+    nodes.append(helper.make_node("Mul", [x, name], [f"{x}_smoothed"], name=f"{x}_Smooth"))
+    return f"{x}_smoothed"
 
 
 def _qdq_activation(g, nodes, x: str, scale_zero: tuple[float, int]) -> str:
