@@ -424,3 +424,43 @@ def test_qoperator_model_runs_int8_layers(tmp_path):
     fp32 = net(torch.from_numpy(x["x"])).detach().numpy()
     assert (got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want) > 0.99
     assert np.abs(got - fp32).max() <= 1.5 * np.abs(want - fp32).max()
+
+
+def _qdq_model(tmp_path, residual: bool):
+    """x -> Q/DQ -> MatMul(DQ(Wq)) [-> + the rounded x]: the pair feeds a weight layer, and
+    with ``residual`` also an Add that reads the rounded values (as onnxruntime computes)."""
+    rng = np.random.default_rng(3)
+    wq = rng.integers(-60, 60, (8, 8)).astype(np.int8)
+    inits = [numpy_helper.from_array(np.array(0.05, np.float32), "s"),
+             numpy_helper.from_array(np.array(128, np.uint8), "z"),
+             numpy_helper.from_array(wq, "wq"),
+             numpy_helper.from_array(np.array(0.02, np.float32), "ws")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="q"),
+             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="dq"),
+             helper.make_node("DequantizeLinear", ["wq", "ws"], ["w"], name="dqw"),
+             helper.make_node("MatMul", ["xd", "w"], ["m"], name="mm")]
+    if residual:
+        nodes.append(helper.make_node("Add", ["m", "xd"], ["y"], name="add"))
+    else:
+        nodes.append(helper.make_node("Identity", ["m"], ["y"], name="out"))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                     [4, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], inits)
+    path = tmp_path / f"qdq_{residual}.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_qdq_pair_read_by_other_ops_stays(tmp_path, residual):
+    ort = pytest.importorskip("onnxruntime")
+    path = _qdq_model(tmp_path, residual)
+    logs = []
+    engine = Builder(BuilderConfig(), log=logs.append).build(str(path))
+    folded = [m for m in logs if "Q/DQ pair(s) folded" in m]
+    assert folded and (("0 Q/DQ pair(s) folded" in folded[0]) == residual)
+    assert ("1 pair(s) feeding other ops kept" in folded[0]) == residual
+    x = np.random.default_rng(4).standard_normal((4, 8)).astype(np.float32)
+    got = engine.create_context().run({"x": x})["y"]
+    want = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -6,11 +6,13 @@ into a layer carries the scale the model's quantizer chose::
     x ──QuantizeLinear(s, z)──DequantizeLinear(s, z)──▶ MatMul(·, DQ(Wq))
                    ==>  x ──▶ MatMul(·, W)       and x's scale (s, z) recorded
 
-The pair is removed and ``(s, z)`` kept for :func:`kiln.passes.quantize.int8.quantize_graph`,
+A pair whose every reader is such a layer's activation input is removed and ``(s, z)`` kept for :func:`kiln.passes.quantize.int8.quantize_graph`,
 which turns the layer into an INT8 one with exactly that scale (DQ → op → Q becomes a quantized
 op). Weight DequantizeLinears of constants fold into float weights, which the INT8 rewrite
 quantizes per channel again. Only per-tensor pairs with constant, equal scales and zero points
-on both sides fold; others stay as they are and run as float ops.
+on both sides fold; others stay as they are and run as float ops, and so does a pair read by
+any other op (an Add, Softmax, an activation-by-activation MatMul): those ops see the rounded
+values, as onnxruntime computes them.
 
 Out (:func:`write_qdq`): the ONNX model with a Q/DQ pair (int8, zero point 0) on the input of
 every MatMul/Gemm/Conv that kiln quantizes, and its weight stored as int8 codes behind a
@@ -26,6 +28,7 @@ from onnx import helper, numpy_helper
 
 from kiln.ir import Graph
 from kiln.ir.rewrite import replace_uses
+from kiln.ops import nn as N
 from kiln.ops import quant as Q
 from kiln.passes.quantize.int8 import W_LEVELS, quantize_weight
 
@@ -55,10 +58,18 @@ def fold_qdq(graph: Graph, log=lambda m: None) -> dict[str, tuple[float, int]]:
     tensor name -> (scale, uint8 zero point)."""
     scales: dict[str, tuple[float, int]] = {}
     outputs = {id(v) for v in graph.outputs}
-    dead = set()
+    readers: dict[int, list] = {}
+    for n in graph.nodes:
+        for i, v in enumerate(n.inputs):
+            if v is not None:
+                readers.setdefault(id(v), []).append((n, i))
+    dead, kept = set(), 0
     for d in [n for n in graph.nodes if n.op is Q.DequantizeLinear]:
         q = d.inputs[0].producer
         if q is None or q.op is not Q.QuantizeLinear or id(d.outputs[0]) in outputs:
+            continue
+        if not all(_weight_layer_input(n, i) for n, i in readers.get(id(d.outputs[0]), [])):
+            kept += 1  # its rounding is part of the model's math for what reads it
             continue
         sz = _pair_scale(q, d)
         if sz is None:
@@ -71,10 +82,26 @@ def fold_qdq(graph: Graph, log=lambda m: None) -> dict[str, tuple[float, int]]:
     used = {id(v) for n in graph.nodes for v in n.inputs if v is not None} | outputs
     graph.nodes = [n for n in graph.nodes if not (n.op is Q.QuantizeLinear and
                                                   id(n.outputs[0]) not in used)]
-    if scales:
+    if scales or kept:
         log(f"explicit quantization: {len(dead)} Q/DQ pair(s) folded, {len(scales)} "
-            "activation scale(s) taken from the model")
+            f"activation scale(s) taken from the model; {kept} pair(s) feeding other ops "
+            "kept as quantize-dequantize in float")
     return scales
+
+
+def _weight_layer_input(n, i: int) -> bool:
+    """Is input ``i`` of ``n`` the activation of a MatMul/Gemm/Conv whose weight is a
+    constant (or the DequantizeLinear of one) — a layer the INT8 rewrite quantizes with the
+    pair's scale? Anything else reads the rounded values, so the pair must stay."""
+    if i != 0 or n.op not in (N.MatMul, N.Gemm, N.Conv) or len(n.inputs) < 2:
+        return False
+    w = n.inputs[1]
+    if w is None:
+        return False
+    if w.const is not None:
+        return True
+    p = w.producer
+    return p is not None and p.op is Q.DequantizeLinear and p.inputs[0].const is not None
 
 
 def lower_qlinear(graph: Graph, log=lambda m: None) -> int:
