@@ -6,7 +6,8 @@ into a layer carries the scale the model's quantizer chose::
     x ──QuantizeLinear(s, z)──DequantizeLinear(s, z)──▶ MatMul(·, DQ(Wq))
                    ==>  x ──▶ MatMul(·, W)       and x's scale (s, z) recorded
 
-A pair whose every reader is such a layer's activation input is removed and ``(s, z)`` kept for :func:`kiln.passes.quantize.int8.quantize_graph`,
+A pair whose every reader is such a layer's activation input is removed and ``(s, z)`` kept
+for :func:`kiln.passes.quantize.int8.quantize_graph`,
 which turns the layer into an INT8 one with exactly that scale (DQ → op → Q becomes a quantized
 op). Weight DequantizeLinears of constants fold into float weights, which the INT8 rewrite
 quantizes per channel again. Only per-tensor pairs with constant, equal scales and zero points
