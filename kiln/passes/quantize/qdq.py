@@ -59,17 +59,13 @@ def fold_qdq(graph: Graph, log=lambda m: None) -> dict[str, tuple[float, int]]:
     tensor name -> (scale, uint8 zero point)."""
     scales: dict[str, tuple[float, int]] = {}
     outputs = {id(v) for v in graph.outputs}
-    readers: dict[int, list] = {}
-    for n in graph.nodes:
-        for i, v in enumerate(n.inputs):
-            if v is not None:
-                readers.setdefault(id(v), []).append((n, i))
+    users = graph.users()
     dead, kept = set(), 0
     for d in [n for n in graph.nodes if n.op is Q.DequantizeLinear]:
         q = d.inputs[0].producer
         if q is None or q.op is not Q.QuantizeLinear or id(d.outputs[0]) in outputs:
             continue
-        if not all(_weight_layer_input(n, i) for n, i in readers.get(id(d.outputs[0]), [])):
+        if not all(_weight_layer_input(n, d.outputs[0]) for n in users.get(id(d.outputs[0]), [])):
             kept += 1  # its rounding is part of the model's math for what reads it
             continue
         sz = _pair_scale(q, d)
@@ -90,11 +86,12 @@ def fold_qdq(graph: Graph, log=lambda m: None) -> dict[str, tuple[float, int]]:
     return scales
 
 
-def _weight_layer_input(n, i: int) -> bool:
-    """Is input ``i`` of ``n`` the activation of a MatMul/Gemm/Conv whose weight is a
+def _weight_layer_input(n, v) -> bool:
+    """Does ``n`` read ``v`` only as the activation of a MatMul/Gemm/Conv whose weight is a
     constant (or the DequantizeLinear of one) — a layer the INT8 rewrite quantizes with the
-    pair's scale? Anything else reads the rounded values, so the pair must stay."""
-    if i != 0 or n.op not in (N.MatMul, N.Gemm, N.Conv) or len(n.inputs) < 2:
+    pair's scale? Any other read sees the rounded values, so the pair must stay."""
+    if n.op not in (N.MatMul, N.Gemm, N.Conv) or len(n.inputs) < 2 or n.inputs[0] is not v or any(
+            x is v for x in n.inputs[1:]):
         return False
     w = n.inputs[1]
     if w is None:
