@@ -38,7 +38,12 @@ def cuda_int8_matmul(n, x, wq, w_scale, b=None, r=None):
     if a.x_zero != 128:
         colsum = _cached(n, "colsum", lambda: wq.sum(0, dtype=torch.int32))
         acc = acc - (a.x_zero - 128) * colsum
-    y = acc.float().mul_(w_scale * a.x_scale)
+    return _finish(acc.float().mul_(w_scale * a.x_scale), x, m, b, a, r)
+
+
+def _finish(y, x, m: int, b, a, r):
+    """A GEMM's float32 rows ``y`` dequantized: + bias, back to ``x``'s leading dims and
+    dtype, then the layer's activation/residual epilogue."""
     if b is not None:
         y = y.add_(b)
     return epilogue(y.reshape(*x.shape[:-1], m).to(x.dtype), a, r)
@@ -77,7 +82,4 @@ def cuda_fp8_matmul(n, x, wf8, w_scale, b=None, r=None):
     sx = _cached(n, "sx", lambda: torch.tensor(a.x_scale, device=x.device))
     y = torch._scaled_mm(to_e4m3(x2, a.x_scale), wt, scale_a=sx, scale_b=one,
                          out_dtype=torch.bfloat16)
-    y = y.float().mul_(w_scale)
-    if b is not None:
-        y = y.add_(b)
-    return epilogue(y.reshape(*x.shape[:-1], m).to(x.dtype), a, r)
+    return _finish(y.float().mul_(w_scale), x, m, b, a, r)
