@@ -64,7 +64,10 @@ def work(args) -> int:
     name, out = args.worker.split(":", 1)
     entry = manifest.load(args.corpus)[name]
     if args.device == "cuda":
+        from bench.corpus import cuda
         from bench.corpus.cuda import run_model
+
+        cuda.PROGRESS = lambda row: Path(out).write_text(json.dumps(dict(row, partial=True)))
     else:
         from bench.corpus.runner import run_model
     with tempfile.TemporaryDirectory(prefix="kiln-corpus-") as tmp:
@@ -86,10 +89,16 @@ def run_worker(entry: Entry, args, tmp: Path) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env,
                               cwd=Path(__file__).resolve().parents[2])
     except subprocess.TimeoutExpired:
-        return dict(base_row(entry), status="timed out",
-                    error=f"worker stopped after {args.timeout:.0f} s")
+        stopped = f"worker stopped after {args.timeout:.0f} s"
+        if out.exists():  # a CUDA worker's rows so far
+            row = json.loads(out.read_text())
+            return dict(row, status="timed out", error=f"{stopped}; the systems it reached "
+                        "are reported")
+        return dict(base_row(entry), status="timed out", error=stopped)
     if proc.returncode == 0 and out.exists():
-        return json.loads(out.read_text())
+        row = json.loads(out.read_text())
+        row.pop("partial", None)
+        return row
     tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or [""]
     how = (f"killed by signal {-proc.returncode}" if proc.returncode < 0
            else f"exit status {proc.returncode}")

@@ -1,8 +1,13 @@
-"""One corpus model on CUDA: kiln FP32 checked against onnxruntime FP32; kiln FP16 against
-torch eager FP16 and torch.compile(mode="reduce-overhead") FP16 on the re-created torch module
-(the spec's seeded definition, so the same weights as the export), at batch 1 and a large batch
-where the model's batch dim is dynamic. Each system is timed per call (synchronized after every
-call) and back-to-back (``BACK_TO_BACK`` calls queued, one synchronize, time / calls)."""
+"""One corpus model on CUDA: kiln FP32 (TF32 off) checked against onnxruntime FP32; kiln FP16
+against torch eager FP16 and torch.compile(mode="reduce-overhead") FP16 on the re-created torch
+module (the spec's seeded definition, so the same weights as the export), at batch 1 and a large
+batch where the model's batch dim is dynamic. Each system is timed per call (synchronized after
+every call) and back-to-back (``BACK_TO_BACK`` calls queued, one synchronize, time / calls),
+with its peak device memory (torch's allocator, above what was allocated before it was made).
+
+Per kiln FP16 engine also: the cold build time, the build time again with the cold build's
+timing cache, and at batch 1 the issue's cold start: a fresh process that has imported torch
+and kiln and initialised CUDA, timed from ``kiln.load`` to the first outputs on the host."""
 
 from __future__ import annotations
 
@@ -16,8 +21,10 @@ from bench.corpus.measure import TOLERANCE, describe_error, errors
 from bench.corpus.runner import Options, base_row, build_kiln, kiln_outputs, run_reference
 
 BACK_TO_BACK = 20
+PROGRESS = None  # set by the worker: called with the row after every system, so that a worker
+# stopped at its time limit still reports what it measured
 LARGE_BATCH = {"cnn": 64, "detector": 8, "segmentation": 16, "vision-transformer": 64,
-               "encoder": 32, "decoder": 16, "seq2seq-encoder": 32, "audio-encoder": 8,
+               "encoder": 64, "decoder": 16, "seq2seq-encoder": 32, "audio-encoder": 8,
                "ocr": 32, "recurrent": 64, "quantized": 32}
 
 
@@ -38,28 +45,86 @@ def timed(fn, sync, min_s: float, min_iters: int) -> dict:
     return {"per_call_ms": 1e3 * float(np.median(lat)), "back_to_back_ms": 1e3 * b2b}
 
 
-def kiln_system(path: Path, feeds: dict, fp16: bool, tmp: Path):
+def kiln_system(path: Path, feeds: dict, fp16: bool, tmp: Path, info: dict):
     import torch
 
     import kiln
 
-    cfg = kiln.BuilderConfig(device="cuda", fp16=fp16, low_precision_io=fp16,
-                             profiles=[kiln.Profile.fixed({k: v.shape
-                                                           for k, v in feeds.items()})])
-    engine = kiln.Builder(cfg).build(str(path))
-    out = tmp / f"{path.stem}-{'fp16' if fp16 else 'fp32'}.kiln"
+    tag = f"{path.stem}-{'fp16' if fp16 else 'fp32'}-b{next(iter(feeds.values())).shape[0]}"
+    cache = tmp / f"{tag}.cache"
+
+    def config():
+        return kiln.BuilderConfig(device="cuda", fp16=fp16, low_precision_io=fp16,
+                                  timing_cache=str(cache),
+                                  profiles=[kiln.Profile.fixed({k: v.shape
+                                                                for k, v in feeds.items()})])
+    t0 = time.perf_counter()
+    builder = kiln.Builder(config())
+    engine = builder.build(str(path))
+    info["build_s"] = time.perf_counter() - t0
+    info["build_parts"] = {"parse_s": builder.report.get("parse_s"),
+                           "autotune": builder.report.get("autotune_summary"),
+                           "binaries_s": builder.report.get("binaries", {}).get("seconds")}
+    if next(iter(feeds.values())).shape[0] == 1:  # at b1 only: a warm build costs device time
+        t0 = time.perf_counter()
+        kiln.Builder(config()).build(str(path))  # again, with the first build's timing cache
+        info["warm_build_s"] = time.perf_counter() - t0
+    out = tmp / f"{tag}.kiln"
     engine.save(out)
+    del engine
+    info["engine"] = str(out)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    info["mem_base"] = torch.cuda.memory_allocated()
     ctx = kiln.load(out).create_context()
     dev = {i.name: torch.from_numpy(feeds[i.name].astype(i.dtype.np, copy=False)).cuda()
            for i in ctx.engine.inputs}
     return lambda: ctx.run(dev, copy_outputs=False)
 
 
-def torch_system(name: str, feeds: dict, entry: Entry, compiled: bool):
+COLD_START = """
+import sys, time, json
+import numpy as np
+import kiln
+import torch
+torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+feeds = dict(np.load(sys.argv[2]))
+t0 = time.perf_counter()
+engine = kiln.load(sys.argv[1])
+t1 = time.perf_counter()
+ctx = engine.create_context()
+out = ctx.run({i.name: feeds[i.name].astype(i.dtype.np, copy=False) for i in engine.inputs})
+host = {k: v.cpu() if hasattr(v, "cpu") else v for k, v in out.items()}
+t2 = time.perf_counter()
+print(json.dumps({"load_ms": 1e3 * (t1 - t0), "load_first_run_ms": 1e3 * (t2 - t0)}))
+"""
+
+
+def cold_start(engine_path: str, feeds: dict, tmp: Path) -> dict:
+    """Fresh process, after ``import torch, kiln`` and CUDA init: load + first inference."""
+    import json
+    import subprocess
+    import sys
+
+    npz = tmp / "cold-feeds.npz"
+    np.savez(npz, **feeds)
+    proc = subprocess.run([sys.executable, "-c", COLD_START, engine_path, str(npz)],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    if proc.returncode != 0:
+        tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1:] or [""]
+        return {"cold_start_error": tail[0][:300]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def torch_system(name: str, feeds: dict, entry: Entry, compiled: bool, info: dict):
     import torch
 
     from bench.corpus import registry
 
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    info["mem_base"] = torch.cuda.memory_allocated()
     module = registry.get(name).make().half().cuda()
     args = []
     for i in entry.inputs:
@@ -88,12 +153,14 @@ def fp16_error(out, entry: Entry, refs: dict | None) -> float | None:
 
 
 def _systems(entry: Entry, path: Path, feeds: dict, tmp: Path) -> dict:
-    out = {"kiln fp32": lambda: kiln_system(path, feeds, False, tmp),
-           "kiln fp16": lambda: kiln_system(path, feeds, True, tmp)}
+    """The timed systems: kiln FP16 and, where the model has a torch definition, its peers
+    (kiln FP32 is the accuracy check only: the issue compares FP16 systems)."""
+    out = {"kiln fp16": lambda info: kiln_system(path, feeds, True, tmp, info)}
     if entry.has_torch_definition:
-        out["torch eager fp16"] = lambda: torch_system(entry.name, feeds, entry, False)
-        out["torch.compile reduce-overhead fp16"] = lambda: torch_system(
-            entry.name, feeds, entry, True)
+        out["torch eager fp16"] = lambda info: torch_system(entry.name, feeds, entry, False,
+                                                            info)
+        out["torch.compile reduce-overhead fp16"] = lambda info: torch_system(
+            entry.name, feeds, entry, True, info)
     return out
 
 
@@ -130,19 +197,30 @@ def run_model(entry: Entry, corpus: Path, tmp: Path, opts: Options) -> dict:
         refs = None
         row.update(status="no reference", error=describe_error("onnxruntime", exc))
     check_fp32(entry, path, feeds, refs, tmp, row)
+    if PROGRESS is not None:
+        PROGRESS(row)
     batches = [1] + ([LARGE_BATCH.get(entry.family, 16)] if entry.batch_dynamic else [])
     row["cuda"] = {}
     for b in batches:
         bf = entry.feeds(seed=0, batch=b)
         for system, make in _systems(entry, path, bf, tmp).items():
             key = f"{system} b{b}"
+            info: dict = {}
             try:
-                fn = make()
-                err = fp16_error(fn(), entry, refs) if b == 1 and "fp16" in system else None
-                row["cuda"][key] = timed(fn, torch.cuda.synchronize, opts.min_s,
-                                         opts.min_iters)
-                row["cuda"][key]["max_rel_err"] = err
+                fn = make(info)
+                err = fp16_error(fn(), entry, refs) if b == 1 else None
+                res = timed(fn, torch.cuda.synchronize, opts.min_s, opts.min_iters)
+                res["peak_mem_mib"] = (torch.cuda.max_memory_allocated()
+                                       - info.pop("mem_base", 0)) / 2**20
+                res["max_rel_err"] = err
+                res.update(info)
+                del fn
+                if system == "kiln fp16" and b == 1:
+                    res.update(cold_start(info["engine"], bf, tmp))
+                row["cuda"][key] = res
             except Exception as exc:
-                row["cuda"][key] = {"error": describe_error(system, exc)}
+                row["cuda"][key] = {"error": describe_error(system, exc), **info}
             torch.cuda.empty_cache()
+            if PROGRESS is not None:
+                PROGRESS(row)
     return row

@@ -75,14 +75,49 @@ def markdown(result: dict) -> str:
     out += ["", NEAR_MISS_NOTE, "", result.get("notes", "")]
     cuda = [r for r in rows if r.get("cuda")]
     if cuda:
-        out += ["", "## CUDA systems (per call ms / back-to-back ms)", "",
-                "| model | system | per call ms | back-to-back ms | fp16 max rel err |",
-                "|---|---|---|---|---|"]
-        for r in cuda:
-            for k, v in r["cuda"].items():
-                if "error" in v:
-                    out.append(f"| {r['model']} | {k} | failed: {v['error']} | | |")
-                else:
-                    out.append(f"| {r['model']} | {k} | {v['per_call_ms']:.3f} | "
-                               f"{v['back_to_back_ms']:.3f} | {_f(v.get('max_rel_err'), '.1e')} |")
+        out += ["", *cuda_tables(cuda)]
     return "\n".join(out) + "\n"
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def cuda_tables(rows: list[dict]) -> list[str]:
+    """Every CUDA system's timings, then kiln FP16 against torch.compile per model and batch."""
+    out = ["## CUDA systems", "",
+           "| model | system | per call ms | back-to-back ms | peak MiB | fp16 max rel err "
+           "| build s (warm cache) | fresh-process load + first run ms |",
+           "|---|---|---|---|---|---|---|---|"]
+    ratios = []
+    for r in rows:
+        for k, v in r["cuda"].items():
+            if "error" in v:
+                out.append(f"| {r['model']} | {k} | failed: {v['error']} | | | | | |")
+                continue
+            build = (f"{v['build_s']:.1f}" if "build_s" in v else "-") + (
+                f" ({v['warm_build_s']:.1f})" if "warm_build_s" in v else "")
+            cold = (f"{v['load_first_run_ms']:.0f} (load {v['load_ms']:.0f})"
+                    if "load_first_run_ms" in v else v.get("cold_start_error", "-"))
+            out.append(f"| {r['model']} | {k} | {_ms(v['per_call_ms'])} | "
+                       f"{_ms(v['back_to_back_ms'])} | {_f(v.get('peak_mem_mib'), '.0f')} | "
+                       f"{_f(v.get('max_rel_err'), '.1e')} | {build} | {cold} |")
+        for k, v in r["cuda"].items():
+            peer = r["cuda"].get(k.replace("kiln fp16", "torch.compile reduce-overhead fp16"))
+            if not k.startswith("kiln fp16") or not peer or "error" in v or "error" in peer:
+                continue
+            ratios.append((r["model"], k.rsplit(" ", 1)[1],
+                           peer["per_call_ms"] / v["per_call_ms"],
+                           peer["back_to_back_ms"] / v["back_to_back_ms"]))
+    if ratios:
+        import math
+
+        out += ["", "kiln FP16 speed-up over torch.compile(mode=\"reduce-overhead\") FP16 "
+                "(>1: kiln is faster)", "",
+                "| model | batch | per call | back-to-back |", "|---|---|---|---|"]
+        out += [f"| {m} | {b} | {a:.2f}x | {c:.2f}x |" for m, b, a, c in ratios]
+        every = [x for _, _, a, c in ratios for x in (a, c)]
+        gm = math.exp(sum(math.log(x) for x in every) / len(every))
+        out += ["", f"- geometric mean over {len(every)} figures: {gm:.2f}x; at or above 1.0x: "
+                f"{sum(x >= 1.0 for x in every)} of {len(every)}"]
+    return out

@@ -28,13 +28,15 @@ def _wrap(model, arg_names: tuple[str, ...], out_keys: tuple[str, ...]):
     return Wrapped().eval()
 
 
-def _bert(attn: str):
+def _bert(attn: str, base: bool = False):
     def make():
         from transformers import BertConfig, BertModel
 
-        cfg = BertConfig(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, intermediate_size=1024,
-                         attn_implementation=attn)
+        # base: bert-base-uncased's shape (768 wide, 12 layers, 30522 tokens), the GPU figure
+        cfg = (BertConfig(attn_implementation=attn) if base else
+               BertConfig(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4,
+                          num_attention_heads=4, intermediate_size=1024,
+                          attn_implementation=attn))
         return _wrap(BertModel(cfg), ("input_ids", "attention_mask", "token_type_ids"),
                      ("last_hidden_state", "pooler_output"))
     return make
@@ -202,6 +204,10 @@ def specs() -> list[Spec]:
     return [
         Spec("hf_bert_sdpa_op17", "encoder", "transformers BertModel (sdpa attention)",
              "torchscript", _bert_inputs(), bert_out, 17, make=seeded(_bert("sdpa")),
+             dynamic=bert_axes, **common),
+        Spec("hf_bert_base_sdpa_op17", "encoder",
+             "transformers BertModel, bert-base shape (sdpa attention)", "torchscript",
+             _bert_inputs(), bert_out, 17, make=seeded(_bert("sdpa", base=True)),
              dynamic=bert_axes, **common),
         Spec("hf_bert_eager_op13", "encoder", "transformers BertModel (eager attention)",
              "torchscript", _bert_inputs(), bert_out, 13, make=seeded(_bert("eager")),

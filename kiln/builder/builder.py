@@ -200,7 +200,8 @@ class Builder:
             self._run_each_profile(ctx, engine, "Triton binaries: the recording run",
                                    "the kernels it did not reach compile on first use")
         engine.binaries = rec.entries
-        self.report["binaries"] = {"embedded": len(rec.entries), "skipped": dict(rec.skipped)}
+        self.report["binaries"] = {"embedded": len(rec.entries), "skipped": dict(rec.skipped),
+                                   "seconds": round(time.perf_counter() - t0, 3)}
         kib = sum(len(b.cubin) for b in rec.entries.values()) / 1024
         self.log(f"Triton binaries: {len(rec.entries)} kernels embedded ({kib:.0f} KiB)"
                  + (f", {len(rec.skipped)} not embeddable: {sorted(set(rec.skipped.values()))}"
@@ -265,6 +266,8 @@ class Builder:
                  f"{timed} candidates timed, {cached} from the timing cache, in "
                  f"{time.perf_counter() - t0:.2f} s")
         self.report["autotune"] = {name: s.to_json() for name, s in per_profile[0].items()}
+        self.report["autotune_summary"] = {"timed": timed, "cached": cached,
+                                           "seconds": round(time.perf_counter() - t0, 3)}
         if len(per_profile) > 1:
             self.report["autotune_profiles"] = [
                 {name: s.to_json() for name, s in p.items()} for p in per_profile]

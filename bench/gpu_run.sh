@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One device call (H200) running the GPU parts of the open issues; every result lands in
+# $OUT/r.tgz (one file back, re-packed every 30 s so that a run cut off at the tool's limit
+# still sends what it had).
+#
+#   bash bench/gpu_run.sh corpus,serve        # issue 17 corpus rows + issue 19 load test
+#   bash bench/gpu_run.sh llm,precision       # issue 20 7B decode + issue 18 INT8/FP8
+#
+# Inputs the call carries (both optional): .gpu/corpus/ (ONNX files + manifest.json, copied
+# from ~/.cache/kiln/corpus) and .whl/ (wheels the serve part needs: fastapi, uvicorn,
+# pydantic, tritonclient, protobuf...). Time caps per part: CORPUS_S, SERVE_S, LLM_S, PREC_S.
+set -u
+parts=${1:-corpus}
+W=$(mktemp -d)
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader > "$W/env.txt"
+python -c "import torch, triton, onnx, onnxruntime; print(torch.__version__, torch.version.cuda, \
+triton.__version__, onnx.__version__, onnxruntime.__version__)" >> "$W/env.txt" 2>&1
+pack() { tar czf "$OUT/r.tgz" -C "$W" . ; }
+trap pack EXIT
+( while sleep 30; do pack; done ) &
+t_start=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t_start )) s] $*" | tee -a "$W/timeline.txt"; }
+
+if [[ $parts == *corpus* ]]; then
+  C=$(mktemp -d)
+  [ -d .gpu/corpus ] && cp .gpu/corpus/* "$C"/
+  if [ -n "${CORPUS_EXPORT:-}" ]; then  # torch-defined models exported here (torchvision/timm)
+    stamp "export $CORPUS_EXPORT"
+    timeout ${EXPORT_S:-150} python -m bench.corpus.export --out "$C" --only "$CORPUS_EXPORT" \
+      > "$W/corpus_export.txt" 2>&1; echo "rc=$?" >> "$W/corpus_export.txt"
+    tail -4 "$W/corpus_export.txt"
+  fi
+  stamp "corpus $CORPUS_MODELS"
+  timeout ${CORPUS_S:-360} python -m bench.corpus --device cuda --corpus "$C" \
+    --models "$CORPUS_MODELS" --json "$W/corpus.json" --duration 0.3 --iterations 10 \
+    --warmup 0.1 --timeout ${CORPUS_MODEL_S:-150} > "$W/corpus_stdout.txt" 2>&1
+  echo "rc=$?" >> "$W/corpus_stdout.txt"; tail -40 "$W/corpus_stdout.txt"; pack
+fi
+if [[ $parts == *serve* ]]; then
+  stamp "serve"
+  S=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target $S .whl/*.whl > "$W/serve_pip.txt" 2>&1
+  PYTHONPATH=$S:$PWD timeout ${SERVE_S:-220} python -m bench.serve_load --model resnet50 \
+    --device cuda --fp16 --concurrency 1,8,32 --requests ${SERVE_REQUESTS:-4000} \
+    --max-batch 32 --instances 2 --client-procs 4 --level-timeout 60 \
+    --json "$W/serve.json" > "$W/serve_stdout.txt" 2>&1
+  echo "rc=$?" >> "$W/serve_stdout.txt"; tail -25 "$W/serve_stdout.txt"; pack
+fi
+if [[ $parts == *llm* ]]; then
+  stamp "llm"
+  timeout ${LLM_S:-330} python -m bench.llm --device cuda --models 7b ${LLM_ARGS:-} \
+    --json "$W/llm.json" > "$W/llm_stdout.txt" 2>&1
+  echo "rc=$?" >> "$W/llm_stdout.txt"; tail -25 "$W/llm_stdout.txt"; pack
+fi
+if [[ $parts == *precision* ]]; then
+  stamp "precision"
+  timeout ${PREC_S:-240} python -m bench.precision --device cuda -n 30 \
+    > "$W/precision_stdout.txt" 2>&1
+  echo "rc=$?" >> "$W/precision_stdout.txt"; tail -15 "$W/precision_stdout.txt"; pack
+fi
+stamp "done"
