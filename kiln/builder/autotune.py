@@ -29,6 +29,7 @@ from kiln.kernels.registry import Call, Kernel, kernels_for
 CACHE_FORMAT = "kiln-timing-cache"
 CACHE_VERSION = 1
 FAILED = float("inf")  # the time of a candidate that raised or gave wrong results
+PRUNE_KEEP = 3  # candidates timed in full after the quick estimates (see select)
 
 # |candidate - reference| <= atol + rtol * |reference|, per output dtype
 TOLERANCE = {torch.float16: (2e-2, 2e-2), torch.bfloat16: (8e-2, 5e-2),
@@ -64,6 +65,7 @@ class Selection:
     timed: int = 0  # candidates timed now
     cached: int = 0  # candidates whose time came from the cache
     failed: list[str] = field(default_factory=list)  # "label: why"
+    pruned: int = 0  # candidates only estimated: slower than the ones timed in full
     # kept over a faster runner-up that makes a cuDNN plan at first run (select's plan_margin)
     plan_free: bool = False
 
@@ -157,15 +159,26 @@ class TimingCache:
                 log(f"timing cache {self.path} ignored ({e}); kernels will be re-timed")
 
     def get(self, sig: str) -> float | None:
+        e = self.lookup(sig)
+        return None if e is None else e[0]
+
+    def lookup(self, sig: str) -> tuple[float, bool] | None:
+        """``(ms, pruned)`` for a candidate timed before, or None. ``pruned``: the time is a
+        quick estimate of a candidate that was not among the fastest (see :func:`select`)."""
         e = self.entries.get(self.device, {}).get(sig)
         if e is None:
             self.misses += 1
             return None
         self.hits += 1
-        return FAILED if e == "failed" else float(e)
+        if e == "failed":
+            return FAILED, False
+        if isinstance(e, str) and e.startswith("pruned:"):
+            return float(e[7:]), True
+        return float(e), False
 
-    def put(self, sig: str, ms: float) -> None:
-        self.entries.setdefault(self.device, {})[sig] = "failed" if ms == FAILED else ms
+    def put(self, sig: str, ms: float, pruned: bool = False) -> None:
+        self.entries.setdefault(self.device, {})[sig] = (
+            "failed" if ms == FAILED else f"pruned:{ms!r}" if pruned else ms)
         self._dirty = True
 
     def picks(self) -> dict:
@@ -228,11 +241,19 @@ def _close(got, want) -> bool:
 
 def select(node_name: str, op, call: Call, inputs, cands: list[Candidate],
            timer: Callable[[Callable], float], cache: TimingCache | None = None,
-           verify: bool = True, plan_margin: float = 0.0) -> Selection:
+           verify: bool = True, plan_margin: float = 0.0, keep: int = PRUNE_KEEP) -> Selection:
     """Time ``cands`` (or read their times from ``cache``) and keep the fastest.
 
     ``verify``: each candidate's outputs are first compared with the PyTorch kernel's; one that
     differs (or raises) is recorded as failed and never chosen.
+
+    ``keep``: where the timer also gives a quick estimate (``timer.estimate(fn) -> ms``, a few
+    calls in one CUDA graph) and more than ``keep`` candidates are left to time, every one is
+    estimated first and only the ``keep`` fastest estimates are timed in full, with the PyTorch
+    kernel (the reference every tactic must beat) and the fastest one that makes no cuDNN plan.
+    The others keep their estimate, are ranked after every fully timed candidate and are
+    counted in ``Selection.pruned`` (TensorRT's builder likewise drops tactics its first pass
+    rates slow). 0: time every candidate in full.
 
     ``plan_margin``: where the fastest candidate makes a library plan at its first call
     (``Kernel.makes_plan``: cuDNN), the fastest one that doesn't is kept instead if it is at
@@ -241,40 +262,80 @@ def select(node_name: str, op, call: Call, inputs, cands: list[Candidate],
     if not cands:
         raise ValueError(f"node '{node_name}': no candidate kernels")
     ref = None
-    timed: list[tuple[float, int, Candidate]] = []
+    ranked: list[tuple[bool, float, int, Candidate]] = []  # (pruned, ms, order, candidate)
+    pending: list[tuple[int, Candidate, str, Callable]] = []  # to time now
     sel = Selection(node_name, "", None, FAILED)
+
+    def failed(c: Candidate, sig: str, e: Exception) -> None:
+        sel.failed.append(f"{c.label}: {type(e).__name__}: {str(e)[:200]}")
+        sel.timed += 1
+        if cache is not None:
+            cache.put(sig, FAILED)
+
     for i, c in enumerate(cands):
         sig = signature(op, c.kernel.name, c.tactic, call.attrs, inputs)
-        ms = cache.get(sig) if cache is not None else None
-        if ms is not None:
+        hit = cache.lookup(sig) if cache is not None else None
+        if hit is not None:
             sel.cached += 1
-        else:
-            cc = dataclasses.replace(call, tactic=c.tactic, cache={})
-            fn = _bind(c.kernel.fn, cc, inputs)
+            if hit[0] == FAILED:
+                sel.failed.append(f"{c.label}: failed when timed earlier (cached)")
+            else:
+                ranked.append((hit[1], hit[0], i, c))
+            continue
+        fn = _bind(c.kernel.fn, dataclasses.replace(call, tactic=c.tactic, cache={}), inputs)
+        if verify and c.kernel.backend != "cpu":
             try:
                 with torch.inference_mode():
-                    if verify and c.kernel.backend != "cpu":
-                        if ref is None:
-                            ref = _reference(op, call, inputs)
-                        if ref is not None and not _close(fn(), ref):
-                            raise ValueError("outputs differ from the PyTorch kernel's")
-                    ms = float(timer(fn))
+                    if ref is None:
+                        ref = _reference(op, call, inputs)
+                    if ref is not None and not _close(fn(), ref):
+                        raise ValueError("outputs differ from the PyTorch kernel's")
             except Exception as e:
-                sel.failed.append(f"{c.label}: {type(e).__name__}: {str(e)[:200]}")
-                ms = FAILED
-            sel.timed += 1
-            if cache is not None:
-                cache.put(sig, ms)
-        if ms == FAILED:
-            if not any(f.startswith(c.label + ":") for f in sel.failed):
-                sel.failed.append(f"{c.label}: failed when timed earlier (cached)")
+                failed(c, sig, e)
+                continue
+        pending.append((i, c, sig, fn))
+
+    estimate = getattr(timer, "estimate", None)
+    if estimate is not None and keep and len(pending) > keep:
+        est = {}
+        for i, c, sig, fn in pending:
+            try:
+                est[i] = float(estimate(fn))
+            except Exception as e:
+                failed(c, sig, e)
+        alive = sorted((r for r in pending if r[0] in est), key=lambda r: (est[r[0]], r[0]))
+        full = alive[:keep]
+        extra = [r for r in alive[keep:] if r[1].kernel.backend == "cpu"]
+        if all(r[1].kernel.plans(r[1].tactic) for r in full):
+            extra += [r for r in alive[keep:] if not r[1].kernel.plans(r[1].tactic)][:1]
+        full += [r for r in extra if r not in full]
+        for r in alive:
+            if r not in full:
+                i, c, sig, _ = r
+                ranked.append((True, est[i], i, c))
+                sel.timed += 1
+                sel.pruned += 1
+                if cache is not None:
+                    cache.put(sig, est[i], pruned=True)
+        pending = full
+    for i, c, sig, fn in pending:
+        try:
+            with torch.inference_mode():
+                ms = float(timer(fn))
+        except Exception as e:
+            failed(c, sig, e)
             continue
-        timed.append((ms, i, c))
-    if not timed:
+        sel.timed += 1
+        if cache is not None:
+            cache.put(sig, ms)
+        ranked.append((False, ms, i, c))
+    if not ranked:
         raise RuntimeError(f"node '{node_name}': every candidate failed: {sel.failed}")
-    timed.sort(key=lambda r: (r[0], r[1]))  # ties: registration order
+    ranked.sort(key=lambda r: (r[0], r[1], r[2]))  # timed in full first; ties: registration
+    timed = [(ms, i, c) for _, ms, i, c in ranked]
+    full_count = sum(not r[0] for r in ranked) or len(ranked)
     if timed[0][2].kernel.plans(timed[0][2].tactic):
-        planless = [r for r in timed if not r[2].kernel.plans(r[2].tactic)]
+        planless = [r for r in timed[:full_count] if not r[2].kernel.plans(r[2].tactic)]
         if planless and planless[0][0] <= timed[0][0] * (1.0 + plan_margin):
             timed.remove(planless[0])
             timed.insert(0, planless[0])
@@ -298,27 +359,87 @@ def _reference(op, call: Call, inputs):
 # ---------------------------------------------------------------- the clock
 
 
-def cuda_timer(reps: int = 1, rep_ms: int = 25, cuda_graph: bool = True) -> Callable:
-    """``timer(fn) -> ms``: the median of ``reps`` timings by Triton's benchmark helpers.
+def cuda_timer(target_ms: float = 2.0, reps: int = 5, max_calls: int = 100,
+               cuda_graph: bool = True) -> GraphTimer:
+    """``timer(fn) -> ms`` (with ``timer.estimate``): see :class:`GraphTimer`."""
+    return GraphTimer(target_ms, reps, max_calls, cuda_graph)
 
-    ``cuda_graph``: time ``fn`` captured in a CUDA graph and replayed
-    (``do_bench_cudagraph``), which measures GPU time alone, as the engine runs under CUDA
-    graphs; a small kernel's Python launch overhead (15-100 us) would otherwise decide the
-    pick. A candidate that cannot be captured is timed with plain ``do_bench``."""
-    from triton.testing import do_bench, do_bench_cudagraph
 
-    def once(fn) -> float:
-        if cuda_graph:
+class GraphTimer:
+    """Times a candidate as the engine runs it: ``n`` calls captured in one CUDA graph and
+    replayed ``reps`` times, the median replay divided by ``n``, with ``n`` chosen so that a
+    replay takes about ``target_ms`` (at most ``max_calls``). A graph measures GPU time alone;
+    a small kernel's Python launch cost (15-100 us) would otherwise decide the pick. A
+    candidate that cannot be captured is timed by CUDA events around plain calls.
+
+    ``estimate(fn)``: the same with two calls and one replay, the first pass of
+    :func:`select`. Per candidate this costs a few milliseconds beyond the kernel's compile
+    (Triton's ``do_bench_cudagraph``, used before, captured ``rep / t`` calls and replayed
+    them ten times: about half a second per candidate, minutes per model)."""
+
+    def __init__(self, target_ms: float = 2.0, reps: int = 5, max_calls: int = 100,
+                 cuda_graph: bool = True):
+        self.target_ms, self.reps, self.max_calls = target_ms, reps, max_calls
+        self.cuda_graph = cuda_graph
+        self._stream = None
+
+    def __call__(self, fn) -> float:
+        return self._time(fn, quick=False)
+
+    def estimate(self, fn) -> float:
+        return self._time(fn, quick=True)
+
+    def _time(self, fn, quick: bool) -> float:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()  # one timing stream: one cuBLAS workspace
+        with torch.inference_mode(), torch.cuda.stream(self._stream):
+            fn()  # compiles, plans, allocates: outside every measurement
+            self._stream.synchronize()
+            if self.cuda_graph:
+                try:
+                    if quick:
+                        return self._graph(fn, 2, 1)
+                    est = self._graph(fn, 2, 1)
+                    n = int(min(self.max_calls, max(1, self.target_ms / max(est, 1e-4))))
+                    return self._graph(fn, n, self.reps)
+                except Exception:  # not capturable: a host sync, a CPU tensor...
+                    torch.cuda.synchronize()
+            return self._events(fn, 2 if quick else 10, 1 if quick else self.reps)
+
+    def _graph(self, fn, calls: int, reps: int) -> float:
+        # capture_begin/end rather than ``torch.cuda.graph``, whose entry runs gc.collect()
+        # and empty_cache(): tens of milliseconds per capture in a process holding a model
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin()
+        try:
+            for _ in range(calls):
+                fn()
+        except BaseException:
             try:
-                return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+                g.capture_end()
             except RuntimeError:
-                torch.cuda.synchronize()
-        return float(do_bench(fn, warmup=10, rep=rep_ms, return_mode="median"))
+                pass
+            raise
+        g.capture_end()
+        g.replay()  # first replay uploads the graph
+        out = [self._replay_ms(g.replay) / calls for _ in range(reps)]
+        g.reset()
+        return statistics.median(out)
 
-    def timer(fn) -> float:
-        with torch.inference_mode():
-            return statistics.median(once(fn) for _ in range(reps))
-    return timer
+    def _events(self, fn, calls: int, reps: int) -> float:
+        def run():
+            for _ in range(calls):
+                fn()
+        run()
+        return statistics.median(self._replay_ms(run) / calls for _ in range(reps))
+
+    def _replay_ms(self, run) -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(self._stream)
+        run()
+        b.record(self._stream)
+        b.synchronize()
+        return a.elapsed_time(b)
 
 
 # ---------------------------------------------------------------- a whole graph

@@ -106,14 +106,15 @@ class Builder:
     def _check_finite(self, engine: Engine) -> None:
         """Run the engine once on the first calibration batch (or random inputs) and report
         the first layer whose output holds NaN or Inf (``report["nonfinite"]``)."""
-        from kiln.engine.inputs import random_inputs
+        from kiln.engine.inputs import tuning_inputs
 
         cfg = self.config
         try:
             if cfg.calib is not None:
                 feeds = load_batches(cfg.calib, [i.name for i in engine.inputs])[0]
-            else:
-                feeds = random_inputs(engine.inputs, {}, (cfg.profiles or [None])[0], seed=0)
+            else:  # zero integers: a random token id past a table's end is a device-side
+                # assert on CUDA, which no process survives (a BERT's 2-row token types)
+                feeds = tuning_inputs(engine.inputs, (cfg.profiles or [None])[0], seed=0)
             bad = first_nonfinite(engine.executor_for(0), feeds)
         except Exception as e:  # data the check cannot run on: say so, the build stands
             self.log(f"NaN/Inf check: not run ({type(e).__name__}: {str(e)[:200]})")

@@ -6,8 +6,9 @@ import numpy as np
 import torch
 
 METHOD = ("weights: bytes of the constants resident on the device; activations: "
-          "torch.cuda.max_memory_allocated() during one eager run (random inputs; the shapes "
-          "given, else the first profile's opt shapes) minus memory_allocated() before it; "
+          "torch.cuda.max_memory_allocated() during one eager run (random floats, zero "
+          "integers; the shapes given, else the first profile's opt shapes) minus "
+          "memory_allocated() before it; "
           "workspace: device tensors the kernels keep between runs (e.g. transposed weights) "
           "plus what the first run left allocated (library workspaces). Only torch's caching "
           "allocator is seen. graph_buffers (not in total): what a context that replays a "
@@ -27,7 +28,9 @@ def measure_device_memory(engine, shapes: dict | None = None) -> dict:
                 "(memory-mapped from the engine file); nothing measured"}
     dev = engine.torch_device
     profile = engine.profiles[0] if engine.profiles else None
-    feeds = random_inputs(engine.inputs, shapes or {}, profile, seed=0)
+    # zero integers (valid indices): random ones past an embedding's end assert on the device
+    feeds = {n: x if x.dtype.kind == "f" else np.zeros_like(x)
+             for n, x in random_inputs(engine.inputs, shapes or {}, profile, seed=0).items()}
     ctx = engine.create_context()
     ctx.cuda.never = "measuring memory"  # eager: the activation peak of the launches alone
     torch.cuda.synchronize(dev)

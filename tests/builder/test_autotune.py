@@ -1,5 +1,6 @@
 """Autotuner selection and timing cache, on the CPU with a fake clock (no real timing)."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -331,3 +332,72 @@ def test_tuning_run_stops_at_random_class_indices():
                         log=lines.append, device="cpu", status=status)
     assert status == {"complete": False}
     assert any("'nll': random indices outside [0, 5)" in ln for ln in lines)
+
+
+class EstimatingClock(FakeClock):
+    """A FakeClock whose ``estimate`` answers from its own table (the quick first pass)."""
+
+    def __init__(self, table, estimates):
+        super().__init__(table)
+        self.estimates, self.estimated, self.full = estimates, [], []
+
+    def __call__(self, fn):
+        ms = super().__call__(fn)
+        self.full.append(self.last)
+        return ms
+
+    def estimate(self, fn):
+        fn()
+        self.estimated.append(self.last)
+        return self.estimates[self.last]
+
+
+def test_autotune_prunes_to_the_fastest_estimates_and_the_vendor_kernel(tmp_path):
+    tactics = [{"B": b} for b in range(6)]
+    est = {_key("TritonFake", t): 0.1 * (t["B"] + 1) for t in tactics} | {_key("TorchFake"): 0.9}
+    # in full, B=2 turns out faster than B=0; B=5 would have been fastest but its estimate
+    # was the worst, so it is never timed in full and never chosen
+    full = dict(est) | {_key("TritonFake", {"B": 2}): 0.05, _key("TritonFake", {"B": 5}): 0.01}
+    clock = EstimatingClock(full, est)
+    cache = TimingCache(tmp_path / "t.json", DEVICE)
+    sel = select("n1", OP, _call(), (X,), _cands(clock, tactics), clock, cache, verify=False,
+                 keep=3)
+    assert len(clock.estimated) == 7
+    assert sorted(clock.full) == sorted([_key("TritonFake", {"B": b}) for b in (0, 1, 2)]
+                                        + [_key("TorchFake")])
+    assert (sel.kernel, sel.tactic, sel.ms) == ("TritonFake", {"B": 2}, 0.05)
+    assert sel.pruned == 3 and sel.timed == 7
+    cache.save()
+    again = EstimatingClock(full, est)
+    sel2 = select("n1", OP, _call(), (X,), _cands(again, tactics), again,
+                  TimingCache(tmp_path / "t.json", DEVICE), verify=False, keep=3)
+    assert (sel2.kernel, sel2.tactic) == ("TritonFake", {"B": 2})
+    assert sel2.cached == 7 and sel2.timed == 0 and not again.estimated and not again.full
+
+
+def test_autotune_without_pruning_times_everything_in_full():
+    tactics = [{"B": b} for b in range(6)]
+    est = {_key("TritonFake", t): 0.1 * (t["B"] + 1) for t in tactics} | {_key("TorchFake"): 0.9}
+    full = dict(est) | {_key("TritonFake", {"B": 5}): 0.01}
+    clock = EstimatingClock(full, est)
+    sel = select("n1", OP, _call(), (X,), _cands(clock, tactics), clock, verify=False, keep=0)
+    assert not clock.estimated and len(clock.full) == 7
+    assert sel.tactic == {"B": 5} and sel.pruned == 0
+
+
+def test_autotune_pruning_keeps_the_fastest_plan_free_candidate():
+    """Where the fastest estimates all make cuDNN plans, the fastest plan-free one is timed in
+    full too, so plan_margin can still prefer it."""
+    def plans(t):
+        return bool(t) and t.get("B", 0) < 3  # B=0,1,2 make a plan; B=3,4 do not
+
+    tactics = [{"B": b} for b in range(5)]
+    est = {_key("TritonFake", t): 0.1 * (t["B"] + 1) for t in tactics} | {_key("TorchFake"): 0.9}
+    clock = EstimatingClock(dict(est), est)
+    k = dataclasses.replace(_kernel(clock, "TritonFake"), makes_plan=plans)
+    cands = [Candidate(k, t) for t in tactics] + [Candidate(_kernel(clock, "TorchFake",
+                                                                    backend="cpu"))]
+    sel = select("n1", OP, _call(), (X,), cands, clock, verify=False, keep=3, plan_margin=3.0)
+    assert _key("TritonFake", {"B": 3}) in clock.full
+    assert _key("TritonFake", {"B": 4}) not in clock.full
+    assert sel.tactic == {"B": 3} and sel.plan_free  # 0.4 ms is within 300% of 0.1 ms

@@ -464,3 +464,21 @@ def test_qdq_pair_read_by_other_ops_stays(tmp_path, residual):
     got = engine.create_context().run({"x": x})["y"]
     want = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp16_nonfinite_check_feeds_valid_token_ids(tmp_path):
+    """Without calibration data the check feeds zero integers: random token ids past a
+    2-row table (a BERT's token types) would be out of range, which on CUDA is a device-side
+    assert that kills the process."""
+    table = numpy_helper.from_array(np.ones((2, 4), np.float32), "types")
+    g = helper.make_graph(
+        [helper.make_node("Gather", ["types", "ids"], ["y"], name="embed")], "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 4])], [table])
+    path = tmp_path / "types.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    logs = []
+    b = Builder(BuilderConfig(fp16=True), log=logs.append)
+    b.build(path)
+    assert "nonfinite" in b.report and b.report["nonfinite"] is None
+    assert not any("NaN/Inf check: not run" in m for m in logs)
