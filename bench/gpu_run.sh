@@ -5,10 +5,11 @@
 #
 #   bash bench/gpu_run.sh corpus,serve        # issue 17 corpus rows + issue 19 load test
 #   bash bench/gpu_run.sh llm,precision       # issue 20 7B decode + issue 18 INT8/FP8
+#   bash bench/gpu_run.sh corpus,quick        # + kiln alone at b1 on QUICK_MODELS (after corpus)
 #
 # Inputs the call carries (both optional): .gpu/corpus/ (ONNX files + manifest.json, copied
 # from ~/.cache/kiln/corpus) and .whl/ (wheels the serve part needs: fastapi, uvicorn,
-# pydantic, tritonclient, protobuf...). Time caps per part: CORPUS_S, SERVE_S, LLM_S, PREC_S.
+# pydantic, tritonclient, protobuf...). Time caps per part: CORPUS_S, QUICK_S, SERVE_S, LLM_S, PREC_S.
 set -u
 parts=${1:-corpus}
 W=$(mktemp -d)
@@ -31,11 +32,20 @@ if [[ $parts == *corpus* ]]; then
       > "$W/corpus_export.txt" 2>&1; echo "rc=$?" >> "$W/corpus_export.txt"
     tail -4 "$W/corpus_export.txt"
   fi
+  if [ -n "${CORPUS_MODELS:-}" ]; then
   stamp "corpus $CORPUS_MODELS"
   timeout ${CORPUS_S:-360} python -m bench.corpus --device cuda --corpus "$C" \
     --models "$CORPUS_MODELS" --json "$W/corpus.json" --duration 0.3 --iterations 10 \
     --warmup 0.1 --timeout ${CORPUS_MODEL_S:-150} > "$W/corpus_stdout.txt" 2>&1
   echo "rc=$?" >> "$W/corpus_stdout.txt"; tail -40 "$W/corpus_stdout.txt"; pack
+  fi
+fi
+if [[ $parts == *quick* ]]; then  # kiln alone at b1 over more models: builds, runs, matches?
+  stamp "quick $QUICK_MODELS"
+  timeout ${QUICK_S:-200} python -m bench.corpus --device cuda --corpus "$C" --kiln-only \
+    --models "$QUICK_MODELS" --json "$W/quick.json" --duration 0.2 --iterations 10 \
+    --warmup 0.1 --timeout ${QUICK_MODEL_S:-60} > "$W/quick_stdout.txt" 2>&1
+  echo "rc=$?" >> "$W/quick_stdout.txt"; tail -30 "$W/quick_stdout.txt"; pack
 fi
 if [[ $parts == *serve* ]]; then
   stamp "serve"

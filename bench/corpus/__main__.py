@@ -50,13 +50,18 @@ def parse_args(argv=None):
                         "on a machine shared with other work, OpenMP's spinning threads make "
                         "kiln many times slower, and 'passive' measures it closer to an idle "
                         "machine")
+    p.add_argument("--kiln-only", action="store_true",
+                   help="CUDA: kiln alone at batch 1 (FP32 check, FP16 build, error, timing, "
+                        "cold start), no torch peers and no large batch: a quick pass over "
+                        "many models for 'builds, runs and matches FP32'")
     p.add_argument("--note", default="", help="a line for the report (the machine was shared)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # MODEL:OUT, internal
     return p.parse_args(argv)
 
 
 def options(args) -> Options:
-    return Options(args.device, args.threads, args.warmup, args.duration, args.iterations)
+    return Options(args.device, args.threads, args.warmup, args.duration, args.iterations,
+                   args.kiln_only)
 
 
 def work(args) -> int:
@@ -81,7 +86,7 @@ def run_worker(entry: Entry, args, tmp: Path) -> dict:
     cmd = [sys.executable, "-m", "bench.corpus", "--worker", f"{entry.name}:{out}",
            "--device", args.device, "--corpus", args.corpus, "--threads", str(args.threads),
            "--duration", str(args.duration), "--iterations", str(args.iterations),
-           "--warmup", str(args.warmup)]
+           "--warmup", str(args.warmup)] + (["--kiln-only"] if args.kiln_only else [])
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if args.omp_wait_policy != "default":
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()

@@ -152,11 +152,11 @@ def fp16_error(out, entry: Entry, refs: dict | None) -> float | None:
     return max(errs.values(), default=0.0)
 
 
-def _systems(entry: Entry, path: Path, feeds: dict, tmp: Path) -> dict:
+def _systems(entry: Entry, path: Path, feeds: dict, tmp: Path, kiln_only: bool = False) -> dict:
     """The timed systems: kiln FP16 and, where the model has a torch definition, its peers
     (kiln FP32 is the accuracy check only: the issue compares FP16 systems)."""
     out = {"kiln fp16": lambda info: kiln_system(path, feeds, True, tmp, info)}
-    if entry.has_torch_definition:
+    if entry.has_torch_definition and not kiln_only:
         out["torch eager fp16"] = lambda info: torch_system(entry.name, feeds, entry, False,
                                                             info)
         out["torch.compile reduce-overhead fp16"] = lambda info: torch_system(
@@ -199,11 +199,12 @@ def run_model(entry: Entry, corpus: Path, tmp: Path, opts: Options) -> dict:
     check_fp32(entry, path, feeds, refs, tmp, row)
     if PROGRESS is not None:
         PROGRESS(row)
-    batches = [1] + ([LARGE_BATCH.get(entry.family, 16)] if entry.batch_dynamic else [])
+    batches = [1] + ([LARGE_BATCH.get(entry.family, 16)]
+                     if entry.batch_dynamic and not opts.kiln_only else [])
     row["cuda"] = {}
     for b in batches:
         bf = entry.feeds(seed=0, batch=b)
-        for system, make in _systems(entry, path, bf, tmp).items():
+        for system, make in _systems(entry, path, bf, tmp, opts.kiln_only).items():
             key = f"{system} b{b}"
             info: dict = {}
             try:

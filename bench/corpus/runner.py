@@ -21,6 +21,7 @@ class Options:
     warmup_s: float = 0.3
     min_s: float = 1.0
     min_iters: int = 10
+    kiln_only: bool = False  # CUDA: kiln FP16 at batch 1 alone (no peers, no large batch)
 
 
 def ort_session(path: Path, device: str, threads: int):

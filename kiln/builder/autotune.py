@@ -392,6 +392,7 @@ class GraphTimer:
     def _time(self, fn, quick: bool) -> float:
         if self._stream is None:
             self._stream = torch.cuda.Stream()  # one timing stream: one cuBLAS workspace
+        self._stream.wait_stream(torch.cuda.current_stream())  # the inputs are ready
         with torch.inference_mode(), torch.cuda.stream(self._stream):
             fn()  # compiles, plans, allocates: outside every measurement
             self._stream.synchronize()
