@@ -461,7 +461,7 @@ def tune_graph(graph, profile=None, cache: TimingCache | None = None,
     import kiln.kernels.triton  # noqa: F401  (registers the CUDA kernels)
     from kiln.engine.engine import TensorInfo
     from kiln.engine.executor import Executor
-    from kiln.engine.inputs import random_inputs
+    from kiln.engine.inputs import tuning_inputs
     from kiln.kernels.torch.convert import to_torch
 
     timer = timer or cuda_timer()
@@ -490,7 +490,9 @@ def tune_graph(graph, profile=None, cache: TimingCache | None = None,
         return dataclasses.replace(torch_k, fn=tuned)
 
     try:
-        args = random_inputs([TensorInfo.of(v) for v in graph.inputs], profile=profile)
+        # zero integers: random token ids past a small table (a BERT's two token types)
+        # stopped the run at the first embedding, and every layer after it went untuned
+        args = tuning_inputs([TensorInfo.of(v) for v in graph.inputs], profile=profile)
         ex = Executor(graph, "cuda", choose)
         ex.run([_to(to_torch(args[v.name]), device) for v in graph.inputs])
         if status is not None:

@@ -245,20 +245,22 @@ def test_autotune_candidates_respect_supports_and_tactic_space():
                                                          ("TorchCand", None)]
 
 
-def test_tuning_run_survives_random_inputs_the_model_cannot_take():
-    """TopK's k drawn at random exceeds the axis: the tuning run stops there, the build goes
-    on (those layers keep their default kernel) and says why."""
-    from onnx import TensorProto, helper
+def test_tuning_run_survives_inputs_the_model_cannot_take():
+    """TopK's k, computed from an integer input, exceeds the axis: the tuning run stops
+    there, the build goes on (those layers keep their default kernel) and says why."""
+    from onnx import TensorProto, helper, numpy_helper
 
     from kiln.frontend import import_onnx
 
-    nodes = [helper.make_node("TopK", ["x", "k"], ["v", "i"], name="topk"),
+    nodes = [helper.make_node("Add", ["k", "big"], ["k9"], name="k_plus"),
+             helper.make_node("TopK", ["x", "k9"], ["v", "i"], name="topk"),
              helper.make_node("Softmax", ["v"], ["p"], name="softmax")]  # has CUDA kernels
     g = helper.make_graph(
         nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6]),
                      helper.make_tensor_value_info("k", TensorProto.INT64, [1])],
         [helper.make_tensor_value_info("p", TensorProto.FLOAT, None),
-         helper.make_tensor_value_info("i", TensorProto.INT64, None)])
+         helper.make_tensor_value_info("i", TensorProto.INT64, None)],
+        [numpy_helper.from_array(np.array([9], np.int64), "big")])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     lines: list[str] = []
     status: dict = {}
@@ -268,32 +270,36 @@ def test_tuning_run_survives_random_inputs_the_model_cannot_take():
     assert any("stopped on random inputs" in ln and "topk" in ln for ln in lines)
 
 
-def _gather_model(rows: int):
+def _gather_model(rows: int, offset: int = 0):
     from onnx import TensorProto, helper, numpy_helper
 
     table = numpy_helper.from_array(np.ones((rows, 4), np.float32), "table")
-    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"], name="embed"),
+    nodes = [helper.make_node("Add", ["ids", "offset"], ["idx"], name="shift"),
+             helper.make_node("Gather", ["table", "idx"], ["e"], name="embed"),
              helper.make_node("Softmax", ["e"], ["p"], name="softmax")]
     g = helper.make_graph(
         nodes, "m", [helper.make_tensor_value_info("ids", TensorProto.INT64, [64])],
-        [helper.make_tensor_value_info("p", TensorProto.FLOAT, None)], [table])
+        [helper.make_tensor_value_info("p", TensorProto.FLOAT, None)],
+        [table, numpy_helper.from_array(np.array(offset, np.int64), "offset")])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def test_tuning_run_stops_at_random_indices_out_of_range():
-    """ids drawn in [0, 100) overflow a 3-row table: on CUDA that is a device-side assert no
-    process survives, so the tuning run checks Gather's indices and stops with a KilnError."""
+def test_tuning_run_feeds_valid_token_ids_and_checks_indices():
+    """The tuning run feeds zero integers, so a 2-row table (a BERT's token types) is passed
+    and the layers after it are tuned; an index computed past a table's end would be a
+    device-side assert on CUDA, which no process survives, so Gather's indices are checked and
+    the run stops with a KilnError instead."""
     from kiln.frontend import import_onnx
 
     lines: list[str] = []
     status: dict = {}
-    autotune.tune_graph(import_onnx(_gather_model(3)), None, None, timer=lambda fn: 1.0,
-                        log=lines.append, device="cpu", status=status)
-    assert status == {"complete": False}
-    assert any("random indices outside [-3, 3)" in ln for ln in lines)
-    autotune.tune_graph(import_onnx(_gather_model(100)), None, None, timer=lambda fn: 1.0,
+    autotune.tune_graph(import_onnx(_gather_model(2)), None, None, timer=lambda fn: 1.0,
                         log=lines.append, device="cpu", status=status)
     assert status == {"complete": True}
+    autotune.tune_graph(import_onnx(_gather_model(3, offset=5)), None, None,
+                        timer=lambda fn: 1.0, log=lines.append, device="cpu", status=status)
+    assert status == {"complete": False}
+    assert any("random indices outside [-3, 3)" in ln for ln in lines)
 
 
 def test_tuning_skipped_without_cuda_kernels():
@@ -312,19 +318,21 @@ def test_tuning_skipped_without_cuda_kernels():
     assert status == {"complete": False}
 
 
-def test_tuning_run_stops_at_random_class_indices():
-    """NegativeLogLikelihoodLoss's random targets in [0, 100) overflow 5 classes: a CUDA
-    device-side assert, so the tuning run stops first."""
-    from onnx import TensorProto, helper
+def test_tuning_run_stops_at_class_indices_out_of_range():
+    """NegativeLogLikelihoodLoss's targets (input + 7) overflow 5 classes: a CUDA device-side
+    assert, so the tuning run stops first."""
+    from onnx import TensorProto, helper, numpy_helper
 
     from kiln.frontend import import_onnx
 
     nodes = [helper.make_node("LogSoftmax", ["x"], ["lp"], name="lsm", axis=1),
-             helper.make_node("NegativeLogLikelihoodLoss", ["lp", "t"], ["loss"], name="nll")]
+             helper.make_node("Add", ["t", "seven"], ["t7"], name="shift"),
+             helper.make_node("NegativeLogLikelihoodLoss", ["lp", "t7"], ["loss"], name="nll")]
     g = helper.make_graph(
         nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5]),
                      helper.make_tensor_value_info("t", TensorProto.INT64, [3])],
-        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, None)])
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array(7, np.int64), "seven")])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     lines: list[str] = []
     status: dict = {}

@@ -89,3 +89,14 @@ def test_triton_gemm_gpu_bert_shapes(m, k, nn):
     for t in [None, *G.gemm_tactics(m, nn, k)]:
         n.tactic = t
         assert_close(G.fused_matmul(n, x, w, b), want, scale=3)
+
+
+def test_triton_gemm_best_tiles_keeps_the_wave_model_best():
+    tiles = [dict(zip(G.KEYS, c)) for c in G._CONFIGS]
+    kept = G.best_tiles(tiles, 1, 1000, keep=3)
+    assert len(kept) == 3 and all(t["BLOCK_M"] <= 64 for t in kept)  # m = 1: little padding
+    assert any(t["BLOCK_M"] == 16 for t in kept)
+    assert G.best_tiles(tiles[:2], 1, 1000, keep=3) == tiles[:2]  # nothing to drop
+    big = G.best_tiles(tiles, 8192, 768, keep=4)
+    assert all(t["BLOCK_M"] >= 128 for t in big)  # many tiles: the big ones, in full waves
+    assert len(G.gemm_tactics(8192, 768, 3072)) <= G.TILE_KEEP

@@ -32,7 +32,7 @@ from kiln.kernels.triton.common import (
     grouped_tile,
     launch,
 )
-from kiln.kernels.triton.gemm import KEYS, fitting_tiles, splitk_epilogue, tile_count
+from kiln.kernels.triton.gemm import KEYS, best_tiles, fitting_tiles, splitk_epilogue, tile_count
 
 # input channels below which K is walked flat (a BLOCK_K step of one tap would be mostly mask)
 FLAT_BELOW = 16
@@ -121,7 +121,7 @@ def tactics(nb: int, c: int, co: int, kh: int, kw: int, oh: int, ow: int) -> lis
         if t["SPLIT_K"] > 1 and (tile_count(t, m, co) * 2 > _SMS or steps < 2 * t["SPLIT_K"]):
             continue
         out.append(dict(t, impl="igemm"))
-    return out or [dict(DEFAULT)]
+    return best_tiles(out, m, co) or [dict(DEFAULT)]
 
 
 def conv2d(t: dict, x, w, bias, res, geometry, activation: str = "", act_a: float = 0.0,
