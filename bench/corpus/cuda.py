@@ -11,6 +11,7 @@ and kiln and initialised CUDA, timed from ``kiln.load`` to the first outputs on 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from bench.corpus.measure import TOLERANCE, describe_error, errors
 from bench.corpus.runner import Options, base_row, build_kiln, kiln_outputs, run_reference
 
 BACK_TO_BACK = 20
+PROFILE_COLD_START = os.environ.get("KILN_BENCH_COLD_PROFILE") == "1"  # cProfile it too
 PROGRESS = None  # set by the worker: called with the row after every system, so that a worker
 # stopped at its time limit still reports what it measured
 LARGE_BATCH = {"cnn": 64, "detector": 8, "segmentation": 16, "vision-transformer": 64,
@@ -99,6 +101,14 @@ t2 = time.perf_counter()
 print(json.dumps({"load_ms": 1e3 * (t1 - t0), "load_first_run_ms": 1e3 * (t2 - t0)}))
 """
 
+# the same under cProfile, in another fresh process: where load + first run spend their time
+COLD_PROFILE = COLD_START.replace("t0 = time.perf_counter()\n", "import cProfile, pstats, io\n"
+                                  "prof = cProfile.Profile(); prof.enable()\n"
+                                  "t0 = time.perf_counter()\n", 1).replace(
+    "print(json.dumps(", "prof.disable(); s = io.StringIO()\n"
+    "pstats.Stats(prof, stream=s).sort_stats('cumulative').print_stats(40)\n"
+    "print(s.getvalue()[-12000:], file=sys.stderr)\nprint(json.dumps(", 1)
+
 
 def cold_start(engine_path: str, feeds: dict, tmp: Path) -> dict:
     """Fresh process, after ``import torch, kiln`` and CUDA init: load + first inference."""
@@ -108,13 +118,20 @@ def cold_start(engine_path: str, feeds: dict, tmp: Path) -> dict:
 
     npz = tmp / "cold-feeds.npz"
     np.savez(npz, **feeds)
-    proc = subprocess.run([sys.executable, "-c", COLD_START, engine_path, str(npz)],
-                          capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2])
+    def fresh(script):
+        return subprocess.run([sys.executable, "-c", script, engine_path, str(npz)],
+                              capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).resolve().parents[2])
+    proc = fresh(COLD_START)
     if proc.returncode != 0:
         tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1:] or [""]
         return {"cold_start_error": tail[0][:300]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if PROFILE_COLD_START:
+        prof = fresh(COLD_PROFILE)
+        (tmp / f"{Path(engine_path).stem}.cold-profile.txt").write_text(prof.stderr)
+        out["cold_profile"] = prof.stderr[-6000:]
+    return out
 
 
 def torch_system(name: str, feeds: dict, entry: Entry, compiled: bool, info: dict):

@@ -293,7 +293,10 @@ def _install_binaries(engine: Engine, section: dict, tensors: dict, path) -> Non
 
 def _register_cuda_kernels(path, choices: dict[str, str]) -> None:
     """Import the Triton kernels a CUDA engine's plan may name; without Triton, an engine that
-    names one cannot run here (one that names only PyTorch kernels still can)."""
+    names one cannot run here (one that names only PyTorch kernels still can). An engine of
+    PyTorch kernels alone imports no Triton module (avoidable work at a cold start)."""
+    if not any(k.startswith("Triton") for k in choices.values()):
+        return
     try:
         import kiln.kernels.triton  # noqa: F401  (registers the CUDA kernels)
     except ImportError as e:
