@@ -67,6 +67,7 @@ fi
 if [[ $parts == *precision* ]]; then
   stamp "precision"
   timeout ${PREC_S:-240} python -m bench.precision --device cuda -n 30 \
+    --cuda-models ${PREC_MODELS:-bert,resnet50} \
     > "$W/precision_stdout.txt" 2>&1
   echo "rc=$?" >> "$W/precision_stdout.txt"; tail -15 "$W/precision_stdout.txt"; pack
 fi

@@ -187,6 +187,8 @@ def main(argv=None) -> int:
     p.add_argument("-n", type=int, default=10, help="timed runs per measurement")
     p.add_argument("--parts", default="accuracy,latency,ort,bert",
                    help="CPU parts to run: accuracy, latency, ort, bert (comma-separated)")
+    p.add_argument("--cuda-models", default="bert,resnet50",
+                   help="CUDA: which models to run (bert, resnet50; comma-separated)")
     args = p.parse_args(argv)
     args.parts = set(args.parts.split(","))
     if args.device == "cuda":

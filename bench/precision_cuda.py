@@ -91,9 +91,12 @@ def run_cuda(args) -> int:
     def cos_metric(got, ref):
         return f"cosine to FP32 {np.mean([_cos(g, r) for g, r in zip(got, ref)]):.5f}"
 
-    rows = _model_rows("BERT-base s128", build_onnx("bert-base"), bert_in, 64,
-                       [bert_in(16) for _ in range(4)], [bert_in(64) for _ in range(2)],
-                       cos_metric, precisions, n)
+    models = set(getattr(args, "cuda_models", "bert,resnet50").split(","))
+    rows = []
+    if "bert" in models:
+        rows += _model_rows("BERT-base s128", build_onnx("bert-base"), bert_in, 64,
+                            [bert_in(16) for _ in range(4)], [bert_in(64) for _ in range(2)],
+                            cos_metric, precisions, n)
 
     def img(b):
         return resnet.sample_inputs(b, 0, rng)
@@ -102,9 +105,10 @@ def run_cuda(args) -> int:
         agree = np.mean([np.mean(g.argmax(1) == r.argmax(1)) for g, r in zip(got, ref)])
         return f"top-1 agreement with FP32 {100 * agree:.2f}%"
 
-    rows += _model_rows("ResNet-50", build_onnx("resnet50"), img, 256,
-                        [img(32) for _ in range(4)], [img(256) for _ in range(2)], top1,
-                        precisions[:2], n)
+    if "resnet50" in models:
+        rows += _model_rows("ResNet-50", build_onnx("resnet50"), img, 256,
+                            [img(32) for _ in range(4)], [img(256) for _ in range(2)], top1,
+                            precisions[:2], n)
     print("\n| model | precision | result |\n|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2].strip()} |")
