@@ -62,7 +62,8 @@ _HAVE_CUDNN_FUSED = (hasattr(torch, "cudnn_convolution_relu")
                      and hasattr(torch, "cudnn_convolution_add_relu"))
 
 
-@triton.jit
+# rows (P) vary per layer: one binary per tile and epilogue, not one per layer shape
+@triton.jit(do_not_specialize=["P"])
 def _bias_act_kernel(Y, Bias, R, P, C, alpha, beta,
                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
                      WIDE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):

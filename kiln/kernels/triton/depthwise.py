@@ -33,7 +33,9 @@ _CONFIGS = ((32, 64, 4), (64, 32, 4), (16, 128, 4), (64, 64, 4), (128, 32, 4), (
 DEFAULT = dict(zip(_KEYS, (32, 64, 4)), impl="depthwise")
 
 
-@triton.jit
+# the spatial extents vary per layer; specializing on them (== 1, % 16) compiled a kernel per
+# layer shape and tactic at build. Channels (the contiguous dim) stay specialized.
+@triton.jit(do_not_specialize=["P", "H", "W", "OH", "OW"])
 def _dw_kernel(X, Wt, Y, Bias, R, P, H, W, C, OH, OW, CO, MULT,
                stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, act_a, act_b,
                KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,

@@ -49,7 +49,9 @@ DEFAULT = dict(zip(KEYS, (64, 64, 32, 8, 1, 4, 3)), impl="igemm")
 _SMS = 132  # an H100/H200's SM count: split-K only where the plain tiles leave most idle
 
 
-@triton.jit
+# the spatial extents and rows vary per layer; specializing on them (== 1, % 16) compiled a
+# kernel per layer shape and tactic at build. Channels (the contiguous dim) stay specialized.
+@triton.jit(do_not_specialize=["P", "H", "W", "OH", "OW", "M"])
 def _conv_kernel(X, Wt, Y, Bias, R, P, H, W, C, OH, OW, CO, M,
                  stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, act_a, act_b,
                  KH: tl.constexpr, KW: tl.constexpr, FLAT: tl.constexpr,
