@@ -279,7 +279,8 @@ def chain_run(prog, n: int, fparams, table, nthreads: int | None = None) -> int:
 
 # elementwise op name -> kiln_pointwise's code (pointwise.c); activations keep their ACT_ codes
 POINTWISE = {**{k: v for k, v in ACTIVATIONS.items() if k}, "Copy": 0, "Exp": 10, "Neg": 11,
-             "Abs": 12, "Sqrt": 13, "Reciprocal": 14, "HardSigmoid": 15, "Add": 32, "Sub": 33,
+             "Abs": 12, "Sqrt": 13, "Reciprocal": 14, "HardSigmoid": 15,
+             "QuantizeDequantizeU8": 16, "QuantizeDequantizeS8": 17, "Add": 32, "Sub": 33,
              "Mul": 34, "Div": 35, "Max": 36, "Min": 37, "PRelu": 38}
 BINARY = frozenset(k for k, v in POINTWISE.items() if v >= 32)
 POOLS = {"max": 0, "avg_pad": 1, "avg": 2}
@@ -295,7 +296,8 @@ def pointwise(op: str, a: torch.Tensor, b: torch.Tensor | None = None, p0: float
     """``op`` (a key of :data:`POINTWISE`) of float32 CPU tensors of any strides, ``b``
     broadcasting against ``a`` (ONNX/NumPy rules), into ``out`` (default: a new contiguous
     tensor of the broadcast shape; it may be any strided view). ``p0``/``p1``: Clip's bounds,
-    LeakyRelu's slope (p0), HardSigmoid's alpha and beta. At most 6 dims."""
+    LeakyRelu's slope (p0), HardSigmoid's alpha and beta,
+    QuantizeDequantize*'s scale and zero point. At most 6 dims."""
     shape = tuple(a.shape) if b is None else broadcast_ints(a.shape, b.shape)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32)
