@@ -1,9 +1,12 @@
 """PyTorch kernels: QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear, MatMulInteger,
 ConvInteger, QLinearMatMul and QLinearConv.
 
-Integer accumulation runs as float32 GEMMs/convolutions over chunks of at most 256 terms of
-8-bit products (every partial sum < 2**24, so exact), summed in int32: exact, and much faster
-on CPU than torch's integer kernels or float64.
+Integer accumulation runs as float32 GEMMs/convolutions, exact because every partial sum
+stays within 2**24: the reduction is cut into chunks (summed in int32) so that 255 (the
+largest 8-bit code minus its zero point) times each output's sum of |weight - zero point| over
+a chunk stays within it. Real weights mostly need one chunk, where a fixed 256 terms of
+255 * 255 needed several; the shifted float weight and its chunks are made once per weight
+tensor. Exact, and much faster on CPU than torch's integer kernels or float64.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ INT_RANGE = {
     DType.uint2: (0, 3), DType.int2: (-2, 1),
 }
 _WIDE_INTS = (torch.int32, torch.int64, torch.uint32, torch.uint64)
-_EXACT_F32_TERMS = 256  # sums of up to 256 products of 8-bit values stay below 2**24
+_F32_EXACT = float(2 ** 24)  # every integer up to this magnitude is a float32
+_CODE_MAX = 255.0  # |code - zero point| of an 8-bit activation
 
 
 def widen(v, wide: bool = False) -> torch.Tensor:
@@ -139,24 +143,60 @@ def shifted(v, zp, per_row: bool = False) -> torch.Tensor:
     return vf - z
 
 
-def _exact_dtype(terms: int) -> torch.dtype:
-    return torch.float32 if terms <= _EXACT_F32_TERMS else torch.float64
+def exact_chunks(abs_rows: torch.Tensor) -> list[tuple[int, int]]:
+    """Cut the reduction into (start, size) chunks such that ``_CODE_MAX`` times the sum of
+    ``abs_rows`` [K, outputs] over a chunk stays within 2**24 for every output: then every
+    partial sum a float32 GEMM forms over the chunk, in any order, is an exact integer."""
+    rows = abs_rows.to(torch.float64).reshape(abs_rows.shape[0], -1)
+    k, limit = rows.shape[0], _F32_EXACT / _CODE_MAX
+    if k == 0 or rows.numel() == 0:
+        return [(0, k)]
+    if float(rows.max()) > limit:  # one row alone could round: only float64 is exact
+        return []
+    cum = torch.cat([rows.new_zeros((1, rows.shape[1])), rows.cumsum(0)])
+    out, start = [], 0
+    while start < k:
+        reach = (cum[start + 1:] - cum[start]).amax(1)
+        size = int(torch.searchsorted(reach, torch.tensor([limit], dtype=reach.dtype),
+                                      right=True)[0])
+        out.append((start, size))
+        start += size
+    return out
 
 
-def _chunks(total: int, per: int):
-    return [(i, min(per, total - i)) for i in range(0, total, per)] or [(0, 0)]
+def _prepared(cache: dict | None, key: str, tensors: tuple, make):
+    """``make()`` once per set of input tensors (the same objects: a constant weight)."""
+    if cache is None:
+        return make()
+    got = cache.get(key)
+    if got is None or len(got[0]) != len(tensors) or any(
+            a is not b for a, b in zip(got[0], tensors)):
+        got = cache[key] = (tensors, make())
+    return got[1]
 
 
-def int_matmul(a, b, a_zp, b_zp) -> torch.Tensor:
-    """(a - a_zp) @ (b - b_zp), exact, as an int32 tensor (float32 GEMMs over K-chunks of
-    at most 256, each exact, summed in int32)."""
-    af, bf = shifted(a, a_zp, per_row=True), shifted(b, b_zp)
-    if bf.dim() == 1:
-        return int_matmul_vec(af, bf)
-    k = af.shape[-1]
+def _matmul_weight(b, b_zp):
+    """(b - b_zp as float32, its exact chunks along K; [] when only float64 is exact)."""
+    bf = shifted(b, b_zp).to(torch.float32)
+    return bf, exact_chunks(bf.abs().movedim(-2, 0).reshape(bf.shape[-2], -1))
+
+
+def int_matmul(a, b, a_zp, b_zp, cache: dict | None = None) -> torch.Tensor:
+    """(a - a_zp) @ (b - b_zp), exact, as an int32 tensor (float32 GEMMs over K-chunks that
+    cannot round, see :func:`exact_chunks`, summed in int32). ``cache``: a node's cache, to
+    keep the shifted weight of a constant ``b``."""
+    af = shifted(a, a_zp, per_row=True)
+    if np.ndim(b) == 1:
+        return int_matmul_vec(af, shifted(b, b_zp))
+    bf, chunks = _prepared(cache, "int_matmul_w", (b, b_zp), lambda: _matmul_weight(b, b_zp))
+    if not chunks:
+        return torch.matmul(af.double(), bf.double()).to(torch.int32)
+    af = af.to(torch.float32)
     out = None
-    for i, size in _chunks(k, _EXACT_F32_TERMS):
-        part = torch.matmul(af.narrow(-1, i, size), bf.narrow(-2, i, size)).to(torch.int32)
+    for i, size in chunks:
+        x = af if size == af.shape[-1] else af.narrow(-1, i, size)
+        w = bf if size == bf.shape[-2] else bf.narrow(-2, i, size)
+        part = torch.matmul(x, w).to(torch.int32)
         out = part if out is None else out + part
     return out
 
@@ -167,7 +207,7 @@ def int_matmul_vec(af: torch.Tensor, bf: torch.Tensor) -> torch.Tensor:
 
 @register(Q.MatMulInteger)
 def matmul_integer(n, a, b, a_zp=None, b_zp=None):
-    return int_matmul(a, b, a_zp, b_zp)
+    return int_matmul(a, b, a_zp, b_zp, n.cache)
 
 
 def _requantize(acc: torch.Tensor, mult: torch.Tensor, y_zp, to: DType):
@@ -182,7 +222,7 @@ def _requantize(acc: torch.Tensor, mult: torch.Tensor, y_zp, to: DType):
 
 @register(Q.QLinearMatMul)
 def qlinear_matmul(n, a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp=None):
-    acc = int_matmul(a, b, a_zp, b_zp)
+    acc = int_matmul(a, b, a_zp, b_zp, n.cache)
     # the multiplier is formed in the scales' own dtype first, as the reference does
     mult = a_scale * b_scale / y_scale
     to = dtype_of(y_zp) if y_zp is not None else dtype_of(a)
@@ -235,34 +275,45 @@ def _per_channel(v: torch.Tensor, rank: int) -> torch.Tensor:
     return v.reshape(())
 
 
-def int_conv(x, w, x_zp, w_zp, a) -> torch.Tensor:
-    """conv(x - x_zp, w - w_zp), exact, as an int32 tensor."""
-    xf = shifted(x, x_zp)
+def _conv_weight(w, w_zp):
+    """(w - w_zp as float32 [M, C/group, k...], exact chunks over its input channels)."""
     wf = widen(w)
     if w_zp is not None:
         z = widen(w_zp)
         wf = wf - (z.reshape((-1,) + (1,) * (wf.dim() - 1)) if z.numel() > 1 else z.reshape(()))
-    per_channel = math.prod(wf.shape[2:])
+    wf = wf.to(torch.float32)
+    per_input = wf.abs().reshape(wf.shape[0], wf.shape[1], -1).sum(2).t()  # [C/group, M]
+    return wf, exact_chunks(per_input)
+
+
+def int_conv(x, w, x_zp, w_zp, a, cache: dict | None = None) -> torch.Tensor:
+    """conv(x - x_zp, w - w_zp), exact, as an int32 tensor: float32 convolutions over
+    input-channel chunks that cannot round (:func:`exact_chunks`), summed in int32; a grouped
+    convolution in one piece (float64 when one float32 piece could round)."""
+    xf = shifted(x, x_zp).to(torch.float32)
+    wf, chunks = _prepared(cache, "int_conv_w", (w, w_zp), lambda: _conv_weight(w, w_zp))
     groups = a.group or 1
-    if groups != 1 or per_channel > _EXACT_F32_TERMS:
-        dt = _exact_dtype(math.prod(wf.shape[1:]))
-        return conv_nd(xf.to(dt), wf.to(dt), None, a).to(torch.int32)
-    # float32 convolutions over input-channel chunks, each exact, summed in int32
+    if not chunks or (groups != 1 and len(chunks) > 1):
+        return conv_nd(xf.double(), wf.double(), None, a).to(torch.int32)
+    if groups != 1:
+        return conv_nd(xf, wf, None, a).to(torch.int32)
     out = None
-    for i, size in _chunks(wf.shape[1], max(1, _EXACT_F32_TERMS // per_channel)):
-        part = conv_nd(xf.narrow(1, i, size), wf.narrow(1, i, size), None, a).to(torch.int32)
+    for i, size in chunks:
+        xs = xf if size == xf.shape[1] else xf.narrow(1, i, size)
+        ws = wf if size == wf.shape[1] else wf.narrow(1, i, size)
+        part = conv_nd(xs, ws, None, a).to(torch.int32)
         out = part if out is None else out + part
     return out
 
 
 @register(Q.ConvInteger)
 def conv_integer(n, x, w, x_zp=None, w_zp=None):
-    return int_conv(x, w, x_zp, w_zp, n.a)
+    return int_conv(x, w, x_zp, w_zp, n.a, n.cache)
 
 
 @register(Q.QLinearConv)
 def qlinear_conv(n, x, x_scale, x_zp, w, w_scale, w_zp, y_scale, y_zp=None, bias=None):
-    acc = int_conv(x, w, x_zp, w_zp, n.a)
+    acc = int_conv(x, w, x_zp, w_zp, n.a, n.cache)
     if bias is not None:  # int32 bias: added in float64, where it stays exact
         acc = acc.to(torch.float64) + _per_channel(widen(bias, wide=True), acc.dim())
     mult = x_scale * _per_channel(w_scale, acc.dim()) / y_scale
