@@ -87,6 +87,8 @@ def _load():
     lib.kiln_llm_ptrs_per_layer.restype = _L
     lib.kiln_llm_decode.argtypes = [_P] * 9 + [_F, _P, _I]
     lib.kiln_llm_decode.restype = None
+    lib.kiln_dynamic_quantize.argtypes = [_L, _P, _P, _P, _P, _I]
+    lib.kiln_dynamic_quantize.restype = None
     return lib, ""
 
 
@@ -314,6 +316,18 @@ def pointwise(op: str, a: torch.Tensor, b: torch.Tensor | None = None, p0: float
                         _strides_arg(a, shape), None if b is None else b.data_ptr(), sb,
                         p0, p1, torch.get_num_threads())
     return out
+
+
+def dynamic_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DynamicQuantizeLinear of a contiguous float32 CPU tensor (quant.c): (uint8 codes, float32
+    scale, uint8 zero point), the last two 0-D."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError("dynamic_quantize: expected a contiguous float32 CPU tensor")
+    y = torch.empty(x.shape, dtype=torch.uint8)
+    sz = torch.empty(2, dtype=torch.float32)
+    _lib.kiln_dynamic_quantize(x.numel(), x.data_ptr(), y.data_ptr(), sz.data_ptr(),
+                               sz.data_ptr() + 4, torch.get_num_threads())
+    return y, sz[0].clone(), sz[1].to(torch.uint8)
 
 
 def pool2d(kind: str, x: torch.Tensor, kernel, stride, dilation, pads, out_hw) -> torch.Tensor:
