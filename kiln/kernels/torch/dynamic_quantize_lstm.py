@@ -33,11 +33,18 @@ def dynamic_params(a: torch.Tensor) -> tuple[np.float32, int]:
 
 def _qmatmul(a: torch.Tensor, bq, mult_b: torch.Tensor) -> torch.Tensor:
     """a [M, K] float32 quantized on the fly, times bq (integers minus their zero points
-    [K, N] as float32, and the chunks of K over which float32 sums are exact, or float64 and
-    None), scaled back: float32(int result) * (a_scale * b_scale)."""
+    [K, N] as float32, the chunks of K over which float32 sums are exact, or float64 and
+    None; and FBGEMM's packed int8 weight or None), scaled back: float32(int result) *
+    (a_scale * b_scale)."""
     scale, zp = dynamic_params(a)
     q = (torch.round(a / float(scale)) + zp).clamp_(0, 255) - zp
-    w, chunks = bq
+    w, chunks, packed = bq
+    if packed is not None:
+        # onnxruntime's u8 x s8 product: int16 pair sums that saturate on AVX2, as FBGEMM's.
+        # FBGEMM quantizes its input by multiplying with 1 / scale, which can round a tie the
+        # other way: it is given the codes' own values, from which it gets the codes back
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            q.mul_(float(scale)), float(scale), zp, packed)
     if chunks is None:  # exact: every product and partial sum is an integer
         return (q.double() @ w).float() * (mult_b * scale)
     if len(chunks) == 1:  # one exact float32 product
@@ -47,10 +54,17 @@ def _qmatmul(a: torch.Tensor, bq, mult_b: torch.Tensor) -> torch.Tensor:
     return acc.float() * (mult_b * scale)
 
 
-def _exact_f32(t: torch.Tensor):
-    """Integer weights [K, N] as float32 with their exact chunks (float64 where none)."""
+def _exact_f32(t: torch.Tensor, codes: torch.Tensor, zp: torch.Tensor, scale: torch.Tensor):
+    """Integer weights [K, N] (codes minus zero point) as float32 with their exact chunks
+    (float64 where none), and FBGEMM's packed weight where the codes are int8 with zero point
+    0 (onnxruntime's saturating u8 x s8 GEMM; exact u8 x u8 otherwise, as here)."""
+    from kiln.kernels.torch import int8 as K
+
     chunks = exact_chunks(t.abs())
-    return (t.float(), chunks) if chunks else (t.double(), None)
+    packed = None
+    if codes.dtype == torch.int8 and not bool(zp.any()) and K._HAS_FBGEMM:
+        packed = K._fbgemm_pack(codes, scale, None)
+    return (t.float(), chunks, packed) if chunks else (t.double(), None, packed)
 
 
 def _weights(n, w, r, w_scale, w_zp, r_scale, r_zp):
@@ -68,10 +82,11 @@ def _weights(n, w, r, w_scale, w_zp, r_scale, r_zp):
 
         wq = (w.to(torch.int32) - per_col(w_zp, torch.int32)[:, None, :]).double()
         rq = (r.to(torch.int32) - per_col(r_zp, torch.int32)[:, None, :]).double()
-        wq = [_exact_f32(wq[d]) for d in range(dirs)]
-        rq = [_exact_f32(rq[d]) for d in range(dirs)]
-        got = n.cache["dq_lstm"] = (key, (wq, rq, per_col(w_scale, torch.float32),
-                                          per_col(r_scale, torch.float32)))
+        ws, rs = per_col(w_scale, torch.float32), per_col(r_scale, torch.float32)
+        wz, rz = per_col(w_zp, torch.int32), per_col(r_zp, torch.int32)
+        wq = [_exact_f32(wq[d], w[d], wz[d], ws[d]) for d in range(dirs)]
+        rq = [_exact_f32(rq[d], r[d], rz[d], rs[d]) for d in range(dirs)]
+        got = n.cache["dq_lstm"] = (key, (wq, rq, ws, rs))
     return got[1]
 
 
