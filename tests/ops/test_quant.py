@@ -235,3 +235,25 @@ def test_rules_symbolic():
     assert Q.MatMulInteger.infer(ctx) == [TensorType(DType.int32, (n, h, 5))]
     ctx = _ctx(Q.Cast, [TensorType(DType.float32, (n,))], {"to": "FLOAT16"})  # Cast-1 form
     assert Q.Cast.infer(ctx) == [TensorType(DType.float16, (n,))]
+
+
+def test_matmul_integer_u8_weights_split_exact(monkeypatch):
+    """uint8 weights with a zero point (codes - zp in -119..136) on the CPU run as two FBGEMM
+    u8s8 GEMMs (l + 128 h, neither can saturate): the exact integers, raw codes up to 255."""
+    from kiln.kernels.torch import int8 as K
+    from kiln.kernels.torch import quant_linear as QL
+
+    if not K._HAS_FBGEMM:
+        pytest.skip("needs PyTorch's FBGEMM")
+    a = RNG.integers(0, 256, (5, 256)).astype(np.uint8)
+    a[0] = 255
+    b = RNG.integers(0, 256, (256, 40)).astype(np.uint8)
+    b[:, 0] = 0
+    cache, calls = {}, []
+    split = QL._int_matmul_u8_split
+    monkeypatch.setattr(QL, "_int_matmul_u8_split", lambda *a: calls.append(1) or split(*a))
+    t = torch.from_numpy
+    got = QL.int_matmul(t(a), t(b), t(np.array(3, np.uint8)), t(np.array(119, np.uint8)), cache)
+    assert len(cache["int_matmul_w"][1][2]) == 2 and calls  # both pieces, FBGEMM's path
+    want = (a.astype(np.int64) - 3) @ (b.astype(np.int64) - 119)
+    np.testing.assert_array_equal(got.numpy(), want)

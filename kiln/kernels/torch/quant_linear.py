@@ -181,9 +181,46 @@ def _prepared(cache: dict | None, key: str, tensors: tuple, make):
 
 
 def _matmul_weight(b, b_zp):
-    """(b - b_zp as float32, its exact chunks along K; [] when only float64 is exact)."""
+    """(b - b_zp as float32, its exact chunks along K ([] when only float64 is exact), and
+    :func:`_u8_split`'s packed pieces or None)."""
     bf = shifted(b, b_zp).to(torch.float32)
-    return bf, exact_chunks(bf.abs().movedim(-2, 0).reshape(bf.shape[-2], -1))
+    chunks = exact_chunks(bf.abs().movedim(-2, 0).reshape(bf.shape[-2], -1))
+    return bf, chunks, _u8_split(bf) if bf.dim() == 2 and len(chunks) == 1 else None
+
+
+def _u8_split(bf: torch.Tensor):
+    """A 2-D weight of integers in [-255, 255] as FBGEMM int8 pieces ``l + 128 h`` with
+    ``|l| <= 64`` and ``|h| <= 2``: u8 x s8 int16 pair sums cannot saturate on either
+    (255 * 64 * 2 < 32767), so two u8s8 GEMMs (a third of the float32 weight's bytes) give
+    the exact integers. None without FBGEMM, or when a piece's sums could pass 2**24."""
+    from kiln.kernels.torch import int8 as K
+
+    if not K._HAS_FBGEMM or bf.abs().max() > 255:
+        return None
+    h = torch.round(bf / 128)
+    low = bf - 128 * h
+    limit = _F32_EXACT / _CODE_MAX
+    if float(low.abs().sum(0).max()) > limit:
+        return None
+    ones = torch.ones(bf.shape[1])
+    packs = [K._fbgemm_pack(low.to(torch.int8), ones, None)]
+    if bool(h.any()):
+        packs.append(K._fbgemm_pack(h.to(torch.int8), ones, None))
+    return packs
+
+
+def _int_matmul_u8_split(af: torch.Tensor, a_zp, packs) -> torch.Tensor:
+    """(codes - zp) @ W by :func:`_u8_split`'s pieces: FBGEMM is given the shifted codes
+    with scale 1 and the zero point, so it quantizes them back to the codes exactly, and its
+    float results are integers below 2**24 (exact)."""
+    k = af.shape[-1]
+    x2 = af.reshape(-1, k).contiguous()
+    z = int(a_zp) if a_zp is not None else 0
+    lin = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+    y = lin(x2, 1.0, z, packs[0])
+    if len(packs) > 1:
+        y = y.add_(lin(x2, 1.0, z, packs[1]), alpha=128)
+    return y.to(torch.int32).reshape(*af.shape[:-1], y.shape[-1])
 
 
 def int_matmul(a, b, a_zp, b_zp, cache: dict | None = None) -> torch.Tensor:
@@ -193,7 +230,11 @@ def int_matmul(a, b, a_zp, b_zp, cache: dict | None = None) -> torch.Tensor:
     af = shifted(a, a_zp, per_row=True)
     if np.ndim(b) == 1:
         return int_matmul_vec(af, shifted(b, b_zp))
-    bf, chunks = _prepared(cache, "int_matmul_w", (b, b_zp), lambda: _matmul_weight(b, b_zp))
+    bf, chunks, split = _prepared(cache, "int_matmul_w", (b, b_zp),
+                                  lambda: _matmul_weight(b, b_zp))
+    if split is not None and a.dtype == torch.uint8 and a.device.type == "cpu" and (
+            a_zp is None or a_zp.numel() == 1):
+        return _int_matmul_u8_split(af.to(torch.float32), a_zp, split)
     if not chunks:
         return torch.matmul(af.double(), bf.double()).to(torch.int32)
     af = af.to(torch.float32)
