@@ -22,7 +22,7 @@ from kiln.passes.pipeline import optimize
 from kiln.passes.quantize.data import load_batches
 from kiln.passes.quantize.dynamic import fold_dynamic_quant
 from kiln.passes.quantize.int8 import weight_grids
-from kiln.passes.quantize.qdq import fold_qdq, lower_qlinear
+from kiln.passes.quantize.qdq import fold_qdq, fuse_qdq_pairs, lower_qlinear
 
 
 class Builder:
@@ -66,6 +66,7 @@ class Builder:
         lower_qlinear(graph, self.log)  # QOperator layers in QDQ form, which folds below
         grid = weight_grids(graph)  # a quantized model's weight scales, before they fold
         explicit = {**fold_qdq(graph, self.log), **fold_dynamic_quant(graph, self.log)}
+        fuse_qdq_pairs(graph, self.log)  # the pairs left, each one pass
         if cfg.optimize:
             graph = optimize(graph, log=_near_misses(self.log, near), device=cfg.device)
         keep_fp32 = [k for k, p in cfg.layer_precision.items() if p == "fp32"]

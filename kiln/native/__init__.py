@@ -87,6 +87,8 @@ def _load():
     lib.kiln_llm_ptrs_per_layer.restype = _L
     lib.kiln_llm_decode.argtypes = [_P] * 9 + [_F, _P, _I]
     lib.kiln_llm_decode.restype = None
+    lib.kiln_dynamic_quantize.argtypes = [_L, _P, _P, _P, _P, _I]
+    lib.kiln_dynamic_quantize.restype = None
     return lib, ""
 
 
@@ -279,7 +281,8 @@ def chain_run(prog, n: int, fparams, table, nthreads: int | None = None) -> int:
 
 # elementwise op name -> kiln_pointwise's code (pointwise.c); activations keep their ACT_ codes
 POINTWISE = {**{k: v for k, v in ACTIVATIONS.items() if k}, "Copy": 0, "Exp": 10, "Neg": 11,
-             "Abs": 12, "Sqrt": 13, "Reciprocal": 14, "HardSigmoid": 15, "Add": 32, "Sub": 33,
+             "Abs": 12, "Sqrt": 13, "Reciprocal": 14, "HardSigmoid": 15,
+             "QuantizeDequantizeU8": 16, "QuantizeDequantizeS8": 17, "Add": 32, "Sub": 33,
              "Mul": 34, "Div": 35, "Max": 36, "Min": 37, "PRelu": 38}
 BINARY = frozenset(k for k, v in POINTWISE.items() if v >= 32)
 POOLS = {"max": 0, "avg_pad": 1, "avg": 2}
@@ -295,7 +298,8 @@ def pointwise(op: str, a: torch.Tensor, b: torch.Tensor | None = None, p0: float
     """``op`` (a key of :data:`POINTWISE`) of float32 CPU tensors of any strides, ``b``
     broadcasting against ``a`` (ONNX/NumPy rules), into ``out`` (default: a new contiguous
     tensor of the broadcast shape; it may be any strided view). ``p0``/``p1``: Clip's bounds,
-    LeakyRelu's slope (p0), HardSigmoid's alpha and beta. At most 6 dims."""
+    LeakyRelu's slope (p0), HardSigmoid's alpha and beta,
+    QuantizeDequantize*'s scale and zero point. At most 6 dims."""
     shape = tuple(a.shape) if b is None else broadcast_ints(a.shape, b.shape)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32)
@@ -312,6 +316,18 @@ def pointwise(op: str, a: torch.Tensor, b: torch.Tensor | None = None, p0: float
                         _strides_arg(a, shape), None if b is None else b.data_ptr(), sb,
                         p0, p1, torch.get_num_threads())
     return out
+
+
+def dynamic_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DynamicQuantizeLinear of a contiguous float32 CPU tensor (quant.c): (uint8 codes, float32
+    scale, uint8 zero point), the last two 0-D."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError("dynamic_quantize: expected a contiguous float32 CPU tensor")
+    y = torch.empty(x.shape, dtype=torch.uint8)
+    sz = torch.empty(2, dtype=torch.float32)
+    _lib.kiln_dynamic_quantize(x.numel(), x.data_ptr(), y.data_ptr(), sz.data_ptr(),
+                               sz.data_ptr() + 4, torch.get_num_threads())
+    return y, sz[0].clone(), sz[1].to(torch.uint8)
 
 
 def pool2d(kind: str, x: torch.Tensor, kernel, stride, dilation, pads, out_hw) -> torch.Tensor:

@@ -1,5 +1,5 @@
 /* Shared by kiln's C kernels (one file per concept: gemm.c, layernorm.c, attention.c,
- * winograd.c, pointwise.c, pool.c, depthwise.c, chain.c, rnn.c, llm.c; linked into one library, kiln/native/_kernels*.so): the register tile's
+ * winograd.c, pointwise.c, pool.c, depthwise.c, chain.c, rnn.c, llm.c, quant.c; linked into one library, kiln/native/_kernels*.so): the register tile's
  * geometry, the AVX2 + FMA target attribute, the vector math the epilogues apply, scratch memory,
  * and the entry points the kernels call each other through. */
 #ifndef KILN_KERNELS_H

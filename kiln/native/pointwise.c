@@ -6,8 +6,22 @@
 #include "kernels.h"
 
 /* op codes: 0-9 are the ACT_* codes (0: a copy); then unary 10+, binary 32+ */
-enum { PW_EXP = 10, PW_NEG, PW_ABS, PW_SQRT, PW_RECIP, PW_HARD_SIGMOID };
+enum { PW_EXP = 10, PW_NEG, PW_ABS, PW_SQRT, PW_RECIP, PW_HARD_SIGMOID, PW_QDQ_U8, PW_QDQ_S8 };
 enum { PW_ADD = 32, PW_SUB, PW_MUL, PW_DIV, PW_MAX, PW_MIN, PW_PRELU };
+
+/* QuantizeLinear then DequantizeLinear with one scale s and zero point z:
+ * (clamp(round(x / s) + z, lo, hi) - z) * s, each step the float32 operation kiln's torch
+ * kernels (and onnxruntime) do: a true division, round half to even, so the codes are the
+ * same to the bit. */
+TGT static inline __m256 qdq8(__m256 x, float s, float z, float lo, float hi)
+{
+    __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+    __m256 q = _mm256_round_ps(_mm256_div_ps(x, vs), _MM_FROUND_TO_NEAREST_INT |
+                               _MM_FROUND_NO_EXC);
+    q = _mm256_add_ps(q, vz);
+    q = _mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
+    return _mm256_mul_ps(_mm256_sub_ps(q, vz), vs);
+}
 
 TGT static inline __m256 unary8(int op, __m256 a, float p0, float p1)
 {
@@ -20,6 +34,10 @@ TGT static inline __m256 unary8(int op, __m256 a, float p0, float p1)
     case PW_HARD_SIGMOID:  /* max(0, min(1, alpha x + beta)) */
         return _mm256_min_ps(_mm256_set1_ps(1.0f), _mm256_max_ps(
             _mm256_setzero_ps(), _mm256_fmadd_ps(a, _mm256_set1_ps(p0), _mm256_set1_ps(p1))));
+    case PW_QDQ_U8:
+        return qdq8(a, p0, p1, 0.0f, 255.0f);
+    case PW_QDQ_S8:
+        return qdq8(a, p0, p1, -128.0f, 127.0f);
     default: return act256(a, op, p0, p1);
     }
 }
@@ -98,7 +116,7 @@ TGT static long row_fast(int op, long n, float *y, const float *a, long sa, cons
     switch (op) {
     UN(0) UN(ACT_RELU) UN(ACT_GELU) UN(ACT_GELU_TANH) UN(ACT_SIGMOID) UN(ACT_SILU) UN(ACT_TANH)
     UN(ACT_CLIP) UN(ACT_LEAKY_RELU) UN(ACT_HARD_SWISH) UN(PW_EXP) UN(PW_NEG) UN(PW_ABS)
-    UN(PW_SQRT) UN(PW_RECIP) UN(PW_HARD_SIGMOID)
+    UN(PW_SQRT) UN(PW_RECIP) UN(PW_HARD_SIGMOID) UN(PW_QDQ_U8) UN(PW_QDQ_S8)
     BIN(PW_ADD) BIN(PW_SUB) BIN(PW_MUL) BIN(PW_DIV) BIN(PW_MAX) BIN(PW_MIN) BIN(PW_PRELU)
     default: break;
     }

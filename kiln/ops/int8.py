@@ -12,6 +12,7 @@ from __future__ import annotations
 from kiln.ir.opdef import REQUIRED, Attr
 from kiln.ops.fused_conv import _CONV_ATTRS, _EPILOGUE
 from kiln.ops.nn import _conv_rule, _matmul_rule
+from kiln.ops.rules import same
 from kiln.ops.schema import kiln_op
 
 # x_scale 0: the activation is quantized on every call from its own range (dynamic)
@@ -32,3 +33,10 @@ Fp8MatMul = kiln_op(
     doc="act(X @ (Wf8 * w_scale) + bias + R) with X cast to float8 e4m3 after dividing by "
         "x_scale (saturating at 448); inputs X, Wf8 (float8e4m3fn [K, N]), w_scale (float32 "
         "[N]), bias (optional), R (optional). FP8 tensor cores on Hopper, emulated elsewhere")
+
+QuantizeDequantize = kiln_op(
+    "QuantizeDequantize", {"scale": Attr("float", REQUIRED), "zero": Attr("int", 0),
+                           "signed": Attr("int", 0)}, same(),
+    doc="DequantizeLinear(QuantizeLinear(X, scale, zero), scale, zero) in one pass (a Q/DQ "
+        "pair read by ops other than INT8 layers): X's 8-bit codes (round half to even, "
+        "saturated to int8 when signed, else uint8) back in float32")

@@ -1,11 +1,12 @@
 """com.microsoft DynamicQuantizeLSTM against onnxruntime (its own contrib op), and its integer
 arithmetic against an exact NumPy evaluation of one step.
 
-Where onnxruntime's answer is an artefact of its machine, kiln keeps the exact integer result and
-the tests avoid the artefact: on AVX2 without VNNI its uint8 x int8 GEMM saturates each pair of
-products to int16 (255 * 127 * 2 > 32767), so signed weights here stay within [-63, 63]; and
-from batch 2 (hidden <= 256) it quantizes each thread's rows of h with their own parameters, so
-the batch-2 case uses a hidden size of 264, where it quantizes the whole batch as kiln does."""
+On AVX2 without VNNI onnxruntime's uint8 x int8 GEMM saturates each pair of products to int16
+(255 * 127 * 2 > 32767); kiln's FBGEMM path saturates the same pairs (as its Int8MatMul does),
+tested on full-range weights; the other cases keep signed weights within [-63, 63], where both
+are exact. From batch 2 (hidden <= 256) onnxruntime quantizes each thread's rows of h with their
+own parameters, an artefact of its threading kiln does not copy, so the batch-2 case uses a
+hidden size of 264, where it quantizes the whole batch as kiln does."""
 
 from __future__ import annotations
 
@@ -75,10 +76,28 @@ def test_dynamic_quantize_lstm_matches_onnxruntime(case):
         assert err <= 1e-5, f"{name}: max rel err {err:.2e}"
 
 
+@pytest.mark.skipif(not __import__("kiln.kernels.torch.int8", fromlist=["K"])._HAS_FBGEMM,
+                    reason="needs PyTorch's FBGEMM")
+def test_dynamic_quantize_lstm_saturates_as_onnxruntime():
+    """Weights of 127 against codes near 255: pairs of products past int16, which onnxruntime
+    saturates on AVX2 (exact integers differ from it by 3e-2 here)."""
+    model, feeds, _ = _model(seq=4, inp=64, hid=32, direction="forward")
+    w = {i.name: i for i in model.graph.initializer}["W"]
+    codes = RNG.integers(-127, 128, (1, 64, 128)).astype(np.int8)
+    codes[0, :, ::2] = 127
+    w.CopyFrom(numpy_helper.from_array(codes, "W"))
+    feeds["X"] = (np.abs(feeds["X"]) + 1).astype(np.float32)
+    got, want = run_kiln(model, feeds)[0], _ort(model, feeds)[0]
+    assert float(np.abs(got - want).max() / np.abs(want).max()) <= 1e-5
+
+
 def test_dynamic_quantize_lstm_one_step_exact_integers():
     """One forward step from zero state is sigmoid/tanh of x's uint8 quantization times the
-    8-bit W in exact integers, scaled back, plus the biases — evaluated here in NumPy, with
-    weights large enough that onnxruntime's AVX2 kernel would saturate."""
+    8-bit W in integers, scaled back, plus the biases — evaluated here in NumPy, with weights
+    large enough that onnxruntime's AVX2 kernel saturates: its integers (pairs of u8 x s8
+    products summed in int16, saturating) where kiln runs FBGEMM, exact ones elsewhere."""
+    from kiln.kernels.torch.int8 import _HAS_FBGEMM
+
     hid, inp = 4, 6
     model, feeds, vals = _model(seq=1, inp=inp, hid=hid, direction="forward")
     vals["W"] = RNG.integers(-128, 128, vals["W"].shape).astype(np.int8)
@@ -88,7 +107,11 @@ def test_dynamic_quantize_lstm_one_step_exact_integers():
     x = feeds["X"].reshape(1, inp)
     scale, zp = dynamic_params(__import__("torch").from_numpy(x))
     q = np.clip(np.round(x / scale) + zp, 0, 255).astype(np.int64) - zp
-    acc = q @ vals["W"][0].astype(np.int64)
+    w0 = vals["W"][0].astype(np.int64)
+    acc = q @ w0
+    if _HAS_FBGEMM:  # (k, k + 1) pairs of raw codes, saturated; then the zero point's share
+        pairs = ((q + zp)[:, :, None] * w0[None]).reshape(1, inp // 2, 2, -1).sum(2)
+        acc = np.clip(pairs, -32768, 32767).sum(1) - zp * w0.sum(0)
     gates = acc.astype(np.float32) * np.float32(scale * vals["W_scale"][0])
     gates = gates + vals["B"][0, :4 * hid] + vals["B"][0, 4 * hid:]
     i, o, f, c = np.split(gates.astype(np.float64), 4, axis=-1)

@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import sympy
+import torch
 from onnx import TensorProto
 
 from kiln.errors import KernelError
@@ -141,6 +142,43 @@ def test_matmul_integer_per_row_zero_points():
     np.testing.assert_array_equal(got, want.astype(np.int32))
 
 
+@pytest.mark.parametrize("kind", ["extreme", "typical"])
+def test_matmul_integer_exact_where_float32_rounds(kind):
+    """Codes 255 against weights 0 with zero point 255 (every product -65025, 1024 of them:
+    4x past float32's 2**24) need several exact chunks; typical weights one. Both equal int64
+    math to the bit."""
+    from kiln.kernels.torch.quant_linear import exact_chunks
+
+    k = 1024
+    a = np.full((3, k), 255, np.uint8)
+    a[1] = RNG.integers(0, 256, k)
+    if kind == "extreme":
+        b, bzp = np.zeros((k, 7), np.uint8), np.array(255, np.uint8)
+        b[::3, 1] = 1  # a near-worst column whose true sum is not a multiple of a power of 2
+    else:
+        b, bzp = RNG.integers(100, 140, (k, 7)).astype(np.uint8), np.array(119, np.uint8)
+    ins = {"a": a, "b": b, "azp": np.array(0, np.uint8), "bzp": bzp}
+    got = run_kiln(node_model("MatMulInteger", ins), ins)[0]
+    want = a.astype(np.int64) @ (b.astype(np.int64) - int(bzp))
+    np.testing.assert_array_equal(got, want.astype(np.int32))
+    chunks = exact_chunks(torch.from_numpy(np.abs(b.astype(np.float32) - float(bzp))))
+    assert (len(chunks) > 1) == (kind == "extreme")
+    assert sum(size for _, size in chunks) == k
+    # the reason for chunks: one float32 GEMM over all of K rounds these sums
+    one = (a.astype(np.float32) @ (b.astype(np.float32) - float(bzp))).astype(np.int64)
+    assert (kind == "typical") == np.array_equal(one, want)
+
+
+def test_conv_integer_exact_where_float32_rounds():
+    x = np.full((1, 300, 3, 3), 255, np.uint8)
+    w = np.zeros((2, 300, 3, 3), np.uint8)
+    w[1, ::7] = 3
+    ins = {"x": x, "w": w, "xzp": np.array([0], np.uint8), "wzp": np.array([255], np.uint8)}
+    got = run_kiln(node_model("ConvInteger", ins, pads=[1, 1, 1, 1]), ins)[0]
+    check_against_reference(node_model("ConvInteger", ins, pads=[1, 1, 1, 1]), ins)
+    assert got[0, 0, 1, 1] == -255 * 255 * 300 * 9
+
+
 @pytest.mark.parametrize("attrs", [
     {}, {"pads": [1, 0, 2, 1]}, {"strides": [2, 1], "dilations": [1, 2]},
     {"auto_pad": "SAME_LOWER", "strides": [2, 2]}, {"group": 2}, {"channels": 40},
@@ -197,3 +235,25 @@ def test_rules_symbolic():
     assert Q.MatMulInteger.infer(ctx) == [TensorType(DType.int32, (n, h, 5))]
     ctx = _ctx(Q.Cast, [TensorType(DType.float32, (n,))], {"to": "FLOAT16"})  # Cast-1 form
     assert Q.Cast.infer(ctx) == [TensorType(DType.float16, (n,))]
+
+
+def test_matmul_integer_u8_weights_split_exact(monkeypatch):
+    """uint8 weights with a zero point (codes - zp in -119..136) on the CPU run as two FBGEMM
+    u8s8 GEMMs (l + 128 h, neither can saturate): the exact integers, raw codes up to 255."""
+    from kiln.kernels.torch import int8 as K
+    from kiln.kernels.torch import quant_linear as QL
+
+    if not K._HAS_FBGEMM:
+        pytest.skip("needs PyTorch's FBGEMM")
+    a = RNG.integers(0, 256, (5, 256)).astype(np.uint8)
+    a[0] = 255
+    b = RNG.integers(0, 256, (256, 40)).astype(np.uint8)
+    b[:, 0] = 0
+    cache, calls = {}, []
+    split = QL._int_matmul_u8_split
+    monkeypatch.setattr(QL, "_int_matmul_u8_split", lambda *a: calls.append(1) or split(*a))
+    t = torch.from_numpy
+    got = QL.int_matmul(t(a), t(b), t(np.array(3, np.uint8)), t(np.array(119, np.uint8)), cache)
+    assert len(cache["int_matmul_w"][1][2]) == 2 and calls  # both pieces, FBGEMM's path
+    want = (a.astype(np.int64) - 3) @ (b.astype(np.int64) - 119)
+    np.testing.assert_array_equal(got.numpy(), want)

@@ -482,3 +482,46 @@ def test_fp16_nonfinite_check_feeds_valid_token_ids(tmp_path):
     b.build(path)
     assert "nonfinite" in b.report and b.report["nonfinite"] is None
     assert not any("NaN/Inf check: not run" in m for m in logs)
+
+
+def _dynamic_matmul_model(wq: np.ndarray, wz) -> onnx.ModelProto:
+    """DynamicQuantizeLinear + MatMulInteger + Cast + Mul, as quantize_dynamic writes them."""
+    k, n = wq.shape
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+             helper.make_node("MatMulInteger", ["xq", "W", "xz", "wz"], ["acc"]),
+             helper.make_node("Cast", ["acc"], ["accf"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["xs", "ws"], ["s"]),
+             helper.make_node("Mul", ["accf", "s"], ["y"])]
+    g = helper.make_graph(
+        nodes, "dyn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, n])],
+        [numpy_helper.from_array(wq, "W"), numpy_helper.from_array(np.asarray(wz, wq.dtype), "wz"),
+         numpy_helper.from_array(np.array(0.01, np.float32), "ws")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _dynamic_reference(x, wq, wz):
+    """DynamicQuantizeLinear then exact integer (x - xz) @ (W - wz), scaled back."""
+    lo, hi = np.float32(min(x.min(), 0)), np.float32(max(x.max(), 0))
+    s = np.float32((hi - lo) / np.float32(255))
+    z = np.rint(np.clip(-lo / s, 0, 255))
+    codes = np.clip(np.rint(x / s) + z, 0, 255).astype(np.int64) - int(z)
+    acc = codes @ (wq.astype(np.int64) - int(wz))
+    return acc.astype(np.float32) * (s * np.float32(0.01))
+
+
+@pytest.mark.parametrize("span,folds", [((0, 256), False), ((119 - 63, 119 + 64), True)])
+def test_dynamic_uint8_weights_exact(tmp_path, span, folds):
+    """uint8 weights with a zero point (onnxruntime's exact u8 x u8 GEMM): codes minus zero
+    point beyond kiln's 7-bit grid keep the exact MatMulInteger (folded, they were rounded onto
+    7 bits and saturated: ddddocr's 1.6e-2); codes within it fold into an INT8 layer."""
+    rng = np.random.default_rng(3)
+    wq = rng.integers(*span, (256, 32)).astype(np.uint8)
+    x = (np.abs(rng.standard_normal((16, 256))) * 3).astype(np.float32)  # large codes
+    path = tmp_path / "dyn.onnx"
+    onnx.save(_dynamic_matmul_model(wq, 119), path)
+    e = Builder(BuilderConfig()).build(path)
+    assert ("TorchInt8MatMul" in e.choices.values()) == folds
+    got = e.create_context().run({"x": x})["y"]
+    want = _dynamic_reference(x, wq, 119)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kiln.kernels.registry import register
+from kiln.kernels.torch.quant_linear import exact_chunks
 from kiln.kernels.torch.rnn import _activations, _clip
 from kiln.ops import dynamic_quantize_lstm as D
 
@@ -30,18 +31,45 @@ def dynamic_params(a: torch.Tensor) -> tuple[np.float32, int]:
     return scale, int(zp)
 
 
-def _qmatmul(a: torch.Tensor, bq: torch.Tensor, mult_b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] float32 quantized on the fly, times bq [K, N] (integers minus their zero
-    points, float64), scaled back: float32(int result) * (a_scale * b_scale)."""
+def _qmatmul(a: torch.Tensor, bq, mult_b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] float32 quantized on the fly, times bq (integers minus their zero points
+    [K, N] as float32, the chunks of K over which float32 sums are exact, or float64 and
+    None; and FBGEMM's packed int8 weight or None), scaled back: float32(int result) *
+    (a_scale * b_scale)."""
     scale, zp = dynamic_params(a)
     q = (torch.round(a / float(scale)) + zp).clamp_(0, 255) - zp
-    acc = (q.double() @ bq).float()  # exact: every product and partial sum is an integer
-    return acc * (mult_b * scale)
+    w, chunks, packed = bq
+    if packed is not None:
+        # onnxruntime's u8 x s8 product: int16 pair sums that saturate on AVX2, as FBGEMM's.
+        # FBGEMM quantizes its input by multiplying with 1 / scale, which can round a tie the
+        # other way: it is given the codes' own values, from which it gets the codes back
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            q.mul_(float(scale)), float(scale), zp, packed)
+    if chunks is None:  # exact: every product and partial sum is an integer
+        return (q.double() @ w).float() * (mult_b * scale)
+    if len(chunks) == 1:  # one exact float32 product
+        return (q @ w) * (mult_b * scale)
+    acc = sum((q.narrow(1, i, size) @ w.narrow(0, i, size)).to(torch.int32)
+              for i, size in chunks)
+    return acc.float() * (mult_b * scale)
+
+
+def _exact_f32(t: torch.Tensor, codes: torch.Tensor, zp: torch.Tensor, scale: torch.Tensor):
+    """Integer weights [K, N] (codes minus zero point) as float32 with their exact chunks
+    (float64 where none), and FBGEMM's packed weight where the codes are int8 with zero point
+    0 (onnxruntime's saturating u8 x s8 GEMM; exact u8 x u8 otherwise, as here)."""
+    from kiln.kernels.torch import int8 as K
+
+    chunks = exact_chunks(t.abs())
+    packed = None
+    if codes.dtype == torch.int8 and not bool(zp.any()) and K._HAS_FBGEMM:
+        packed = K._fbgemm_pack(codes, scale, None)
+    return (t.float(), chunks, packed) if chunks else (t.double(), None, packed)
 
 
 def _weights(n, w, r, w_scale, w_zp, r_scale, r_zp):
-    """(W, R) as float64 integers minus zero points [dirs, K, 4H] and their float32 scales
-    [dirs, 4H], made once per node."""
+    """(W, R) per direction as integers minus zero points [K, 4H] (float32 with exact chunks,
+    see :func:`_exact_f32`) and their float32 scales [dirs, 4H], made once per node."""
     key = (w, r, w_scale, w_zp, r_scale, r_zp)
     got = n.cache.get("dq_lstm")
     if got is None or any(a is not b for a, b in zip(got[0], key)):
@@ -54,8 +82,11 @@ def _weights(n, w, r, w_scale, w_zp, r_scale, r_zp):
 
         wq = (w.to(torch.int32) - per_col(w_zp, torch.int32)[:, None, :]).double()
         rq = (r.to(torch.int32) - per_col(r_zp, torch.int32)[:, None, :]).double()
-        got = n.cache["dq_lstm"] = (key, (wq, rq, per_col(w_scale, torch.float32),
-                                          per_col(r_scale, torch.float32)))
+        ws, rs = per_col(w_scale, torch.float32), per_col(r_scale, torch.float32)
+        wz, rz = per_col(w_zp, torch.int32), per_col(r_zp, torch.int32)
+        wq = [_exact_f32(wq[d], w[d], wz[d], ws[d]) for d in range(dirs)]
+        rq = [_exact_f32(rq[d], r[d], rz[d], rs[d]) for d in range(dirs)]
+        got = n.cache["dq_lstm"] = (key, (wq, rq, ws, rs))
     return got[1]
 
 

@@ -278,3 +278,20 @@ def _int8_conv_emulated(n, x, wq, w_scale, b, r):
     if r is not None:
         y = y + r
     return _TORCH_ACT[a.activation](y, a)
+
+
+@register(I8.QuantizeDequantize)
+def quantize_dequantize(n, x):
+    """One pass of kiln's C kernel on the CPU (the same float32 steps as QuantizeLinear +
+    DequantizeLinear: divide, round half to even, add the zero point, clamp, subtract, scale);
+    those steps in torch elsewhere."""
+    from kiln import native
+
+    a = n.a
+    if native.available and x.device.type == "cpu" and x.dtype == torch.float32 and \
+            x.dim() <= 6:
+        op = "QuantizeDequantizeS8" if a.signed else "QuantizeDequantizeU8"
+        return native.pointwise(op, x, p0=a.scale, p1=float(a.zero))
+    lo, hi = (-128, 127) if a.signed else (0, 255)
+    q = torch.round(torch.div(x.float(), a.scale)).add_(a.zero).clamp_(lo, hi)
+    return q.sub_(a.zero).mul_(a.scale).to(x.dtype)

@@ -1,9 +1,12 @@
 """PyTorch kernels: QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear, MatMulInteger,
 ConvInteger, QLinearMatMul and QLinearConv.
 
-Integer accumulation runs as float32 GEMMs/convolutions over chunks of at most 256 terms of
-8-bit products (every partial sum < 2**24, so exact), summed in int32: exact, and much faster
-on CPU than torch's integer kernels or float64.
+Integer accumulation runs as float32 GEMMs/convolutions, exact because every partial sum
+stays within 2**24: the reduction is cut into chunks (summed in int32) so that 255 (the
+largest 8-bit code minus its zero point) times each output's sum of |weight - zero point| over
+a chunk stays within it. Real weights mostly need one chunk, where a fixed 256 terms of
+255 * 255 needed several; the shifted float weight and its chunks are made once per weight
+tensor. Exact, and much faster on CPU than torch's integer kernels or float64.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ INT_RANGE = {
     DType.uint2: (0, 3), DType.int2: (-2, 1),
 }
 _WIDE_INTS = (torch.int32, torch.int64, torch.uint32, torch.uint64)
-_EXACT_F32_TERMS = 256  # sums of up to 256 products of 8-bit values stay below 2**24
+_F32_EXACT = float(2 ** 24)  # every integer up to this magnitude is a float32
+_CODE_MAX = 255.0  # |code - zero point| of an 8-bit activation
 
 
 def widen(v, wide: bool = False) -> torch.Tensor:
@@ -117,12 +121,17 @@ def dequantize_linear(n, x, scale, zp=None):
 
 @register(Q.DynamicQuantizeLinear)
 def dynamic_quantize_linear(n, x):
+    from kiln import native
+
+    if native.available and x.dtype == torch.float32 and x.device.type == "cpu" and \
+            x.is_contiguous() and x.numel():
+        return native.dynamic_quantize(x)  # the same steps in one C pass each for range, codes
     xf = x.to(torch.float32)
     # the range always includes 0 so that 0 is exactly representable
     hi = torch.clamp(xf.max(), min=0.0) if xf.numel() else xf.new_zeros(())
     lo = torch.clamp(xf.min(), max=0.0) if xf.numel() else xf.new_zeros(())
-    span = torch.where(hi == lo, torch.ones_like(hi), hi - lo)
-    scale = span / 255.0
+    # a constant tensor (no range): scale 1, as onnxruntime gives (the ONNX formula divides 0 by 0)
+    scale = torch.where(hi == lo, torch.ones_like(hi), (hi - lo) / 255.0)
     zp = torch.round(torch.clamp(-lo / scale, 0.0, 255.0))
     y = torch.clamp(torch.round(xf / scale) + zp, 0.0, 255.0)
     return y.to(torch.uint8), scale.to(x.dtype), zp.to(torch.uint8)
@@ -139,24 +148,101 @@ def shifted(v, zp, per_row: bool = False) -> torch.Tensor:
     return vf - z
 
 
-def _exact_dtype(terms: int) -> torch.dtype:
-    return torch.float32 if terms <= _EXACT_F32_TERMS else torch.float64
+def exact_chunks(abs_rows: torch.Tensor) -> list[tuple[int, int]]:
+    """Cut the reduction into (start, size) chunks such that ``_CODE_MAX`` times the sum of
+    ``abs_rows`` [K, outputs] over a chunk stays within 2**24 for every output: then every
+    partial sum a float32 GEMM forms over the chunk, in any order, is an exact integer."""
+    rows = abs_rows.to(torch.float64).reshape(abs_rows.shape[0], -1)
+    k, limit = rows.shape[0], _F32_EXACT / _CODE_MAX
+    if k == 0 or rows.numel() == 0:
+        return [(0, k)]
+    if float(rows.max()) > limit:  # one row alone could round: only float64 is exact
+        return []
+    cum = torch.cat([rows.new_zeros((1, rows.shape[1])), rows.cumsum(0)])
+    out, start = [], 0
+    while start < k:
+        reach = (cum[start + 1:] - cum[start]).amax(1)
+        size = int(torch.searchsorted(reach, torch.tensor([limit], dtype=reach.dtype),
+                                      right=True)[0])
+        out.append((start, size))
+        start += size
+    return out
 
 
-def _chunks(total: int, per: int):
-    return [(i, min(per, total - i)) for i in range(0, total, per)] or [(0, 0)]
+def _prepared(cache: dict | None, key: str, tensors: tuple, make):
+    """``make()`` once per set of input tensors (the same objects: a constant weight)."""
+    if cache is None:
+        return make()
+    got = cache.get(key)
+    if got is None or len(got[0]) != len(tensors) or any(
+            a is not b for a, b in zip(got[0], tensors)):
+        got = cache[key] = (tensors, make())
+    return got[1]
 
 
-def int_matmul(a, b, a_zp, b_zp) -> torch.Tensor:
-    """(a - a_zp) @ (b - b_zp), exact, as an int32 tensor (float32 GEMMs over K-chunks of
-    at most 256, each exact, summed in int32)."""
-    af, bf = shifted(a, a_zp, per_row=True), shifted(b, b_zp)
-    if bf.dim() == 1:
-        return int_matmul_vec(af, bf)
+def _matmul_weight(b, b_zp):
+    """(b - b_zp as float32, its exact chunks along K ([] when only float64 is exact), and
+    :func:`_u8_split`'s packed pieces or None)."""
+    bf = shifted(b, b_zp).to(torch.float32)
+    chunks = exact_chunks(bf.abs().movedim(-2, 0).reshape(bf.shape[-2], -1))
+    return bf, chunks, _u8_split(bf) if bf.dim() == 2 and len(chunks) == 1 else None
+
+
+def _u8_split(bf: torch.Tensor):
+    """A 2-D weight of integers in [-255, 255] as FBGEMM int8 pieces ``l + 128 h`` with
+    ``|l| <= 64`` and ``|h| <= 2``: u8 x s8 int16 pair sums cannot saturate on either
+    (255 * 64 * 2 < 32767), so two u8s8 GEMMs (a third of the float32 weight's bytes) give
+    the exact integers. None without FBGEMM, or when a piece's sums could pass 2**24."""
+    from kiln.kernels.torch import int8 as K
+
+    if not K._HAS_FBGEMM or bf.abs().max() > 255:
+        return None
+    h = torch.round(bf / 128)
+    low = bf - 128 * h
+    limit = _F32_EXACT / _CODE_MAX
+    if float(low.abs().sum(0).max()) > limit:
+        return None
+    ones = torch.ones(bf.shape[1])
+    packs = [K._fbgemm_pack(low.to(torch.int8), ones, None)]
+    if bool(h.any()):
+        packs.append(K._fbgemm_pack(h.to(torch.int8), ones, None))
+    return packs
+
+
+def _int_matmul_u8_split(af: torch.Tensor, a_zp, packs) -> torch.Tensor:
+    """(codes - zp) @ W by :func:`_u8_split`'s pieces: FBGEMM is given the shifted codes
+    with scale 1 and the zero point, so it quantizes them back to the codes exactly, and its
+    float results are integers below 2**24 (exact)."""
     k = af.shape[-1]
+    x2 = af.reshape(-1, k).contiguous()
+    z = int(a_zp) if a_zp is not None else 0
+    lin = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+    y = lin(x2, 1.0, z, packs[0])
+    if len(packs) > 1:
+        y = y.add_(lin(x2, 1.0, z, packs[1]), alpha=128)
+    return y.to(torch.int32).reshape(*af.shape[:-1], y.shape[-1])
+
+
+def int_matmul(a, b, a_zp, b_zp, cache: dict | None = None) -> torch.Tensor:
+    """(a - a_zp) @ (b - b_zp), exact, as an int32 tensor (float32 GEMMs over K-chunks that
+    cannot round, see :func:`exact_chunks`, summed in int32). ``cache``: a node's cache, to
+    keep the shifted weight of a constant ``b``."""
+    af = shifted(a, a_zp, per_row=True)
+    if np.ndim(b) == 1:
+        return int_matmul_vec(af, shifted(b, b_zp))
+    bf, chunks, split = _prepared(cache, "int_matmul_w", (b, b_zp),
+                                  lambda: _matmul_weight(b, b_zp))
+    if split is not None and a.dtype == torch.uint8 and a.device.type == "cpu" and (
+            a_zp is None or a_zp.numel() == 1):
+        return _int_matmul_u8_split(af.to(torch.float32), a_zp, split)
+    if not chunks:
+        return torch.matmul(af.double(), bf.double()).to(torch.int32)
+    af = af.to(torch.float32)
     out = None
-    for i, size in _chunks(k, _EXACT_F32_TERMS):
-        part = torch.matmul(af.narrow(-1, i, size), bf.narrow(-2, i, size)).to(torch.int32)
+    for i, size in chunks:
+        x = af if size == af.shape[-1] else af.narrow(-1, i, size)
+        w = bf if size == bf.shape[-2] else bf.narrow(-2, i, size)
+        part = torch.matmul(x, w).to(torch.int32)
         out = part if out is None else out + part
     return out
 
@@ -167,7 +253,7 @@ def int_matmul_vec(af: torch.Tensor, bf: torch.Tensor) -> torch.Tensor:
 
 @register(Q.MatMulInteger)
 def matmul_integer(n, a, b, a_zp=None, b_zp=None):
-    return int_matmul(a, b, a_zp, b_zp)
+    return int_matmul(a, b, a_zp, b_zp, n.cache)
 
 
 def _requantize(acc: torch.Tensor, mult: torch.Tensor, y_zp, to: DType):
@@ -182,7 +268,7 @@ def _requantize(acc: torch.Tensor, mult: torch.Tensor, y_zp, to: DType):
 
 @register(Q.QLinearMatMul)
 def qlinear_matmul(n, a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp=None):
-    acc = int_matmul(a, b, a_zp, b_zp)
+    acc = int_matmul(a, b, a_zp, b_zp, n.cache)
     # the multiplier is formed in the scales' own dtype first, as the reference does
     mult = a_scale * b_scale / y_scale
     to = dtype_of(y_zp) if y_zp is not None else dtype_of(a)
@@ -235,34 +321,45 @@ def _per_channel(v: torch.Tensor, rank: int) -> torch.Tensor:
     return v.reshape(())
 
 
-def int_conv(x, w, x_zp, w_zp, a) -> torch.Tensor:
-    """conv(x - x_zp, w - w_zp), exact, as an int32 tensor."""
-    xf = shifted(x, x_zp)
+def _conv_weight(w, w_zp):
+    """(w - w_zp as float32 [M, C/group, k...], exact chunks over its input channels)."""
     wf = widen(w)
     if w_zp is not None:
         z = widen(w_zp)
         wf = wf - (z.reshape((-1,) + (1,) * (wf.dim() - 1)) if z.numel() > 1 else z.reshape(()))
-    per_channel = math.prod(wf.shape[2:])
+    wf = wf.to(torch.float32)
+    per_input = wf.abs().reshape(wf.shape[0], wf.shape[1], -1).sum(2).t()  # [C/group, M]
+    return wf, exact_chunks(per_input)
+
+
+def int_conv(x, w, x_zp, w_zp, a, cache: dict | None = None) -> torch.Tensor:
+    """conv(x - x_zp, w - w_zp), exact, as an int32 tensor: float32 convolutions over
+    input-channel chunks that cannot round (:func:`exact_chunks`), summed in int32; a grouped
+    convolution in one piece (float64 when one float32 piece could round)."""
+    xf = shifted(x, x_zp).to(torch.float32)
+    wf, chunks = _prepared(cache, "int_conv_w", (w, w_zp), lambda: _conv_weight(w, w_zp))
     groups = a.group or 1
-    if groups != 1 or per_channel > _EXACT_F32_TERMS:
-        dt = _exact_dtype(math.prod(wf.shape[1:]))
-        return conv_nd(xf.to(dt), wf.to(dt), None, a).to(torch.int32)
-    # float32 convolutions over input-channel chunks, each exact, summed in int32
+    if not chunks or (groups != 1 and len(chunks) > 1):
+        return conv_nd(xf.double(), wf.double(), None, a).to(torch.int32)
+    if groups != 1:
+        return conv_nd(xf, wf, None, a).to(torch.int32)
     out = None
-    for i, size in _chunks(wf.shape[1], max(1, _EXACT_F32_TERMS // per_channel)):
-        part = conv_nd(xf.narrow(1, i, size), wf.narrow(1, i, size), None, a).to(torch.int32)
+    for i, size in chunks:
+        xs = xf if size == xf.shape[1] else xf.narrow(1, i, size)
+        ws = wf if size == wf.shape[1] else wf.narrow(1, i, size)
+        part = conv_nd(xs, ws, None, a).to(torch.int32)
         out = part if out is None else out + part
     return out
 
 
 @register(Q.ConvInteger)
 def conv_integer(n, x, w, x_zp=None, w_zp=None):
-    return int_conv(x, w, x_zp, w_zp, n.a)
+    return int_conv(x, w, x_zp, w_zp, n.a, n.cache)
 
 
 @register(Q.QLinearConv)
 def qlinear_conv(n, x, x_scale, x_zp, w, w_scale, w_zp, y_scale, y_zp=None, bias=None):
-    acc = int_conv(x, w, x_zp, w_zp, n.a)
+    acc = int_conv(x, w, x_zp, w_zp, n.a, n.cache)
     if bias is not None:  # int32 bias: added in float64, where it stays exact
         acc = acc.to(torch.float64) + _per_channel(widen(bias, wide=True), acc.dim())
     mult = x_scale * _per_channel(w_scale, acc.dim()) / y_scale

@@ -8,6 +8,13 @@ The float MatMul then fuses like any other (bias, activation, the merged QKV pro
 the INT8 rewrite turns it into an Int8MatMul whose activation is quantized on every call from
 its own range (``x_scale = 0``), as DynamicQuantizeLinear does. Fires only for a constant int8
 or uint8 2-D weight, scalar-or-per-column ``ws`` and ``wz``, and a chain of single users.
+
+Which integers the INT8 layer computes matters, as a code that rounds the other way moves every
+later dynamic range: onnxruntime multiplies u8 x s8 (int8 weights) with int16 pair sums that
+saturate on AVX2, which kiln's u8s8 kernels reproduce, but u8 x u8 (uint8 weights) exactly. A
+uint8 weight folds only when its codes minus zero point fit kiln's 7-bit grid (nothing can
+saturate then); otherwise the MatMulInteger stays and runs exact integer arithmetic (a
+ddddocr classifier's codes span -119..136: folded, they were rounded onto 7 bits and saturated).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from kiln.ir.rewrite import single_user
 from kiln.ops import math as M
 from kiln.ops import nn as N
 from kiln.ops import quant as Q
+from kiln.passes.quantize.int8 import W_LEVELS
 
 DYNAMIC = (0.0, -1)  # the scale entry of a dynamically quantized activation
 
@@ -51,9 +59,21 @@ def _match(graph: Graph, mm: Node, users):
     ws = _const(smul.inputs[1] if smul.inputs[0] is dql.outputs[1] else smul.inputs[0])
     if ws is None or ws.size not in (1, wq.shape[1]) or np.size(wz) not in (1, wq.shape[1]):
         return None
+    if not exact_as_int8(wq, wz):
+        return None
     w = (wq.astype(np.float32) - np.asarray(wz, np.float32).reshape(-1)) * \
         ws.astype(np.float32).reshape(-1)
     return dql.inputs[0], w.astype(np.float32), mul.outputs[0], [mm, cast, mul]
+
+
+def exact_as_int8(wq: np.ndarray, wz) -> bool:
+    """Whether kiln's u8s8 INT8 layer computes the integers onnxruntime does for these
+    weight codes: int8 ones (the same saturating pair sums), or uint8 ones whose codes minus
+    zero point lie within the 7-bit grid (exact in both)."""
+    if wq.dtype == np.int8:
+        return not np.any(np.asarray(wz) != 0)
+    codes = wq.astype(np.int32) - np.asarray(wz, np.int32).reshape(-1)
+    return wq.dtype == np.uint8 and int(np.abs(codes).max(initial=0)) <= W_LEVELS
 
 
 def fold_dynamic_quant(graph: Graph, log=lambda m: None) -> dict[str, tuple[float, int]]:

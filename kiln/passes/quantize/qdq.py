@@ -27,8 +27,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from kiln.ir import Graph
+from kiln.ir import DType, Graph, Node
 from kiln.ir.rewrite import replace_uses
+from kiln.ops import int8 as I8
 from kiln.ops import nn as N
 from kiln.ops import quant as Q
 from kiln.passes.quantize.int8 import W_LEVELS, quantize_weight
@@ -84,6 +85,60 @@ def fold_qdq(graph: Graph, log=lambda m: None) -> dict[str, tuple[float, int]]:
             f"activation scale(s) taken from the model; {kept} pair(s) feeding other ops "
             "kept as quantize-dequantize in float")
     return scales
+
+
+def _qdq_params(q, d) -> tuple[float, int, bool] | None:
+    """(scale, zero point, signed) of a Q -> DQ pair that one QuantizeDequantize computes:
+    per tensor, the same constant scale and zero point on both sides, 8-bit codes, float32 in
+    and out. None otherwise."""
+    qs, ds = _scalar(q.inputs[1]), _scalar(d.inputs[1])
+    qz = _scalar(q.inputs[2]) if len(q.inputs) > 2 and q.inputs[2] is not None else 0
+    dz = _scalar(d.inputs[2]) if len(d.inputs) > 2 and d.inputs[2] is not None else 0
+    codes = getattr(getattr(q.outputs[0], "type", None), "dtype", None)
+    types = [getattr(getattr(v, "type", None), "dtype", None) for v in (q.inputs[0],
+                                                                        d.outputs[0])]
+    if qs is None or qs != ds or qz is None or qz != dz or (q.attrs.block_size or 0) or \
+            getattr(q.attrs, "precision", 0) or codes is None or \
+            codes.name not in ("int8", "uint8") or any(t is not DType.float32 for t in types):
+        return None
+    return float(qs), int(qz), codes.name == "int8"
+
+
+def fuse_qdq_pairs(graph: Graph, log=lambda m: None) -> int:
+    """The Q/DQ pairs :func:`fold_qdq` keeps (read by other ops), each as one op::
+
+        x ──QuantizeLinear(s, z)──DequantizeLinear(s, z)──▶ y   ==>   QuantizeDequantize(x)
+
+    (one pass over x instead of two, and no 8-bit tensor in between). The codes, and so y,
+    are the same to the bit. Fires when every reader of the codes is such a DequantizeLinear
+    and the codes are not a graph output; returns the number of pairs fused."""
+    users = graph.users()
+    outputs = {id(v) for v in graph.outputs}
+    replace, dead, done = {}, set(), 0
+    for q in [n for n in graph.nodes if n.op is Q.QuantizeLinear]:
+        readers = users.get(id(q.outputs[0]), [])
+        if not readers or id(q.outputs[0]) in outputs or any(
+                d.op is not Q.DequantizeLinear or d.inputs[0] is not q.outputs[0] or
+                _qdq_params(q, d) is None for d in readers):
+            continue
+        params = {_qdq_params(q, d) for d in readers}
+        if len(params) != 1:
+            continue
+        s, z, signed = params.pop()
+        first = readers[0]
+        attrs = I8.QuantizeDequantize.make_attrs(scale=s, zero=z, signed=int(signed))
+        replace[id(first)] = Node(I8.QuantizeDequantize, f"{q.name} + {first.name}",
+                                  [q.inputs[0]], [first.outputs[0]], attrs)
+        dead.add(id(q))
+        for d in readers[1:]:
+            replace_uses(graph, d.outputs[0], first.outputs[0])
+            dead.add(id(d))
+        done += len(readers)
+    graph.nodes = [replace.get(id(n), n) for n in graph.nodes if id(n) not in dead]
+    if done:
+        log(f"explicit quantization: {done} Q/DQ pair(s) kept for other readers run as "
+            "one QuantizeDequantize each")
+    return done
 
 
 def _weight_layer_input(n, v) -> bool:

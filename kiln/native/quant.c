@@ -1,0 +1,91 @@
+/* DynamicQuantizeLinear: a float32 tensor to uint8 codes with a scale and zero point from its
+ * own range (widened to hold 0), in the float32 steps kiln's torch kernel and onnxruntime take:
+ * scale = (max - min) / 255, zero = round(clamp(-min / scale, 0, 255)), codes = clamp(round(x /
+ * scale) + zero, 0, 255), every round half to even. One pass for the range, one for the codes. */
+#include "kernels.h"
+
+TGT static void range(long n, const float *x, float *lo_out, float *hi_out)
+{
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  /* the range holds 0 */
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        lo = _mm256_min_ps(lo, v);
+        hi = _mm256_max_ps(hi, v);
+    }
+    float l[8], h[8];
+    _mm256_storeu_ps(l, lo);
+    _mm256_storeu_ps(h, hi);
+    float a = 0.0f, b = 0.0f;
+    for (int j = 0; j < 8; j++) {
+        a = l[j] < a ? l[j] : a;
+        b = h[j] > b ? h[j] : b;
+    }
+    for (; i < n; i++) {
+        a = x[i] < a ? x[i] : a;
+        b = x[i] > b ? x[i] : b;
+    }
+    *lo_out = a;
+    *hi_out = b;
+}
+
+TGT static void codes(long n, const float *x, unsigned char *y, float scale, float zero)
+{
+    const __m256 vs = _mm256_set1_ps(scale), vz = _mm256_set1_ps(zero);
+    const __m256 top = _mm256_set1_ps(255.0f), bot = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), vs),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, vz), bot), top);
+        __m256i w = _mm256_cvtps_epi32(q);  /* 0..255, exact */
+        __m128i p = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+        _mm_storel_epi64((__m128i *)(y + i), _mm_packus_epi16(p, p));
+    }
+    for (; i < n; i++) {
+        float q = nearbyintf(x[i] / scale) + zero;
+        y[i] = (unsigned char)(q < 0.0f ? 0.0f : q > 255.0f ? 255.0f : q);
+    }
+}
+
+/* Writes codes y[n], *scale and *zero (as a float holding an integer 0..255). */
+void kiln_dynamic_quantize(long n, const float *x, unsigned char *y, float *scale, float *zero,
+                           int nthreads)
+{
+    float lo, hi;
+    int nt = n >= (1L << 16) ? nthreads : 1;
+    if (nt > 1) {
+        float los[64], his[64];
+        if (nt > 64)
+            nt = 64;
+        long per = (n + nt - 1) / nt;
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int t = 0; t < nt; t++) {
+            long a = t * per, b = a + per < n ? a + per : n;
+            range(b > a ? b - a : 0, x + a, &los[t], &his[t]);
+        }
+        lo = 0.0f, hi = 0.0f;
+        for (int t = 0; t < nt; t++) {
+            lo = los[t] < lo ? los[t] : lo;
+            hi = his[t] > hi ? his[t] : hi;
+        }
+    } else {
+        range(n, x, &lo, &hi);
+    }
+    float s = hi == lo ? 1.0f : (hi - lo) / 255.0f;
+    float z = -lo / s;
+    z = nearbyintf(z < 0.0f ? 0.0f : z > 255.0f ? 255.0f : z);
+    *scale = s;
+    *zero = z;
+    if (nt > 1) {
+        long per = (n + nt - 1) / nt;
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int t = 0; t < nt; t++) {
+            long a = t * per, b = a + per < n ? a + per : n;
+            if (b > a)
+                codes(b - a, x + a, y + a, s, z);
+        }
+    } else {
+        codes(n, x, y, s, z);
+    }
+}
