@@ -36,3 +36,17 @@ def test_as_dim_caches_and_does_not_resimplify(monkeypatch):
     assert n <= 6 and all(len(e.atoms(sympy.Function)) <= 1 for e in calls)
     assert as_dim(d) == d and as_dim(got) == d
     assert len(calls) == n  # cached: neither the input nor its result is simplified again
+
+
+def test_broadcast_shapes_symbolic_dims_without_printing(monkeypatch):
+    from kiln.ops.rules import broadcast_shapes
+
+    def no_str(self):
+        raise AssertionError("broadcast_shapes printed a sympy dim")
+
+    h = _nested_ceil(sym("h"), 3)
+    monkeypatch.setattr(sympy.Basic, "__str__", no_str)
+    assert broadcast_shapes((1, 8, h, h), (1, 8, h, h)) == (1, 8, h, h)
+    assert broadcast_shapes((1, 8, h, 1), (8, 1, 5)) == (1, 8, h, 5)
+    assert broadcast_shapes((h,), (4,)) == (4,)  # a fixed size wins over an expression
+    assert broadcast_shapes((None,), (1,)) == (None,)
