@@ -26,9 +26,41 @@ def as_dim(d) -> Dim:
     if d is None or isinstance(d, int):
         return d
     if isinstance(d, sympy.Expr):
-        d = sympy.simplify(d)
-        return int(d) if d.is_Integer else d
+        return _simplified(d)
     return int(d)
+
+
+# shape inference runs to a fixed point and re-derives every dim on each round, and
+# sympy.simplify of nested integer functions recurses into every level again and again:
+# PaddleOCR det v4 (dynamic H, W; ceiling(ceiling(ceiling(h/2)/2)/2)... down its backbone)
+# spent ~70 s of a 75 s build there. So each dim is simplified once (cached), and the integer
+# functions inside it are simplified first and stand for themselves as opaque integer symbols
+# while the outer level is simplified (sound: an identity over every integer holds for theirs).
+def _simplified(d: sympy.Expr) -> Dim:
+    got = _SIMPLIFIED.get(d)
+    if got is None:
+        inner = {f: _simplified(f) for f in d.atoms(sympy.Function) if f is not d}
+        if inner:
+            atoms = {f: sympy.Dummy(integer=True) for f, g in inner.items()
+                     if isinstance(g, sympy.Expr)}
+            back = {a: inner[f] for f, a in atoms.items()}
+            flat = d.xreplace({f: atoms.get(f, g) for f, g in inner.items()})
+            s = _simplify_top(flat).xreplace(back) if not flat.is_Integer else flat
+        else:
+            s = _simplify_top(d)
+        got = int(s) if s.is_Integer else s
+        if len(_SIMPLIFIED) > 1 << 15:
+            _SIMPLIFIED.clear()
+        _SIMPLIFIED[d] = got
+        _SIMPLIFIED.setdefault(s, got)  # a simplified dim comes back as itself
+    return got
+
+
+def _simplify_top(d: sympy.Expr) -> sympy.Expr:
+    return sympy.simplify(d) if isinstance(d, sympy.Expr) and not d.is_Atom else d
+
+
+_SIMPLIFIED: dict[sympy.Expr, Dim] = {}
 
 
 def dim_str(d: Dim) -> str:

@@ -23,12 +23,8 @@ def broadcast_shapes(*shapes):
         known = [d for d in dims if d is not None and d != 1]
         if not known:
             out.append(None if None in dims else 1)
-        elif len({str(d) for d in known}) == 1:
-            out.append(known[0])
-        elif any(isinstance(d, int) for d in known):
-            out.append(next(d for d in known if isinstance(d, int)))
-        else:
-            out.append(known[0])
+        else:  # a fixed size wins over an expression (no str() of sympy dims: milliseconds each)
+            out.append(next((d for d in known if isinstance(d, int)), known[0]))
     return tuple(out)
 
 
