@@ -133,7 +133,7 @@ def run_model(entry: Entry, corpus: Path, tmp: Path, opts: Options) -> dict:
     except Exception as exc:
         return dict(row, status="run failed", error=describe_error("kiln run", exc))
     if refs is not None:
-        check(row, outs, refs)
+        check(row, outs, refs, spread=lambda: reference_spread(path, feeds, refs))
     fns = {"kiln": lambda: ctx.run(kfeeds)}
     if sess is not None:
         ort_feeds = {k: v for k, v in feeds.items() if k in ort_inputs}
@@ -160,7 +160,28 @@ def run_model(entry: Entry, corpus: Path, tmp: Path, opts: Options) -> dict:
     return row
 
 
-def check(row: dict, outs: dict, refs: dict) -> None:
+def reference_spread(path: Path, feeds: dict, refs: dict) -> dict[str, float]:
+    """How far onnxruntime moves from its own reference, per output: the same model with
+    every graph optimization off, on one thread, against ``refs`` (all optimizations, the
+    bench's threads). Where an output is ill-conditioned (a saturated sigmoid whose largest
+    value is 6e-5) FP32 rounding alone exceeds 1e-4 of it, and onnxruntime disagrees with
+    itself by as much as kiln does."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads = so.inter_op_num_threads = 1
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    ins = {i.name for i in sess.get_inputs()}
+    outs = dict(zip([o.name for o in sess.get_outputs()],
+                    sess.run(None, {k: v for k, v in feeds.items() if k in ins})))
+    return errors({k: v for k, v in outs.items() if k in refs}, refs)
+
+
+def check(row: dict, outs: dict, refs: dict, spread=None) -> None:
+    """Correct: every output within 1e-4 (max rel err) of onnxruntime's, or, where that fails
+    and ``spread()`` is given, within onnxruntime's own spread on that output (see
+    :func:`reference_spread`; recorded as ``ref_spread``)."""
     try:
         errs = errors(outs, refs)
     except KeyError as exc:
@@ -168,9 +189,16 @@ def check(row: dict, outs: dict, refs: dict) -> None:
         return
     row["errors"] = errs
     row["max_rel_err"] = max(errs.values(), default=0.0)
-    row["correct"] = all(e <= TOLERANCE["fp32"] for e in errs.values())
+    tol = dict.fromkeys(errs, TOLERANCE["fp32"])
+    if spread is not None and any(e > tol[n] for n, e in errs.items()):
+        try:
+            row["ref_spread"] = sp = spread()
+            tol = {n: max(t, sp.get(n, 0.0)) for n, t in tol.items()}
+        except Exception as exc:  # the spread is a second opinion; without it, 1e-4 stands
+            row["ref_spread"] = describe_error("onnxruntime spread", exc)
+    row["correct"] = all(e <= tol[n] for n, e in errs.items())
     if not row["correct"]:
-        worst = max(errs, key=errs.get)
+        worst = max(errs, key=lambda n: errs[n] / tol[n])
         note = shape_note(outs, refs)
         row.update(status="mismatch", error=note or f"output {worst!r}: max rel err "
-                   f"{errs[worst]:.2e} > {TOLERANCE['fp32']:.0e}")
+                   f"{errs[worst]:.2e} > {tol[worst]:.0e}")
