@@ -41,7 +41,20 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     order = [refine, fold, eliminate, pad_conv, conv_bn, layernorm, rmsnorm, gelu, activation,
              attention, qkv, matmul_add, squeeze_excite, conv_bias_act, *cpu_only, pointwise,
              layout, eliminate]
-    return [p for m in order for p in getattr(m, "PASSES", [])]
+    # refine, fold and eliminate walk subgraphs themselves; a fusion sees one graph, so it is
+    # run again on every subgraph (an If branch or Loop body of Conv + Relu fuses as the outer
+    # graph does, and its layers run as the outer graph's would)
+    walks_subgraphs = {refine, fold, eliminate}
+    return [(name, fn if m in walks_subgraphs else _with_subgraphs(fn))
+            for m in order for name, fn in getattr(m, "PASSES", [])]
+
+
+def _with_subgraphs(fn: Pass) -> Pass:
+    def run(graph: Graph, log: Callable[[str], None]) -> int:
+        from kiln.passes.fold import graph_and_subgraphs
+
+        return sum(fn(g, log) for g in list(graph_and_subgraphs(graph)))
+    return run
 
 
 def optimize(graph: Graph, log: Callable[[str], None] = lambda m: None,
