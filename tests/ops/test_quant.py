@@ -254,6 +254,11 @@ def test_matmul_integer_u8_weights_split_exact(monkeypatch):
     monkeypatch.setattr(QL, "_int_matmul_u8_split", lambda *a: calls.append(1) or split(*a))
     t = torch.from_numpy
     got = QL.int_matmul(t(a), t(b), t(np.array(3, np.uint8)), t(np.array(119, np.uint8)), cache)
-    assert len(cache["int_matmul_w"][1][2]) == 2 and calls  # both pieces, FBGEMM's path
+    assert len(cache["int_matmul_w"][2][2]) == 2 and calls  # both pieces, FBGEMM's path
     want = (a.astype(np.int64) - 3) @ (b.astype(np.int64) - 119)
     np.testing.assert_array_equal(got.numpy(), want)
+    bt = t(b)
+    QL.int_matmul(t(a), bt, None, None, cache)
+    bt[:, 1] = 7  # the same tensor written in place (an activation buffer): not the cache's
+    again = QL.int_matmul(t(a), bt, None, None, cache).numpy()
+    np.testing.assert_array_equal(again, a.astype(np.int64) @ bt.numpy().astype(np.int64))

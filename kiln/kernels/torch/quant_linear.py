@@ -170,14 +170,16 @@ def exact_chunks(abs_rows: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _prepared(cache: dict | None, key: str, tensors: tuple, make):
-    """``make()`` once per set of input tensors (the same objects: a constant weight)."""
+    """``make()`` once per set of input tensors: the same objects, not written since (torch's
+    version counter), as a constant weight is; an activation made again each call."""
     if cache is None:
         return make()
+    versions = tuple(getattr(t, "_version", None) for t in tensors)
     got = cache.get(key)
-    if got is None or len(got[0]) != len(tensors) or any(
+    if got is None or len(got[0]) != len(tensors) or got[1] != versions or any(
             a is not b for a, b in zip(got[0], tensors)):
-        got = cache[key] = (tensors, make())
-    return got[1]
+        got = cache[key] = (tensors, versions, make())
+    return got[2]
 
 
 def _matmul_weight(b, b_zp):
