@@ -17,7 +17,8 @@ kernels of ``triton_gemv`` and the faster is kept (``LlamaModel.gemv``).
 
 Fallbacks (logged on ``kiln.llm``, recorded in ``paths``): a graph that fails to capture turns
 graphs off (decode runs the same step eagerly); a Triton GEMV or decode kernel that fails to
-compile or launch turns itself off, and decode then runs the torch path.
+compile or launch turns itself off (a GEMV shape goes back to cuBLAS; a failing decode kernel
+sends decode steps to the torch path).
 """
 
 from __future__ import annotations
@@ -158,16 +159,6 @@ class CudaModelRunner(ModelRunner):
         try:
             return self._decode(ids, positions, entries)
         except Exception as e:
-            if self.model.gemv:
-                log.warning("decode with Triton GEMV failed (%s: %s); GEMV back to cuBLAS",
-                            type(e).__name__, str(e)[:200])
-                self.model.gemv.clear()
-                self.paths["gemv"] = {"error": type(e).__name__}
-                self._drop_graphs()
-                try:
-                    return self._decode(ids, positions, entries)
-                except Exception as e2:
-                    e = e2
             log.warning("Triton decode failed (%s: %s); decode runs the torch path",
                         type(e).__name__, str(e)[:200])
             self.triton_decode = False

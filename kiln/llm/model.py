@@ -89,9 +89,14 @@ class LlamaModel:
         if self.gemv and x.shape[0] == 1 and isinstance(w, torch.Tensor):
             cfg = self.gemv.get(tuple(w.shape))
             if cfg is not None:
-                from kiln.llm.triton_gemv import gemv
+                from kiln.llm import triton_gemv
 
-                return gemv(x, w, bias, cfg)
+                try:
+                    return triton_gemv.gemv(x, w, bias, cfg)
+                except Exception as e:  # compile/launch failure: cuBLAS for this shape from now
+                    triton_gemv.log.warning("Triton GEMV %s %s failed (%s: %s); cuBLAS instead",
+                                            tuple(w.shape), cfg, type(e).__name__, str(e)[:200])
+                    self.gemv.pop(tuple(w.shape), None)
         return linear(x, w, bias)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn, meta,
