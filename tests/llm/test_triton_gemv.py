@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
-from kiln.llm.triton_gemv import CONFIGS, gemv  # noqa: E402
+from kiln.llm.triton_gemv import CONFIGS, gemv
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
