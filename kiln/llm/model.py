@@ -82,6 +82,22 @@ class LlamaModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self._native = None  # the pointer table of decode_native, made on first use
+        # (N, K) of a weight -> Triton GEMV config for one-row steps (CUDA, set by the runner)
+        self.gemv: dict[tuple[int, int], tuple] = {}
+
+    def _linear(self, x: torch.Tensor, w, bias=None) -> torch.Tensor:
+        if self.gemv and x.shape[0] == 1 and isinstance(w, torch.Tensor):
+            cfg = self.gemv.get(tuple(w.shape))
+            if cfg is not None:
+                from kiln.llm import triton_gemv
+
+                try:
+                    return triton_gemv.gemv(x, w, bias, cfg)
+                except Exception as e:  # compile/launch failure: cuBLAS for this shape from now
+                    triton_gemv.log.warning("Triton GEMV %s %s failed (%s: %s); cuBLAS instead",
+                                            tuple(w.shape), cfg, type(e).__name__, str(e)[:200])
+                    self.gemv.pop(tuple(w.shape), None)
+        return linear(x, w, bias)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn, meta,
                 logits_rows: torch.Tensor | None) -> torch.Tensor:
@@ -99,20 +115,20 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         for i, lay in enumerate(self.layers):
             y = F.rms_norm(x, (h,), lay.ln1, eps)
-            qkv = linear(y, lay.qkv, lay.qkv_bias)
+            qkv = self._linear(y, lay.qkv, lay.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = _rope(q.view(t, -1, hd), cos, sin)
             k = _rope(k.view(t, -1, hd), cos, sin)
             o = attn(i, q, k, v.view(t, -1, hd), meta)
-            x = x + linear(o, lay.o)
+            x = x + self._linear(o, lay.o)
             y = F.rms_norm(x, (h,), lay.ln2, eps)
-            gu = linear(y, lay.gate_up)
+            gu = self._linear(y, lay.gate_up)
             g, u = gu.chunk(2, dim=-1)
-            x = x + linear(F.silu(g) * u, lay.down)
+            x = x + self._linear(F.silu(g) * u, lay.down)
         if logits_rows is not None:
             x = x[logits_rows]
         x = F.rms_norm(x, (h,), self.norm, eps)
-        return linear(x, self.lm_head).float()
+        return self._linear(x, self.lm_head).float()
 
     def native_decode_ok(self) -> bool:
         """Whether decode steps can run as one native call (CPU, float32, the C library)."""

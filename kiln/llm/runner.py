@@ -73,11 +73,15 @@ class ModelRunner:
             if s.samples:
                 rows.append(t - 1)
                 sampling.append(s.request)
+        tokens = self.forward_sample(ids, positions, entries, rows, sampling)
+        return {r.request_id: tok for r, tok in zip(sampling, tokens)}
+
+    def forward_sample(self, ids, positions, entries, rows, sampling) -> list[int]:
+        """The step's forward pass and one sampled token per row of ``rows``."""
         logits = self.forward(ids, positions, entries, rows)
         if not sampling:
-            return {}
-        tokens = self.sampler.sample(logits, sampling)
-        return {r.request_id: tok for r, tok in zip(sampling, tokens)}
+            return []
+        return self.sampler.sample(logits, sampling)
 
     def forward(self, ids, positions, entries, rows) -> torch.Tensor:
         dev = self.model.device
