@@ -18,6 +18,7 @@ from kiln.kernels.registry import register
 from kiln.kernels.torch import fused_transformer as torch_ft
 from kiln.kernels.triton.common import HALF, launch, next_pow2, on_device, tactic_of
 from kiln.ops import fused_transformer as FT
+from kiln.ops.rules import broadcast_ints
 
 _LOG2E = 1.4426950408889634
 
@@ -110,9 +111,9 @@ def supports(n, inputs) -> bool:
     if mask is not None:
         if not mask.dtype.is_floating_point or mask.dim() > 4:
             return False
-        try:
-            torch.broadcast_shapes(mask.shape, (*q4.shape[:-1], k4.shape[-2]))
-        except RuntimeError:
+        try:  # not torch.broadcast_shapes (its first call imports torch's symbolic shapes)
+            broadcast_ints(mask.shape, (*q4.shape[:-1], k4.shape[-2]))
+        except ValueError:
             return False
     return True
 
