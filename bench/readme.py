@@ -7,8 +7,8 @@ Per device (CPU, CUDA) the README shows the newest run in ``bench/results/`` tha
 default model (``bench.workloads.DEFAULT_MODELS``), as one compact table: kiln's median latency
 per workload and each peer's median with kiln's speed-up over it, under that run's command,
 date, machine and versions, and a link to the run's full table. A run that stopped early says
-so. The corpus section is the newest ``bench/results/corpus-cpu-*.md``, as the corpus bench
-wrote it. Each section sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``.
+so. The corpus section is the newest whole-corpus ``bench/results/corpus-cpu-*.md`` (the most
+models, then the latest run), as the corpus bench wrote it. Each section sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -147,13 +148,22 @@ def device_section(device: str, results: Path = RESULTS, base: Path = ROOT) -> s
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
+def _corpus_rank(path: Path) -> tuple:
+    """Whole-corpus runs before subsets (a run of three models is a side experiment), then the
+    newest by the run's own timestamp (file names sort ``-tag`` before ``.md``)."""
+    text = path.read_text()
+    models = re.search(r"^- models: (\d+)", text, re.M)
+    stamp = re.search(r"\((\d{4}-\d\d-\d\dT[\d:]+)", text)
+    return (int(models.group(1)) if models else 0, stamp.group(1) if stamp else "", path.name)
+
+
 def corpus_section(results: Path = RESULTS, base: Path = ROOT) -> str:
     runs = sorted(results.glob("corpus-cpu-*.md"))
     if not runs:
         return ("No corpus run in `bench/results/` yet: the corpus bench (issue 16) writes "
                 "`bench/results/corpus-cpu-<date>.md`, and `python -m bench.readme` shows the "
                 "newest here.")
-    newest = runs[-1]
+    newest = max(runs, key=_corpus_rank)
     link = f"[`{newest.name}`]({os.path.relpath(newest, base)})"
     return f"From {link}:\n\n{newest.read_text().strip()}"
 
