@@ -8,7 +8,8 @@ default model (``bench.workloads.DEFAULT_MODELS``), as one compact table: kiln's
 per workload and each peer's median with kiln's speed-up over it, under that run's command,
 date, machine and versions, and a link to the run's full table. A run that stopped early says
 so. The corpus section is the newest whole-corpus ``bench/results/corpus-cpu-*.md`` (the most
-models, then the latest run), as the corpus bench wrote it. Each section sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``.
+models, then the latest run), as the corpus bench wrote it. Each section sits between
+``<!-- NAME:start -->`` and ``<!-- NAME:end -->``.
 """
 
 from __future__ import annotations
