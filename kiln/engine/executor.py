@@ -21,9 +21,9 @@ import kiln.kernels.torch  # noqa: F401  (registers the CPU kernels)
 from kiln.engine import chains
 from kiln.engine.placement import Placement, host_read_slots
 from kiln.engine.step import Step, kernel_error, store_outputs
+from kiln.engine.value_flow import shape_setting_use
 from kiln.errors import KilnError
 from kiln.ir import Graph, Node
-from kiln.ir.types import TensorType
 from kiln.kernels.registry import Call, kernels_for
 from kiln.kernels.torch.convert import to_torch
 
@@ -49,8 +49,11 @@ class Executor:
     def __init__(self, graph: Graph, backend: str = "cpu",
                  choose: Callable = default_choice, opset: dict | None = None,
                  device: torch.device | None = None, tactics: dict | None = None,
-                 consts_from: Executor | None = None):
+                 consts_from: Executor | None = None, fixed_captures: frozenset = frozenset()):
         self.graph, self.backend, self.choose = graph, backend, choose
+        # captures whose outer values are constants: the same values every run
+        self.fixed_captures = fixed_captures
+        self.program_blocked: str | None = None  # why the native program is off, if by values
         self.tactics = tactics or {}
         self.device = device if device is not None and device.type != "cpu" else None
         self.opset = dict(opset or {}, **graph.opset)
@@ -224,10 +227,12 @@ def _native_program(ex: Executor):
     if ex.backend != "cpu" or ex.device is not None or not native.available \
             or not SETTINGS.cpu_program:
         return None
-    # a program is planned per input shape; integer inputs can set shapes by their values
-    # (Squeeze axes, Reshape shapes, indices), which the plan would silently keep
-    if not all(isinstance(v.type, TensorType) and v.type.dtype.is_float
-               for v in ex.graph.inputs + ex.graph.captures):
+    # a program is planned per input signature, not per value: it is kept from those whose
+    # integer or bool inputs could set a shape or a branch by their values (a Reshape shape,
+    # Slice bounds, an If condition), which the plan would silently keep; ids gathered from a
+    # table and masks feeding arithmetic do not (kiln.engine.value_flow)
+    ex.program_blocked = shape_setting_use(ex.graph, ex.fixed_captures)
+    if ex.program_blocked is not None:
         return None
     from kiln.engine.program import Program
 
@@ -304,7 +309,10 @@ class _SubgraphRunner:
         # the frontend appended the captured outer values to the node's inputs, in order
         names = [v.name for v in node.inputs[len(node.inputs) - n_caps:]] if n_caps else []
         self.index = {id(g): [names.index(c.name) for c in g.captures] for g in subgraphs}
-        self.execs = {id(g): Executor(g, backend, choose, opset, device, tactics)
+        fixed = frozenset(v.name for v in node.inputs[len(node.inputs) - n_caps:]
+                          if n_caps and v is not None and v.const is not None)
+        self.execs = {id(g): Executor(g, backend, choose, opset, device, tactics,
+                                      fixed_captures=fixed)
                       for g in subgraphs}
 
     def __call__(self, graph: Graph, args: list, captured) -> list:
