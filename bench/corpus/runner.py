@@ -24,10 +24,13 @@ class Options:
     kiln_only: bool = False  # CUDA: kiln FP16 at batch 1 alone (no peers, no large batch)
 
 
-def ort_session(path: Path, device: str, threads: int):
+def ort_session(path: Path, device: str, threads: int, optimize: bool = True):
+    """``optimize``: onnxruntime's default graph optimizations (ORT_ENABLE_ALL), or none."""
     import onnxruntime as ort
 
-    so = ort.SessionOptions()  # default graph optimizations (ORT_ENABLE_ALL)
+    so = ort.SessionOptions()
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     providers = ["CPUExecutionProvider"]
@@ -166,12 +169,7 @@ def reference_spread(path: Path, feeds: dict, refs: dict) -> dict[str, float]:
     bench's threads). Where an output is ill-conditioned (a saturated sigmoid whose largest
     value is 6e-5) FP32 rounding alone exceeds 1e-4 of it, and onnxruntime disagrees with
     itself by as much as kiln does."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.intra_op_num_threads = so.inter_op_num_threads = 1
-    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    sess = ort_session(path, "cpu", 1, optimize=False)
     ins = {i.name for i in sess.get_inputs()}
     outs = dict(zip([o.name for o in sess.get_outputs()],
                     sess.run(None, {k: v for k, v in feeds.items() if k in ins})))

@@ -39,10 +39,12 @@ def random_inputs(inputs: list, override: dict | None = None, profile=None,
     return out
 
 
-def tuning_inputs(inputs: list, profile=None, seed: int = 0) -> dict[str, np.ndarray]:
+def tuning_inputs(inputs: list, profile=None, seed: int = 0,
+                  override: dict | None = None) -> dict[str, np.ndarray]:
     """What the builder's tuning run and :meth:`kiln.Engine.warm_up` feed: seeded random
-    floats at the profile's opt shapes, zero integers and booleans (a valid index, token id,
-    mask and trip count, where random ones would be out of range or run a Loop for ever)."""
-    feeds = random_inputs(inputs, {}, profile, seed=seed)
+    floats at the profile's opt shapes (or ``override``'s, as :func:`random_inputs`), zero
+    integers and booleans (a valid index, token id, mask and trip count, where random ones
+    would be out of range or run a Loop for ever)."""
+    feeds = random_inputs(inputs, override or {}, profile, seed=seed)
     return {n: x if x.dtype.kind == "f" else np.zeros_like(x) for n, x in feeds.items()}
 

@@ -19,7 +19,7 @@ METHOD = ("weights: bytes of the constants resident on the device; activations: 
 
 def measure_device_memory(engine, shapes: dict | None = None) -> dict:
     """See :meth:`kiln.engine.Engine.device_memory`. Resets torch's peak-memory statistics."""
-    from kiln.engine.inputs import random_inputs
+    from kiln.engine.inputs import tuning_inputs
 
     ex = engine._executor
     if engine.torch_device is None:
@@ -29,8 +29,7 @@ def measure_device_memory(engine, shapes: dict | None = None) -> dict:
     dev = engine.torch_device
     profile = engine.profiles[0] if engine.profiles else None
     # zero integers (valid indices): random ones past an embedding's end assert on the device
-    feeds = {n: x if x.dtype.kind == "f" else np.zeros_like(x)
-             for n, x in random_inputs(engine.inputs, shapes or {}, profile, seed=0).items()}
+    feeds = tuning_inputs(engine.inputs, profile, seed=0, override=shapes)
     ctx = engine.create_context()
     ctx.cuda.never = "measuring memory"  # eager: the activation peak of the launches alone
     torch.cuda.synchronize(dev)

@@ -32,7 +32,14 @@ from kiln.kernels.triton.common import (
     grouped_tile,
     launch,
 )
-from kiln.kernels.triton.gemm import KEYS, best_tiles, fitting_tiles, splitk_epilogue, tile_count
+from kiln.kernels.triton.gemm import (
+    KEYS,
+    SMS,
+    best_tiles,
+    fitting_tiles,
+    splitk_epilogue,
+    tile_count,
+)
 
 # input channels below which K is walked flat (a BLOCK_K step of one tap would be mostly mask)
 FLAT_BELOW = 16
@@ -46,7 +53,6 @@ _CONFIGS = (
     (32, 64, 64, 8, 8, 4, 3), (16, 64, 128, 8, 8, 4, 3),
 )
 DEFAULT = dict(zip(KEYS, (64, 64, 32, 8, 1, 4, 3)), impl="igemm")
-_SMS = 132  # an H100/H200's SM count: split-K only where the plain tiles leave most idle
 
 
 # the spatial extents and rows vary per layer; specializing on them (== 1, % 16) compiled a
@@ -120,7 +126,7 @@ def tactics(nb: int, c: int, co: int, kh: int, kw: int, oh: int, ow: int) -> lis
     for t in fitting_tiles(_CONFIGS, m, co):
         bk = t["BLOCK_K"]
         steps = -(-kh * kw * c // bk) if c < FLAT_BELOW else kh * kw * -(-c // bk)
-        if t["SPLIT_K"] > 1 and (tile_count(t, m, co) * 2 > _SMS or steps < 2 * t["SPLIT_K"]):
+        if t["SPLIT_K"] > 1 and (tile_count(t, m, co) * 2 > SMS or steps < 2 * t["SPLIT_K"]):
             continue
         out.append(dict(t, impl="igemm"))
     return best_tiles(out, m, co) or [dict(DEFAULT)]
