@@ -1,9 +1,10 @@
-"""One corpus model on CUDA: kiln FP32 (TF32 off) checked against onnxruntime FP32; kiln FP16
-against torch eager FP16 and torch.compile(mode="reduce-overhead") FP16 on the re-created torch
-module (the spec's seeded definition, so the same weights as the export), at batch 1 and a large
-batch where the model's batch dim is dynamic. Each system is timed per call (synchronized after
-every call) and back-to-back (``BACK_TO_BACK`` calls queued, one synchronize, time / calls),
-with its peak device memory (torch's allocator, above what was allocated before it was made).
+"""One corpus model on CUDA: kiln FP32 (TF32 off, untuned) checked against onnxruntime FP32;
+kiln FP16 against torch eager FP16 and torch.compile(mode="reduce-overhead") FP16 on the
+re-created torch module (the spec's seeded definition, so the same weights as the export), at
+batch 1 and a large batch where the model's batch dim is dynamic. Each system is timed per call
+(synchronized after every call) and back-to-back (``BACK_TO_BACK`` calls queued, one
+synchronize, time / calls), with its peak device memory (torch's allocator, above what was
+allocated before it was made).
 
 Per kiln FP16 engine also: the cold build time, the build time again with the cold build's
 timing cache, and at batch 1 the issue's cold start: a fresh process that has imported torch
@@ -194,11 +195,14 @@ def _systems(entry: Entry, path: Path, feeds: dict, tmp: Path, kiln_only: bool =
 
 def check_fp32(entry: Entry, path: Path, feeds: dict, refs: dict | None, tmp: Path,
                row: dict) -> None:
-    """The CPU runner's build on CUDA: layer count, build time, near misses, FP32 error."""
+    """The CPU runner's build on CUDA: layer count, build time, near misses, FP32 error. Built
+    untuned (``tune=False``: the PyTorch kernels, in seconds): this is the accuracy check of
+    the graph on the device; the tuned kernels are checked by the FP16 engine's error against
+    the same reference (and by the tuner, which verifies every candidate's outputs)."""
     import kiln
 
     try:
-        engine_file = build_kiln(path, Options("cuda"), tmp, row)
+        engine_file = build_kiln(path, Options("cuda"), tmp, row, tune=False)
         ctx = kiln.load(engine_file).create_context()
         outs = kiln_outputs(ctx.run({i.name: feeds[i.name].astype(i.dtype.np, copy=False)
                                      for i in ctx.engine.inputs}))

@@ -225,9 +225,10 @@ class Builder:
                     tactics[n.name] = dict(sel.tactic)
                 continue
             ks = kernels_for(n.op, backend) or kernels_for(n.op, "cpu")
-            if picks is not None and kernels_for(n.op, "cpu"):
+            if (picks is not None or not self.config.tune) and kernels_for(n.op, "cpu"):
                 # tuned, and no CUDA kernel could run this node at the opt shapes (or it never
-                # ran): the PyTorch kernel, which is what the tuner itself ran
+                # ran), or not tuned at all: the PyTorch kernel, which is what the tuner
+                # itself runs
                 ks = kernels_for(n.op, "cpu")
             if not ks:
                 raise KilnError(f"node '{n.name}': op {n.op.qualname} has no {backend} kernel")
@@ -239,6 +240,10 @@ class Builder:
         entry when there are no profiles), or None when this build does not tune."""
         cfg = self.config
         if cfg.device != "cuda" or not torch.cuda.is_available():
+            return None
+        if not cfg.tune:
+            self.log("autotune: off (tune=False / --no-tune): every layer runs its first "
+                     "kernel, untimed")
             return None
         try:
             import kiln.kernels.triton  # noqa: F401  (registers the CUDA kernels)

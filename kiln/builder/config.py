@@ -29,6 +29,10 @@ class BuilderConfig:
         workspace: bytes of scratch memory kernels may use (None: no limit).
         optimize: run the graph optimizer (folding, elimination, fusion).
         timing_cache: path of a timing cache file for kernel selection.
+        tune: on CUDA, time the candidate kernels of every layer and keep the fastest (the
+            default). False builds in seconds with each layer's first kernel (the PyTorch one,
+            as TensorRT's builder optimization level 0 skips tactic timing): for an accuracy
+            check or a quick smoke test, not for speed.
         plan_margin: on CUDA, a layer keeps a kernel that runs from the engine's embedded
             binaries over a faster cuDNN one when it is at most this fraction slower (0.25:
             25%). cuDNN makes a plan per layer shape at an engine's first run (milliseconds
@@ -69,6 +73,7 @@ class BuilderConfig:
     workspace: int | None = None
     optimize: bool = True
     timing_cache: str | None = None
+    tune: bool = True
     plan_margin: float = 0.25
     cuda_graph: bool = True
     calib: object = None

@@ -409,3 +409,28 @@ def test_autotune_pruning_keeps_the_fastest_plan_free_candidate():
     assert _key("TritonFake", {"B": 3}) in clock.full
     assert _key("TritonFake", {"B": 4}) not in clock.full
     assert sel.tactic == {"B": 3} and sel.plan_free  # 0.4 ms is within 300% of 0.1 ms
+
+
+def test_no_tune_skips_timing_and_picks_the_pytorch_kernels(monkeypatch):
+    """``tune=False`` (``kiln build --no-tune``) on CUDA times nothing and gives every layer
+    the PyTorch kernel, never an untimed Triton one."""
+    import torch
+    from onnx import TensorProto, helper
+
+    from kiln.builder import Builder, BuilderConfig
+    from kiln.frontend import import_onnx
+    from kiln.kernels.registry import kernels_for
+
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="relu")], "m",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    graph = import_onnx(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    lines: list[str] = []
+    builder = Builder(BuilderConfig(device="cuda", tune=False), log=lines.append)
+    assert builder._autotune(graph) is None
+    assert any("autotune: off" in ln for ln in lines)
+    choices, tactics = builder._choose_kernels(graph, None)
+    node = next(iter(graph.nodes))
+    assert choices == {"relu": kernels_for(node.op, "cpu")[0].name} and tactics == {}
