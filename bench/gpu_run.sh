@@ -36,7 +36,7 @@ for m in ("triton", "torch", "kiln"):
     d = pathlib.Path(importlib.util.find_spec(m).origin).parent
     print(m, d, "pycache:", (d / "__pycache__").is_dir(), "writable:", os.access(d, os.W_OK))
 PY
-    for i in 1 2; do python -X importtime -c "import triton" 2>&1 | tail -1; done
+    for i in 1 2; do env -u PYTHONPYCACHEPREFIX python -X importtime -c "import triton" 2>&1 | tail -1; done
     for i in 1 2; do PYTHONPYCACHEPREFIX=/tmp/pyc python -X importtime -c "import triton" \
       2>&1 | tail -1; done
     for i in 1 2; do PYTHONPYCACHEPREFIX=/tmp/pyc python -X importtime -c \
