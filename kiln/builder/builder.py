@@ -209,6 +209,25 @@ class Builder:
                  + (f", {len(rec.skipped)} not embeddable: {sorted(set(rec.skipped.values()))}"
                     if rec.skipped else "") + f" in {time.perf_counter() - t0:.2f} s")
 
+    def _precompile(self, graph: Graph, cache: autotune.TimingCache) -> None:
+        """Compile the Triton candidates in worker processes first
+        (:mod:`kiln.builder.precompile`), unless the timing cache already holds times for
+        this device (a warm build: it times little and compiles mostly its winners)."""
+        from kiln.builder import precompile as P
+
+        cfg = self.config
+        workers = P.default_workers() if cfg.compile_workers is None else cfg.compile_workers
+        if workers < 2 or cache.entries.get(cache.device):
+            return
+        choices = {n.name: (kernels_for(n.op, "cpu") or kernels_for(n.op, "cuda"))[0].name
+                   for n in _all_nodes(graph)}
+        try:
+            self.report["precompile"] = P.precompile(graph, choices, cfg.profiles, workers,
+                                                     self.log)
+        except Exception as e:  # the build compiles the candidates itself, as without it
+            self.log(f"autotune: parallel compile not run ({type(e).__name__}: "
+                     f"{str(e)[:200]}); compiling in the build process")
+
     def _choose_kernels(self, graph: Graph, picks: dict | None
                         ) -> tuple[dict[str, str], dict[str, dict]]:
         """``(choices, tactics)``: the kernel name per node, and the tactic per node whose
@@ -252,6 +271,7 @@ class Builder:
             return None
         t0 = time.perf_counter()
         cache = autotune.TimingCache(cfg.timing_cache, autotune.device_key(), log=self.log)
+        self._precompile(graph, cache)
         per_profile = []
         for k, profile in enumerate(cfg.profiles or [None]):
             if len(cfg.profiles) > 1:
