@@ -219,6 +219,8 @@ class Builder:
         workers = P.default_workers() if cfg.compile_workers is None else cfg.compile_workers
         if workers < 2 or cache.entries.get(cache.device):
             return
+        if len(P.share(graph, 0, 1)) < P.MIN_LAYERS:  # starting the workers costs seconds
+            return
         choices = {n.name: (kernels_for(n.op, "cpu") or kernels_for(n.op, "cuda"))[0].name
                    for n in _all_nodes(graph)}
         try:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 WORKER_TIMEOUT_S = 900
+MIN_LAYERS = 16  # fewer tuned layers compile in less time than the workers take to start
 
 
 def default_workers() -> int:
