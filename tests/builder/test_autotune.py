@@ -481,7 +481,7 @@ def test_builder_config_checks_compile_workers():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_precompiled_build_picks_what_a_serial_build_picks(tmp_path):
+def test_precompiled_build_picks_what_a_serial_build_picks(tmp_path, monkeypatch):
     """A CUDA build whose candidates two worker processes compiled first tunes the same
     layers and keeps valid outputs (the timing itself differs run to run)."""
     from kiln.builder import Builder, BuilderConfig
@@ -490,7 +490,7 @@ def test_precompiled_build_picks_what_a_serial_build_picks(tmp_path):
     path.write_bytes(_two_softmax_model().SerializeToString())
     from kiln.builder import precompile
 
-    precompile.MIN_LAYERS = 0  # two layers: too few to be worth the workers, as a rule
+    monkeypatch.setattr(precompile, "MIN_LAYERS", 0)  # two layers: as a rule, too few
     b = Builder(BuilderConfig(device="cuda", compile_workers=2))
     engine = b.build(str(path))
     assert b.report["precompile"]["failed"] == []
