@@ -76,12 +76,15 @@ def kiln_system(path: Path, feeds: dict, fp16: bool, tmp: Path, info: dict):
                                   profiles=[kiln.Profile.fixed({k: v.shape
                                                                 for k, v in feeds.items()})])
     t0 = time.perf_counter()
-    builder = kiln.Builder(config())
+    lines: list[str] = []
+    builder = kiln.Builder(config(), log=lines.append)
     engine = builder.build(str(path))
     info["build_s"] = time.perf_counter() - t0
     info["build_parts"] = {"parse_s": builder.report.get("parse_s"),
                            "autotune": builder.report.get("autotune_summary"),
+                           "precompile": builder.report.get("precompile"),
                            "binaries_s": builder.report.get("binaries", {}).get("seconds")}
+    info["build_log"] = [ln[:300] for ln in lines if not ln.startswith("autotune ")][-30:]
     if next(iter(feeds.values())).shape[0] == 1:  # at b1 only: a warm build costs device time
         t0 = time.perf_counter()
         kiln.Builder(config()).build(str(path))  # again, with the first build's timing cache

@@ -68,9 +68,11 @@ def precompile(graph, choices: dict[str, str], profiles: list, workers: int,
                 out, _ = p.communicate()
                 out = f"stopped after {WORKER_TIMEOUT_S} s\n" + (out or "")
                 p.returncode = p.returncode or -9
+            tail = [ln for ln in (out or "").splitlines() if ln.strip()][-1:] or [""]
             if p.returncode != 0:
-                tail = [ln for ln in (out or "").splitlines() if ln.strip()][-1:] or [""]
                 summary["failed"].append(f"worker {k}: exit {p.returncode}: {tail[0][:200]}")
+            elif tail[0].startswith("precompile worker:"):
+                summary.setdefault("worker_lines", []).append(tail[0])
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     log(f"autotune: candidates compiled by {workers} processes in {summary['seconds']:.2f} s"
         + (f"; {len(summary['failed'])} failed ({summary['failed'][0]}): the build compiles "
@@ -104,11 +106,17 @@ def _worker(path: str, k: int, n: int, device: int) -> int:
     import kiln.kernels.triton  # registers the CUDA kernels, which share() counts
     from kiln.builder.autotune import tune_graph
 
+    t0 = time.perf_counter()
     torch.cuda.set_device(device)
     engine = kiln.load(path)
+    t1 = time.perf_counter()
     only = share(engine.graph, k, n)
+    count = 0
     for profile in engine.profiles or [None]:
-        tune_graph(engine.graph, profile, None, timer=_compile_only, only=only)
+        count += sum(s.timed for s in tune_graph(engine.graph, profile, None,
+                                                 timer=_compile_only, only=only).values())
+    print(f"precompile worker: {len(only)} layers, {count} candidates; started + loaded in "
+          f"{t1 - t0:.2f} s, ran in {time.perf_counter() - t1:.2f} s", flush=True)
     return 0
 
 
