@@ -95,8 +95,9 @@ def test_dynamic_quantize_lstm_one_step_exact_integers():
     """One forward step from zero state is sigmoid/tanh of x's uint8 quantization times the
     8-bit W in integers, scaled back, plus the biases — evaluated here in NumPy, with weights
     large enough that onnxruntime's AVX2 kernel saturates: its integers (pairs of u8 x s8
-    products summed in int16, saturating) where kiln runs FBGEMM, exact ones elsewhere."""
-    from kiln.kernels.torch.int8 import _HAS_FBGEMM
+    products summed in int16, saturating) where kiln runs FBGEMM on a CPU without VNNI, exact
+    ones elsewhere."""
+    from kiln.kernels.torch.int8 import _HAS_FBGEMM, u8s8_saturates
 
     hid, inp = 4, 6
     model, feeds, vals = _model(seq=1, inp=inp, hid=hid, direction="forward")
@@ -109,7 +110,8 @@ def test_dynamic_quantize_lstm_one_step_exact_integers():
     q = np.clip(np.round(x / scale) + zp, 0, 255).astype(np.int64) - zp
     w0 = vals["W"][0].astype(np.int64)
     acc = q @ w0
-    if _HAS_FBGEMM:  # (k, k + 1) pairs of raw codes, saturated; then the zero point's share
+    # (k, k + 1) pairs of raw codes, saturated; then the zero point's share
+    if _HAS_FBGEMM and u8s8_saturates():
         pairs = ((q + zp)[:, :, None] * w0[None]).reshape(1, inp // 2, 2, -1).sum(2)
         acc = np.clip(pairs, -32768, 32767).sum(1) - zp * w0.sum(0)
     gates = acc.astype(np.float32) * np.float32(scale * vals["W_scale"][0])

@@ -335,7 +335,8 @@ def _pair_saturated(codes_u8, wq):
 @pytest.mark.skipif(not K._HAS_FBGEMM, reason="needs PyTorch's FBGEMM")
 def test_int8_matmul_fbgemm_full_range_weights_saturate_as_mlas():
     """Full-range (+-127) weights: FBGEMM's integers are the pairwise-saturated sums, the ones
-    onnxruntime computes on AVX2; on kiln's 7-bit weights nothing saturates (exact)."""
+    onnxruntime computes on AVX2 without VNNI, and the exact ones with VNNI (both there); on
+    kiln's 7-bit weights nothing saturates (exact)."""
     x = (RNG.standard_normal((16, 64)) * 3).astype(np.float32)
     wq = RNG.integers(-127, 128, (64, 32)).astype(np.int8)
     ws = np.full(32, 0.01, np.float32)
@@ -343,7 +344,9 @@ def test_int8_matmul_fbgemm_full_range_weights_saturate_as_mlas():
     call = _call(I8.Int8MatMul, x_scale=s, x_zero=z)
     got = K.int8_matmul(call, *map(torch.from_numpy, (x, wq, ws))).numpy()
     codes = np.clip(np.rint(x / s) + z, 0, 255)
-    want = (_pair_saturated(codes, wq) - z * wq.astype(np.int64).sum(0)) * (s * ws)
+    acc = _pair_saturated(codes, wq) if K.u8s8_saturates() else \
+        codes.astype(np.int64) @ wq.astype(np.int64)
+    want = (acc - z * wq.astype(np.int64).sum(0)) * (s * ws)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
@@ -524,4 +527,37 @@ def test_dynamic_uint8_weights_exact(tmp_path, span, folds):
     assert ("TorchInt8MatMul" in e.choices.values()) == folds
     got = e.create_context().run({"x": x})["y"]
     want = _dynamic_reference(x, wq, 119)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def _fma_ties(s: float, z: int, n: int) -> np.ndarray:
+    """``n`` float32 values whose code ``round(x / s) + z`` (DynamicQuantizeLinear's) differs
+    from ``round(x * (1 / s) + z)`` computed as one fused multiply-add (FBGEMM's quantizer)."""
+    rng = np.random.default_rng(5)
+    s32, inv = np.float32(s), np.float32(1) / np.float32(s)
+    cand = ((rng.integers(-z, 255 - z, 400000) + 0.5) * s32).astype(np.float32)
+    cand = np.nextafter(cand, cand + rng.choice([-1, 1], cand.size).astype(np.float32))
+    exact = np.rint(cand / s32) + z
+    fused = np.rint((cand.astype(np.float64) * np.float64(inv) + z).astype(np.float32))
+    picked = cand[exact != fused]
+    assert picked.size >= n
+    return picked[:n]
+
+
+def test_dynamic_int8_matmul_codes_as_dynamic_quantize_linear(tmp_path):
+    """A dynamic INT8 layer (folded from quantize_dynamic's pattern, int8 weights) sees the
+    codes DynamicQuantizeLinear computes, ``round(x / scale) + zero``, also on the values where
+    FBGEMM's own ``x * (1 / scale) + zero`` rounds the other way: onnxruntime's integers."""
+    rng = np.random.default_rng(4)
+    wq = rng.integers(-127, 128, (256, 32)).astype(np.int8)
+    x = rng.uniform(-1.0, 3.0, (16, 256)).astype(np.float32)
+    x[0, :2] = (-1.0, 3.0)  # the range: scale 4 / 255, zero point 64
+    s = np.float32(np.float32(4.0) / np.float32(255))
+    x[1:, 7] = _fma_ties(float(s), 64, 15)
+    path = tmp_path / "dyn.onnx"
+    onnx.save(_dynamic_matmul_model(wq, 0), path)
+    e = Builder(BuilderConfig()).build(path)
+    assert "TorchInt8MatMul" in e.choices.values()
+    got = e.create_context().run({"x": x})["y"]
+    want = _dynamic_reference(x, wq, 0)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
