@@ -257,6 +257,33 @@ def _int8_matmul_onednn(n, a, x, wq, w_scale, b, r):
     return epilogue(y, a, r) if after else y
 
 
+@register(I8.Int8MatMulQDQ)
+def int8_matmul_qdq(n, x, wq, w_scale):
+    """The int32 products ``acc`` of x's codes (minus x_zero) and the weight codes, requantized
+    in onnxruntime's float32 steps (QLinearMatMul's MlasRequantizeOutput): ``round(acc *
+    mult) + y_zero`` saturated, ``mult = x_scale * w_scale / y_scale`` per column; then
+    dequantized by y_scale. FBGEMM computes ``acc`` (given the shifted codes with scale 1,
+    which it quantizes back to the codes exactly, and a weight packed with scale 1; its float
+    ``acc`` is the int32 one converted, as onnxruntime converts it), a float32 matmul of the
+    codes elsewhere (exact below 2**24)."""
+    a = n.a
+    k, m = wq.shape
+    xf = x.float().reshape(-1, k)
+    codes = torch.div(xf, a.x_scale).round_().add_(a.x_zero).clamp_(0, 255).sub_(a.x_zero)
+    if _fbgemm_ok(xf):
+        packed = _cached(n, "w_fbgemm_unit", lambda: _fbgemm_pack(wq, torch.ones(m), None))
+        acc = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            codes.contiguous(), 1.0, a.x_zero, packed)
+    else:
+        acc = torch.matmul(codes, wq.float())
+    mult = _cached(n, ("mult", w_scale.device), lambda: (
+        torch.tensor(a.x_scale, dtype=torch.float32) * w_scale.float().reshape(-1)) /
+        torch.tensor(a.y_scale, dtype=torch.float32))
+    lo, hi = (-128, 127) if a.y_signed else (0, 255)
+    y = acc.mul_(mult).round_().add_(a.y_zero).clamp_(lo, hi).sub_(a.y_zero).mul_(a.y_scale)
+    return y.reshape(*x.shape[:-1], m).to(x.dtype)
+
+
 class _WithAttrs:
     """A node's call seen with other attributes (a dynamic layer's per-call scale)."""
 
