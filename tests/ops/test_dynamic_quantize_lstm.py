@@ -145,3 +145,26 @@ def test_dynamic_quantize_lstm_without_scales_is_refused():
     node.input[8] = ""  # no W_scale
     with pytest.raises(Exception, match="W_scale"):
         run_kiln(model, feeds)
+
+
+@pytest.mark.skipif(not __import__("kiln").native.available, reason="needs kiln.native")
+@pytest.mark.parametrize("case", [
+    {"states": True, "peepholes": True}, {"direction": "reverse", "lens": [3]},
+    {"batch": 3, "hid": 13, "seq": 4, "lens": [4, 0, 2], "states": True},
+], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_dynamic_quantize_lstm_native_recurrence_matches_torch_steps(case, monkeypatch):
+    """kiln_dq_lstm (rnn.c) against the kernel's PyTorch recurrence: the same codes every
+    step (so the same integers), states to the activations' float32 rounding; its odd hidden
+    size takes the vector tails, a zero length the empty row."""
+    from kiln.kernels.torch import dynamic_quantize_lstm as DL
+
+    model, feeds, _ = _model(**case)
+    calls = []
+    native = DL._run_native
+    monkeypatch.setattr(DL, "_run_native", lambda *a: calls.append(1) or native(*a))
+    got = run_kiln(model, feeds)
+    assert calls
+    monkeypatch.setattr(DL, "_native_fits", lambda rq, x: False)
+    want = run_kiln(model, feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
