@@ -22,7 +22,7 @@ from kiln.passes.pipeline import optimize
 from kiln.passes.quantize.data import load_batches
 from kiln.passes.quantize.dynamic import fold_dynamic_quant
 from kiln.passes.quantize.int8 import weight_grids
-from kiln.passes.quantize.qdq import fold_qdq, fuse_qdq_pairs, lower_qlinear
+from kiln.passes.quantize.qdq import fold_qdq, fuse_qdq_pairs, fuse_requantize, lower_qlinear
 
 
 class Builder:
@@ -73,6 +73,8 @@ class Builder:
         if cfg.int8 or cfg.fp8 or explicit:
             self.report["int8"] = apply_int8(graph, cfg, explicit, self.log,
                                              grid if explicit else None)
+            if explicit:
+                fuse_requantize(graph, self.log)
         if cfg.fp16 or cfg.bf16:  # FP16 when both are allowed: more mantissa, same speed
             lower_precision(graph, "fp16" if cfg.fp16 else "bf16", log=self.log,
                             io=cfg.low_precision_io, keep_fp32=keep_fp32)
