@@ -10,7 +10,9 @@ Row ``l`` of A is ``xp[l * stride : l * stride + (K - 1) * dilation + 1 : dilati
 with dilation 1 it is a view that steps ``stride * C`` floats per row (rows overlap where the
 kernel is wider than the stride: the STFT-like conv of silero-vad reads its 256 taps at
 stride 128 without copying anything); a dilated kernel's rows are gathered by one copy first.
-The weight [Co, C / G, K] is reordered to [K, C / G] columns and packed once per plan.
+A grouped conv's taps are gathered [group][tap][channel] and each group is a GEMM over its
+block of columns. The weight [Co, C / G, K] is reordered to [K, C / G] rows per group and packed
+once per plan.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def _conv1d(pc, st, ins, outs):
         return None
     xp = _padded_nlc(pc, x, pb[0], pe[0])
     s, d = s[0], d[0]
-    rows = _rows(pc, xp, n, lo, k, s, d)
+    rows = _rows(pc, xp, n, lo, k, s, d, groups)
     y = pc.alloc((n, co, lo), _nlc((n, co, lo)))
     if r is not None and not _is_nlc(r):
         rr = pc.alloc(r.shape, _nlc(r.shape))
@@ -91,7 +93,7 @@ def _conv1d(pc, st, ins, outs):
         bias = -1 if b is None else pc.fixed(b[gi * og:(gi + 1) * og].contiguous())
         for a_val, m, row0 in rows:
             rec = [OP_GEMM, m, og, k * cg]
-            pc.put(rec, a_val._replace(off=a_val.off + gi * cg))
+            pc.put(rec, a_val._replace(off=a_val.off + gi * k * cg))
             rec += [a_val.strides[0], pc.fixed(pw.data), bias]
             pc.put(rec, None if r is None else _at(r, row0, gi * og))
             rec.append(co)
@@ -123,14 +125,16 @@ def _padded_nlc(pc, x: Val, pb: int, pe: int) -> Val:
     return xp
 
 
-def _rows(pc, xp: Val, n: int, lo: int, k: int, s: int, d: int) -> list:
+def _rows(pc, xp: Val, n: int, lo: int, k: int, s: int, d: int, groups: int) -> list:
     """The GEMM's A operands: (value whose ``strides[0]`` is the row stride and whose row holds
-    the K * C taps contiguously, row count, first output row), one per batch item unless the
-    items' rows line up (or a dilated kernel's taps were gathered into rows)."""
+    the K * C taps contiguously, group by group, row count, first output row), one per batch
+    item unless the items' rows line up. A dilated kernel's taps, and a grouped conv's (whose
+    rows go [group][tap][channel]), are gathered into rows by one copy first."""
     c, lp = xp.shape[1], xp.shape[2]
-    if d != 1 and k > 1:
-        col = pc.alloc((n, lo, k, c))
-        src = Val((n, lo, k, c), (lp * c, s * c, d * c, 1), xp.buf, xp.off, xp.root)
+    if groups > 1 or (d != 1 and k > 1):
+        cg = c // groups
+        col = pc.alloc((n, lo, groups, k, cg))
+        src = Val(col.shape, (lp * c, s * c, cg, d * c, 1), xp.buf, xp.off, xp.root)
         emit_copy(pc, src, col)
         return [(Val((n * lo, k * c), (k * c, 1), col.buf, col.off, col.root), n * lo, 0)]
     if n == 1 or lp == lo * s:
