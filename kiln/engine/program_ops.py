@@ -529,7 +529,7 @@ PLANNERS.update({
     T.Split: _split,
 })
 # (these modules use the emitters above)
-from kiln.engine import program_conv1d, program_data  # noqa: E402
+from kiln.engine import program_conv1d, program_data, program_linear, program_rnn  # noqa: E402
 
-PLANNERS.update(program_conv1d.PLANNERS)
-PLANNERS.update(program_data.PLANNERS)
+for _more in (program_conv1d, program_data, program_linear, program_rnn):
+    PLANNERS.update(_more.PLANNERS)
