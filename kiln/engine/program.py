@@ -139,7 +139,7 @@ class Program:
     """Runs ``steps`` (an executor's run steps) as one native program per input signature."""
 
     def __init__(self, steps: list, input_slots: list, consts: dict, output_slots: list):
-        from kiln.engine import program_ops  # noqa: F401  (imported at load, not at first run)
+        from kiln.engine import planners  # noqa: F401  (imported at load, not at first run)
 
         self.steps, self.input_slots = steps, input_slots
         self.consts, self.output_slots = consts, output_slots
@@ -202,7 +202,7 @@ class Program:
             return False
 
     def _plan_records(self, metas: dict, small: dict) -> _Plan:
-        from kiln.engine import program_ops
+        from kiln.engine import planners, program_ops
 
         work = sum(math.prod(m.shape) for st in self.steps for i in st.ins + st.outs
                    if i >= 0 for m in [metas.get(i)] if m is not None)
@@ -228,7 +228,7 @@ class Program:
                 continue
             ins = [pc.vals.get(i) if i >= 0 else None for i in st.ins]
             outs = [metas.get(s) for s in st.outs]
-            planner = program_ops.PLANNERS.get(getattr(st.node, "op", None))
+            planner = planners.PLANNERS.get(getattr(st.node, "op", None))
             made = None
             if planner is not None and all(m is not None and m.dtype == _F32 for m in outs):
                 made = planner(pc, st, ins, outs)

@@ -1,8 +1,9 @@
-"""A lone ``FusedGemm`` or ``FusedMatMul`` by a constant weight as one kiln GEMM record (bias,
-residual and activation in its epilogue), the weight packed once per plan: the classifier
-head after a recurrent layer, which a native chain (two or more such steps in a row) does not
-take. Rows of the input (and residual) must collapse to one stride over a contiguous last dim;
-others are copied contiguous first.
+"""A lone ``FusedGemm`` or ``FusedMatMul`` by a constant weight whose tactic at this shape is
+kiln's GEMM, as one GEMM record (bias, residual and activation in its epilogue) on the weight
+the tactic packed: the classifier head after a recurrent layer, which a native chain (two or
+more such steps in a row) does not take. Another tactic (MKL, oneDNN) stays a torch record, so
+that a planned run computes what the traced one did. Rows of the input (and residual) must
+collapse to one stride over a contiguous last dim; others are copied contiguous first.
 """
 
 from __future__ import annotations
@@ -65,17 +66,21 @@ def _linear(pc, st, ins, outs):
     r = ins[3] if len(ins) > 3 else None
     if len(st.ins) > 3 and st.ins[3] >= 0 and (r is None or tuple(r.shape) != shape):
         return None  # a constant or broadcast residual: torch's
+    key = (tuple(x.shape), None if r is None else tuple(r.shape))
+    fn = (st.call.cache.get("lin_plans") or {}).get(key)
+    packed = getattr(fn, "packed", None)
+    if getattr(fn, "tactic", None) != "kiln" or packed is None:
+        return None
     x, lda = _rows(pc, x)
     ldr = 0
     if r is not None:
         r, ldr = _rows(pc, r)
-    pw = native.PackedWeight(w.contiguous())
-    pc.keep.append(pw)
+    pc.keep.append(packed)
     y = pc.alloc(shape, contiguous_strides(shape))
     lo, hi = native._epilogue_params(a.activation, a.alpha, a.beta)
     rec = [OP_GEMM, math.prod(shape[:-1]), n, k]
     pc.put(rec, x)
-    rec += [lda, pc.fixed(pw.data), -1 if b is None else pc.fixed(b.contiguous())]
+    rec += [lda, pc.fixed(packed.data), -1 if b is None else pc.fixed(b.contiguous())]
     pc.put(rec, r)
     rec.append(ldr)
     pc.put(rec, y)

@@ -528,8 +528,3 @@ PLANNERS.update({
     FC.FusedConv: fused_conv, FC.SqueezeExcite: _squeeze_excite, T.Slice: _slice,
     T.Split: _split,
 })
-# (these modules use the emitters above)
-from kiln.engine import program_conv1d, program_data, program_linear, program_rnn  # noqa: E402
-
-for _more in (program_conv1d, program_data, program_linear, program_rnn):
-    PLANNERS.update(_more.PLANNERS)
