@@ -307,6 +307,7 @@ class _SubgraphRunner:
     def __init__(self, node: Node, subgraphs: list[Graph], n_caps: int, backend, choose,
                  opset: dict, device: torch.device | None = None, tactics: dict | None = None):
         # the frontend appended the captured outer values to the node's inputs, in order
+        self.n_caps = n_caps  # the node's last n_caps inputs are the captured values
         names = [v.name for v in node.inputs[len(node.inputs) - n_caps:]] if n_caps else []
         self.index = {id(g): [names.index(c.name) for c in g.captures] for g in subgraphs}
         fixed = frozenset(v.name for v in node.inputs[len(node.inputs) - n_caps:]
