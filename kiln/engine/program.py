@@ -43,6 +43,9 @@ SMALL_WORK = 1 << 17
 MAX_MEAN_WORK = 1 << 17
 # integer results up to this many elements are kept from the traced run, for _foldable
 FOLD_MAX = 64
+# a program keyed on input values traces at most this many signatures (values that change
+# every run would trace every run: the Python loop is faster then)
+_MAX_KEYED_TRACES = 4 * _MAX_PLANS
 _F32 = torch.float32
 
 
@@ -139,7 +142,8 @@ class _Plan:
 class Program:
     """Runs ``steps`` (an executor's run steps) as one native program per input signature."""
 
-    def __init__(self, steps: list, input_slots: list, consts: dict, output_slots: list):
+    def __init__(self, steps: list, input_slots: list, consts: dict, output_slots: list,
+                 keyed: tuple = ()):
         from kiln.engine import planners  # noqa: F401  (imported at load, not at first run)
 
         self.steps, self.input_slots = steps, input_slots
@@ -148,6 +152,9 @@ class Program:
         self._lock = threading.Lock()
         self.traced = 0  # traced runs (one per signature planned; tests count them)
         self.disabled = False  # a step's output shape or layout depends on data: no programs
+        # positions of the (integer) inputs whose values may set a shape or branch: a plan is
+        # made per value of these (up to FOLD_MAX elements each), which fixes what they set
+        self.keyed = tuple(keyed)
 
     def run(self, args: list, call) -> list | None:
         """One run, or None where this signature has no program (the executor then runs the
@@ -156,6 +163,11 @@ class Program:
             return None
         sig = tuple((tuple(x.shape), tuple(x.stride()), x.dtype) if isinstance(x, torch.Tensor)
                     else type(x) for x in args)
+        if self.keyed:
+            values = _key_values(args, self.keyed)
+            if values is None:
+                return None
+            sig += values
         plan = self.plans.get(sig)
         if plan is None:
             return self._trace(sig, args, call)
@@ -177,6 +189,9 @@ class Program:
         metas = {s: _meta(x, ()) for s, x in env.items()}
         small: dict = {}  # small integer results, which a plan may fold (_foldable)
         fixed = set(consts)  # slots whose values the signature fixes (program_inline)
+        for k in self.keyed:  # their values are the signature's
+            fixed.add(self.input_slots[k])
+            small[self.input_slots[k]] = args[k].clone()
         inline = program_inline.Inliner(self.steps, self.input_slots, self.output_slots, consts)
         steps, queue = [], list(reversed(self.steps))
         while queue:
@@ -202,6 +217,9 @@ class Program:
         with self._lock:
             if sig not in self.plans:
                 self.traced += 1
+                if self.keyed and self.traced > _MAX_KEYED_TRACES:
+                    self.disabled = True  # values vary run to run: the Python loop
+                    return outs
                 if len(self.plans) >= _MAX_PLANS:
                     del self.plans[next(iter(self.plans))]
                 self.plans[sig] = self._plan(metas, small, steps, consts)
@@ -237,7 +255,8 @@ class Program:
         for s, c in consts.items():
             if isinstance(c, torch.Tensor) and c.dtype == _F32 and c.dim() <= 6:
                 pc.vals[s] = Val(tuple(c.shape), tuple(c.stride()), pc.fixed(c, s), 0, s)
-        fallbacks, folded = [], {}
+        fallbacks = []
+        folded = {s: small[s] for s in (self.input_slots[k] for k in self.keyed) if s in small}
         for k, st in enumerate(steps):
             pc.step = k
             if _foldable(st, pc, folded, small) and not set(st.outs) & set(self.output_slots):
@@ -398,6 +417,17 @@ def _foldable(st, pc, folded: dict, small: dict) -> bool:
     if op in (T.Shape, T.Size):
         return len(st.ins) >= 1 and (st.ins[0] in pc.vals or st.ins[0] in folded)
     return all(i < 0 or i in folded or i in pc.consts for i in st.ins)
+
+
+def _key_values(args: list, keyed: tuple) -> tuple | None:
+    """The values of the keyed inputs, for the signature; None where one is too large."""
+    out = []
+    for k in keyed:
+        x = args[k]
+        if not isinstance(x, torch.Tensor) or x.numel() > FOLD_MAX:
+            return None
+        out.append((k, tuple(x.reshape(-1).tolist())))
+    return tuple(out)
 
 
 def _unshared(x):
