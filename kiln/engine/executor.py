@@ -21,7 +21,7 @@ import kiln.kernels.torch  # noqa: F401  (registers the CPU kernels)
 from kiln.engine import chains
 from kiln.engine.placement import Placement, host_read_slots
 from kiln.engine.step import Step, kernel_error, store_outputs
-from kiln.engine.value_flow import shape_setting_use
+from kiln.engine.value_flow import shape_setting_inputs, shape_setting_use
 from kiln.errors import KilnError
 from kiln.ir import Graph, Node
 from kiln.kernels.registry import Call, kernels_for
@@ -53,7 +53,9 @@ class Executor:
         self.graph, self.backend, self.choose = graph, backend, choose
         # captures whose outer values are constants: the same values every run
         self.fixed_captures = fixed_captures
-        self.program_blocked: str | None = None  # why the native program is off, if by values
+        # where input values may set a shape or branch (the native program is then planned per
+        # value of those inputs)
+        self.program_blocked: str | None = None
         self.tactics = tactics or {}
         self.device = device if device is not None and device.type != "cpu" else None
         self.opset = dict(opset or {}, **graph.opset)
@@ -231,12 +233,16 @@ def _native_program(ex: Executor):
     # integer or bool inputs could set a shape or a branch by their values (a Reshape shape,
     # Slice bounds, an If condition), which the plan would silently keep; ids gathered from a
     # table and masks feeding arithmetic do not (kiln.engine.value_flow)
+    # (where they do, the program is planned per value of those inputs: ``keyed``)
     ex.program_blocked = shape_setting_use(ex.graph, ex.fixed_captures)
+    keyed = ()
     if ex.program_blocked is not None:
-        return None
+        names = shape_setting_inputs(ex.graph, ex.fixed_captures)
+        keyed = tuple(k for k, v in enumerate(ex.graph.inputs + ex.graph.captures)
+                      if v.name in names)
     from kiln.engine.program import Program
 
-    return Program(ex.run_steps, ex.input_slots, dict(ex.consts), ex.output_slots)
+    return Program(ex.run_steps, ex.input_slots, dict(ex.consts), ex.output_slots, keyed)
 
 
 def _plan_frees(steps: list, output_slots: list, const_slots: set) -> None:
@@ -307,6 +313,7 @@ class _SubgraphRunner:
     def __init__(self, node: Node, subgraphs: list[Graph], n_caps: int, backend, choose,
                  opset: dict, device: torch.device | None = None, tactics: dict | None = None):
         # the frontend appended the captured outer values to the node's inputs, in order
+        self.n_caps = n_caps  # the node's last n_caps inputs are the captured values
         names = [v.name for v in node.inputs[len(node.inputs) - n_caps:]] if n_caps else []
         self.index = {id(g): [names.index(c.name) for c in g.captures] for g in subgraphs}
         fixed = frozenset(v.name for v in node.inputs[len(node.inputs) - n_caps:]

@@ -43,6 +43,9 @@ SMALL_WORK = 1 << 17
 MAX_MEAN_WORK = 1 << 17
 # integer results up to this many elements are kept from the traced run, for _foldable
 FOLD_MAX = 64
+# a program keyed on input values traces at most this many signatures (values that change
+# every run would trace every run: the Python loop is faster then)
+_MAX_KEYED_TRACES = 4 * _MAX_PLANS
 _F32 = torch.float32
 
 
@@ -132,14 +135,16 @@ class _Plan:
                     for b, shape in [rest]]
         self.pool: list = []
         self.folded: dict = {}  # slot -> the traced value of a step fixed by the signature
+        self.consts: dict = {}  # slot -> constant (the program's and its inlined branches')
         self.lock = threading.Lock()
 
 
 class Program:
     """Runs ``steps`` (an executor's run steps) as one native program per input signature."""
 
-    def __init__(self, steps: list, input_slots: list, consts: dict, output_slots: list):
-        from kiln.engine import program_ops  # noqa: F401  (imported at load, not at first run)
+    def __init__(self, steps: list, input_slots: list, consts: dict, output_slots: list,
+                 keyed: tuple = ()):
+        from kiln.engine import planners  # noqa: F401  (imported at load, not at first run)
 
         self.steps, self.input_slots = steps, input_slots
         self.consts, self.output_slots = consts, output_slots
@@ -147,6 +152,9 @@ class Program:
         self._lock = threading.Lock()
         self.traced = 0  # traced runs (one per signature planned; tests count them)
         self.disabled = False  # a step's output shape or layout depends on data: no programs
+        # positions of the (integer) inputs whose values may set a shape or branch: a plan is
+        # made per value of these (up to FOLD_MAX elements each), which fixes what they set
+        self.keyed = tuple(keyed)
 
     def run(self, args: list, call) -> list | None:
         """One run, or None where this signature has no program (the executor then runs the
@@ -155,6 +163,11 @@ class Program:
             return None
         sig = tuple((tuple(x.shape), tuple(x.stride()), x.dtype) if isinstance(x, torch.Tensor)
                     else type(x) for x in args)
+        if self.keyed:
+            values = _key_values(args, self.keyed)
+            if values is None:
+                return None
+            sig += values
         plan = self.plans.get(sig)
         if plan is None:
             return self._trace(sig, args, call)
@@ -168,11 +181,26 @@ class Program:
 
     # -- the traced run and planning ------------------------------------------------------------
     def _trace(self, sig, args, call) -> list:
-        env: dict = dict(self.consts)
+        from kiln.engine import program_inline
+
+        consts = dict(self.consts)  # and those of If branches inlined into this plan
+        env: dict = dict(consts)
         env.update(zip(self.input_slots, args))
         metas = {s: _meta(x, ()) for s, x in env.items()}
         small: dict = {}  # small integer results, which a plan may fold (_foldable)
-        for st in self.steps:
+        fixed = set(consts)  # slots whose values the signature fixes (program_inline)
+        for k in self.keyed:  # their values are the signature's
+            fixed.add(self.input_slots[k])
+            small[self.input_slots[k]] = args[k].clone()
+        inline = program_inline.Inliner(self.steps, self.input_slots, self.output_slots, consts)
+        steps, queue = [], list(reversed(self.steps))
+        while queue:
+            st = queue.pop()
+            branch = inline.branch(st, env, fixed, metas)
+            if branch is not None:  # the If's taken branch, planned in its place
+                queue += reversed(branch)
+                continue
+            steps.append(st)
             ins = [env.get(i) if i >= 0 else None for i in st.ins]
             store: dict = {}
             store_outputs(st, store, call(st, ins))
@@ -182,34 +210,41 @@ class Program:
                 if isinstance(x, torch.Tensor) and x.numel() <= FOLD_MAX and not (
                         x.dtype.is_floating_point or x.dtype.is_complex):
                     small[s] = x.clone()
+            program_inline.note_fixed(st, ins, store, fixed, small)
             for s in st.free:
                 env.pop(s, None)
         outs = [env[s] for s in self.output_slots]
         with self._lock:
             if sig not in self.plans:
                 self.traced += 1
+                if self.keyed and self.traced > _MAX_KEYED_TRACES:
+                    self.disabled = True  # values vary run to run: the Python loop
+                    return outs
                 if len(self.plans) >= _MAX_PLANS:
                     del self.plans[next(iter(self.plans))]
-                self.plans[sig] = self._plan(metas, small)
+                self.plans[sig] = self._plan(metas, small, steps, consts)
         return outs
 
-    def _plan(self, metas: dict, small: dict | None = None):
-        """The plan for a traced run's ``metas``, or False where a planner failed (the
-        signature then runs step by step; a planner bug must not break a model)."""
+    def _plan(self, metas: dict, small: dict | None = None, steps: list | None = None,
+              consts: dict | None = None):
+        """The plan for a traced run's ``metas`` (of ``steps``, the program's own where None,
+        with ``consts``), or False where a planner failed (the signature then runs step by
+        step; a planner bug must not break a model)."""
         try:
-            return self._plan_records(metas, small or {})
+            return self._plan_records(metas, small or {}, self.steps if steps is None else steps,
+                                      self.consts if consts is None else consts)
         except _Decline:
             return False
 
-    def _plan_records(self, metas: dict, small: dict) -> _Plan:
-        from kiln.engine import program_ops
+    def _plan_records(self, metas: dict, small: dict, steps: list, consts: dict) -> _Plan:
+        from kiln.engine import planners, program_ops
 
-        work = sum(math.prod(m.shape) for st in self.steps for i in st.ins + st.outs
+        work = sum(math.prod(m.shape) for st in steps for i in st.ins + st.outs
                    if i >= 0 for m in [metas.get(i)] if m is not None)
-        if work > MAX_MEAN_WORK * max(1, len(self.steps)):
+        if work > MAX_MEAN_WORK * max(1, len(steps)):
             raise _Decline
 
-        pc = PlanContext(self.consts)
+        pc = PlanContext(consts)
         ext = []
         for s in self.input_slots:
             m = metas.get(s)
@@ -217,18 +252,19 @@ class Program:
                 b = pc.new_buf((s, False))
                 pc.vals[s] = Val(m.shape, m.strides, b, 0, s)
                 ext.append((s, b))
-        for s, c in self.consts.items():
+        for s, c in consts.items():
             if isinstance(c, torch.Tensor) and c.dtype == _F32 and c.dim() <= 6:
                 pc.vals[s] = Val(tuple(c.shape), tuple(c.stride()), pc.fixed(c, s), 0, s)
-        fallbacks, folded = [], {}
-        for k, st in enumerate(self.steps):
+        fallbacks = []
+        folded = {s: small[s] for s in (self.input_slots[k] for k in self.keyed) if s in small}
+        for k, st in enumerate(steps):
             pc.step = k
             if _foldable(st, pc, folded, small) and not set(st.outs) & set(self.output_slots):
                 folded.update((s, small[s]) for s in st.outs)
                 continue
             ins = [pc.vals.get(i) if i >= 0 else None for i in st.ins]
             outs = [metas.get(s) for s in st.outs]
-            planner = program_ops.PLANNERS.get(getattr(st.node, "op", None))
+            planner = planners.PLANNERS.get(getattr(st.node, "op", None))
             made = None
             if planner is not None and all(m is not None and m.dtype == _F32 for m in outs):
                 made = planner(pc, st, ins, outs)
@@ -239,11 +275,11 @@ class Program:
                        for m in [metas.get(i)] if m is not None)
             fallbacks.append(self._torch_record(pc, st, ins, outs, len(fallbacks),
                                                 work < SMALL_WORK))
-        pc.step = len(self.steps)
+        pc.step = len(steps)
         outputs = []
         for s in self.output_slots:
             v = pc.vals.get(s)
-            if v is not None and (v.root in pc.arena_roots or v.root in self.consts):
+            if v is not None and (v.root in pc.arena_roots or v.root in consts):
                 b = pc.new_buf()
                 program_ops.emit_copy(pc, v, Val(v.shape, contiguous_strides(v.shape), b, 0,
                                                  -1))
@@ -254,6 +290,7 @@ class Program:
         plan = _Plan(pc, _with_drops(fallbacks, pc, self.output_slots), ext, outputs,
                      arena_floats)
         plan.folded = folded
+        plan.consts = consts
         return plan
 
     @staticmethod
@@ -316,8 +353,8 @@ class Program:
     def _value(self, plan, s, env, arena, views):
         if s in env:
             return env[s]
-        if s in self.consts:
-            return self.consts[s]
+        if s in plan.consts:
+            return plan.consts[s]
         if s in plan.folded:
             return plan.folded[s]
         v = views.get(s)
@@ -328,7 +365,7 @@ class Program:
             v = views[s] = arena.as_strided(a.shape, a.strides, a.off)
             return v
         src, is_const, shape, strides, off = plan.views[s]
-        t = self.consts[src] if is_const else env[src]
+        t = plan.consts[src] if is_const else env[src]
         return t.as_strided(shape, strides, t.storage_offset() + off)
 
     def _fallback(self, plan, fb: _Fallback, env, arena, views, table) -> None:
@@ -378,8 +415,19 @@ def _foldable(st, pc, folded: dict, small: dict) -> bool:
         return False
     op = getattr(st.node, "op", None)
     if op in (T.Shape, T.Size):
-        return len(st.ins) >= 1 and st.ins[0] in pc.vals
+        return len(st.ins) >= 1 and (st.ins[0] in pc.vals or st.ins[0] in folded)
     return all(i < 0 or i in folded or i in pc.consts for i in st.ins)
+
+
+def _key_values(args: list, keyed: tuple) -> tuple | None:
+    """The values of the keyed inputs, for the signature; None where one is too large."""
+    out = []
+    for k in keyed:
+        x = args[k]
+        if not isinstance(x, torch.Tensor) or x.numel() > FOLD_MAX:
+            return None
+        out.append((k, tuple(x.reshape(-1).tolist())))
+    return tuple(out)
 
 
 def _unshared(x):

@@ -81,10 +81,19 @@ def emit_copy(pc, src: Val, dst: Val) -> bool:
 
 def _dense_like(shape: tuple, *vs: Val | None) -> tuple:
     """Strides for a new value of ``shape``: channels-last when an input of that shape is."""
-    if len(shape) == 4 and any(v is not None and v.shape == shape and is_channels_last(v)
-                               and not is_contiguous(v) for v in vs):
-        return channels_last_strides(shape)
+    if len(shape) in (3, 4) and any(v is not None and v.shape == shape and not is_contiguous(v)
+                                    and _channels_last(v) for v in vs):
+        n, c, *sp = shape
+        return channels_last_strides(shape) if sp[1:] else (sp[0] * c, 1, c)
     return contiguous_strides(shape)
+
+
+def _channels_last(v: Val) -> bool:
+    """``v`` (3-D or 4-D) stored with the channels innermost: [N, H, W, C] or [N, L, C]."""
+    if len(v.shape) == 4:
+        return is_channels_last(v)
+    n, c, length = v.shape
+    return all(d == 1 or s == e for d, s, e in zip(v.shape, v.strides, (length * c, 1, c)))
 
 
 def _float_ins(ins, n: int) -> bool:
@@ -290,7 +299,7 @@ def _concat_strides(shape, first: Val) -> tuple:
     return contiguous_strides(shape)
 
 
-def _pad_op(pc, st, ins, outs):
+def pad_constant(pc, st, ins, outs):
     """Constant Pad with non-negative constant pads: the fill, then the input copied in."""
     x = ins[0]
     if x is None or len(outs) != 1 or (st.node.attrs.mode or "constant") != "constant":
@@ -313,7 +322,7 @@ def _pad_op(pc, st, ins, outs):
         before[a] = pads[j]
     shape = outs[0].shape
     y = pc.alloc(shape, _dense_like(shape, x))
-    fill = _scalar(pc, value)
+    fill = scalar(pc, value)
     if not emit_copy(pc, fill, y):
         return None
     start = sum(b * s for b, s in zip(before, y.strides))
@@ -322,7 +331,7 @@ def _pad_op(pc, st, ins, outs):
     return [y]
 
 
-def _scalar(pc, value: float) -> Val:
+def scalar(pc, value: float) -> Val:
     import torch
 
     t = torch.tensor(value, dtype=torch.float32)
@@ -359,9 +368,10 @@ def _global_pool(kind: str):
     return plan
 
 
-def _emit_pool(pc, kind, x: Val, shape, k, s, d, pb):
-    y = pc.alloc(shape, _dense_like(shape, x) if len(shape) != 4 or not is_channels_last(x)
-                 else channels_last_strides(shape))
+def _emit_pool(pc, kind, x: Val, shape, k, s, d, pb, out: Val | None = None):
+    """A pooling record over the [N, C, H, W] value ``x``, into ``out`` or a new value."""
+    y = out or pc.alloc(shape, _dense_like(shape, x) if len(shape) != 4 or not is_channels_last(x)
+                        else channels_last_strides(shape))
     rec = [OP_POOL, native.POOLS[kind], *x.shape, *shape[2:], *k, *s, *d, *pb]
     pc.put(rec, x)
     rec += list(x.strides)
@@ -373,7 +383,7 @@ def _emit_pool(pc, kind, x: Val, shape, k, s, d, pb):
 
 # ---- convolutions by kiln's kernels -----------------------------------------------------------
 
-def _fused_conv(pc, st, ins, outs):
+def fused_conv(pc, st, ins, outs):
     """A FusedConv whose tactic at this shape is one of kiln's kernels (its function, with the
     packed weight, is in the node's cache since the traced run); oneDNN's run as torch
     records."""
@@ -512,9 +522,9 @@ PLANNERS = {op: _elementwise(name) for op, name in _OP_NAMES.items()}
 PLANNERS.update({
     FT.FusedPointwise: _fused_pointwise,
     T.Reshape: _reshape, T.Flatten: _reshape, T.Squeeze: _reshape, T.Unsqueeze: _reshape,
-    T.Identity: _identity, T.Transpose: _transpose, T.Concat: _concat, T.Pad: _pad_op,
+    T.Identity: _identity, T.Transpose: _transpose, T.Concat: _concat, T.Pad: pad_constant,
     N.MaxPool: _pool("max"), N.AveragePool: _pool("avg"),
     N.GlobalAveragePool: _global_pool("avg"), N.GlobalMaxPool: _global_pool("max"),
-    FC.FusedConv: _fused_conv, FC.SqueezeExcite: _squeeze_excite, T.Slice: _slice,
+    FC.FusedConv: fused_conv, FC.SqueezeExcite: _squeeze_excite, T.Slice: _slice,
     T.Split: _split,
 })

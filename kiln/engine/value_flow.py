@@ -78,3 +78,29 @@ def shape_setting_use(graph: Graph, fixed: frozenset = frozenset()) -> str | Non
         if src is not None and key not in META_OPS:
             carried.update((id(o), src) for o in n.outputs if o is not None)
     return None
+
+
+def shape_setting_inputs(graph: Graph, fixed: frozenset = frozenset()) -> set[str]:
+    """The names of every non-float input and capture of ``graph`` (except those in ``fixed``)
+    whose values reach an operand that may set a shape or a branch (where
+    :func:`shape_setting_use` stops at the first): a native program planned per *value* of
+    these (:class:`kiln.engine.program.Program`'s ``keyed``) keeps what it folds right."""
+    carried: dict[int, frozenset] = {}  # id(value) -> the graph inputs whose values it carries
+    for v in graph.inputs + graph.captures:
+        float_in = isinstance(v.type, TensorType) and v.type.dtype.is_float
+        if not float_in and v.name not in fixed:
+            carried[id(v)] = frozenset([v.name])
+    found: set[str] = set()
+    for n in graph.nodes:
+        key = (n.op.domain, n.op.name)
+        data = set() if n.subgraphs() else DATA_POSITIONS.get(key, set())
+        src: frozenset = frozenset()
+        for k, v in enumerate(n.inputs):
+            if v is None or id(v) not in carried:
+                continue
+            if data is not ALL and k not in data:
+                found |= carried[id(v)]
+            src |= carried[id(v)]
+        if src and key not in META_OPS:
+            carried.update((id(o), src) for o in n.outputs if o is not None)
+    return found

@@ -162,4 +162,9 @@ TGT void kiln_pool2d(int kind, const long *g, const float *x, const long *xs, fl
 TGT void kiln_depthwise(const long *g, const float *x, const float *wp, const float *bias,
                         const float *r, float *y, int act, float p0, float p1, int nthreads);
 
+#define RNN_FIELDS 37 /* kiln_rnn's long array (rnn.c's P_COUNT) */
+#define RNN_RECORD_BUFS 7 /* program buffers a recurrent record names: xw x h0 c0 y yh yc */
+TGT int kiln_rnn(const long *p, const float *f);
+TGT int kiln_rnn_record(const long *rec, const float *fp, float *const *bufs, int nthreads);
+
 #endif

@@ -102,6 +102,7 @@ TGT static void gemv_rows(long B, const unsigned char *live, long K, long N, con
 enum { P_KIND, P_DIRS, P_T, P_B, P_H, P_HP, P_I, P_XW, P_XWT, P_XWB, P_X, P_XT, P_XB, P_WT,
        P_BIAS, P_RT, P_RBH, P_PEEP, P_H0, P_C0, P_STATE_ROW, P_STATE_DIR, P_LENS, P_FLAGS,
        P_CODES, P_Y = P_CODES + 6, P_YT, P_YB, P_YDIR, P_YH, P_YC, P_THREADS, P_COUNT };
+_Static_assert(P_COUNT == RNN_FIELDS, "kernels.h's RNN_FIELDS is kiln_rnn's argument count");
 
 typedef struct {
     long kind, T, B, H, HP, I, N, xwt, xwb, xt, xb, ldw, srow;
@@ -402,4 +403,19 @@ int kiln_dq_lstm(const long *g, const int *acts, const float *ab, float clip, co
     }
     free(prev); free(q); free(c); free(acc); free(m);
     return 0;
+}
+
+/* A native program's record of a recurrent node (kiln/engine/program_rnn.py):
+ * kind, fparam, kiln_rnn's long array (the constants' pointers in place), then (buf off) for
+ * xw x h0 c0 y yh yc (buf -1: absent), resolved against the program's buffers here. */
+TGT int kiln_rnn_record(const long *rec, const float *fp, float *const *bufs, int nthreads)
+{
+    static const int fields[RNN_RECORD_BUFS] = {P_XW, P_X, P_H0, P_C0, P_Y, P_YH, P_YC};
+    long p[P_COUNT];
+    memcpy(p, rec + 2, sizeof p);
+    const long *q = rec + 2 + P_COUNT;
+    for (int k = 0; k < RNN_RECORD_BUFS; k++)
+        p[fields[k]] = q[2 * k] >= 0 ? (long)(bufs[q[2 * k]] + q[2 * k + 1]) : 0;
+    p[P_THREADS] = nthreads;
+    return kiln_rnn(p, fp + rec[1]);
 }

@@ -101,6 +101,8 @@ def activation_codes(a, kind: str, dirs: int) -> list[tuple[list, list, list]] |
     per = len(defaults)
     if len(names) == per and dirs == 2:
         names = names * 2
+    if len(names) == 2 * per and dirs == 1 and names[:per] == names[per:]:
+        names = names[:per]  # ONNX's RNN default, ("Tanh", "Tanh"), on a one-way node
     if len(names) != per * dirs:
         return None
     alphas, betas = list(a.activation_alpha or ()), list(a.activation_beta or ())

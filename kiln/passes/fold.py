@@ -56,6 +56,8 @@ def _fold_graph(graph: Graph, log) -> int:
         if outs is None and _inputs_const(node):
             outs, how = _evaluate(graph, node), "eval"
         if outs is None:
+            outs, how = _zero_product(node), "x * 0"
+        if outs is None:
             continue
         for v, arr in zip(node.outputs, outs):
             v.const, v.producer = arr, None
@@ -102,6 +104,22 @@ def _foldable(graph: Graph, node: Node) -> bool:
     if any(is_graph_output(graph, v) for v in node.outputs):
         return False
     return all(isinstance(v.type, TensorType) for v in node.outputs)
+
+
+def _zero_product(node: Node) -> list[np.ndarray] | None:
+    """``x * 0`` of integers, x unknown: zeros of the output's (static) shape. (Not for floats:
+    NaN and inf times 0 are NaN.) silero-vad adds ``Cast(sr * 0)`` to its state."""
+    from kiln.ops import math as M
+
+    if node.op is not M.Mul or len(node.inputs) != 2 or getattr(node.attrs, "broadcast", 0):
+        return None
+    t = node.outputs[0].type
+    if t.dtype is None or not t.dtype.is_int or t.shape is None or not is_static(t.shape):
+        return None
+    if not any(v is not None and v.const is not None and v.const.size and not v.const.any()
+               for v in node.inputs):
+        return None
+    return [np.zeros(tuple(int(d) for d in t.shape), dtype=t.dtype.np)]
 
 
 def _inputs_const(node: Node) -> bool:

@@ -90,23 +90,42 @@ def _slice_by_input() -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("case", ["reshape", "slice"])
-def test_int_input_setting_a_shape_keeps_the_python_loop(case, tmp_path):
+def test_int_input_setting_a_shape_plans_per_value(case, tmp_path):
+    """The program is keyed on the int input's values: one traced run per value, each value's
+    plan keeps its own shapes (the third value is the first again: no new trace)."""
     engine, sess = _build(_reshape_by_input() if case == "reshape" else _slice_by_input(),
                           tmp_path)
     ex = engine._executor
-    assert ex.program is None
+    assert ex.program is not None and ex.program.keyed == (1,)
     assert ("Reshape" if case == "reshape" else "Slice") in ex.program_blocked
     name, values = ("shape", [[3, 4], [4, 3], [12, 1]]) if case == "reshape" else (
         "k", [[1], [4], [1]])
     x = np.random.default_rng(0).standard_normal((2, 6)).astype(np.float32)
     ctx, shapes = engine.create_context(), set()
-    for v in values:
+    before = ex.program.traced  # (the build's tuning run may have traced one already)
+    for v in values * 2:
         f = {"x": x, name: np.array(v, np.int64)}
         got, want = ctx.run(f)["y"], sess.run(None, f)[0]
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-6)
         shapes.add(got.shape)
     assert len(shapes) == (3 if case == "reshape" else 2)
+    assert ex.program.traced - before == len({tuple(v) for v in values})
+    assert not ex.program.disabled
+
+
+def test_keyed_program_falls_back_when_values_keep_changing(tmp_path):
+    from kiln.engine.program import _MAX_KEYED_TRACES
+
+    engine, sess = _build(_slice_by_input(), tmp_path)
+    ctx, program = engine.create_context(), engine._executor.program
+    x = np.random.default_rng(0).standard_normal((2, 6)).astype(np.float32)
+    program.plans.clear()
+    program.traced = 0
+    for k in range(_MAX_KEYED_TRACES + 3):
+        f = {"x": x, "k": np.array([k], np.int64)}
+        np.testing.assert_allclose(ctx.run(f)["y"], sess.run(None, f)[0], rtol=1e-6)
+    assert program.disabled and program.traced == _MAX_KEYED_TRACES + 1
 
 
 def _if_by_input() -> onnx.ModelProto:
@@ -124,16 +143,19 @@ def _if_by_input() -> onnx.ModelProto:
                   [two, one, _arr("zero", np.int64(0))])
 
 
-def test_if_condition_from_an_int_input_keeps_the_python_loop(tmp_path):
+def test_if_condition_from_an_int_input_plans_per_value(tmp_path):
+    """Each value of n gets a plan with its branch inlined (no torch record: the If is gone)."""
     engine, sess = _build(_if_by_input(), tmp_path)
     ex = engine._executor
-    assert ex.program is None and "If" in ex.program_blocked
+    assert ex.program is not None and ex.program.keyed == (1,) and "If" in ex.program_blocked
     ctx = engine.create_context()
     x = np.array([1.0, -2.0, 3.0], np.float32)
-    for n in (1, -1, 5, 0):
+    for n in (1, -1, 5, 0, 1, -1):
         f = {"x": x, "n": np.array(n, np.int64)}
         np.testing.assert_allclose(ctx.run(f)["y"], sess.run(None, f)[0])
         np.testing.assert_allclose(ctx.run(f)["y"], x * 2 if n > 0 else x + 1)
+    plans = [p for sig, p in ex.program.plans.items() if p and sig[-1][1][0] in (1, -1, 5, 0)]
+    assert len(plans) == 4 and not any(p.fallbacks for p in plans)
 
 
 def _branch_reshape_by_outer_constant() -> onnx.ModelProto:

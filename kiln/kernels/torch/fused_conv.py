@@ -521,6 +521,7 @@ def _kiln_gemm(x, wt, b, a, r, m, k, out_shape):
                 rr = rr.contiguous()
         y = run(x2, rr, torch.empty((m, n_out), dtype=torch.float32)).view(out_shape)
         return y if r is None or fuse_r else epilogue(y, a, r)  # else r, then act, in torch
+    kiln.packed = run.keep[0] if r is None or fuse_r else None  # for a native program record
     return kiln
 
 
