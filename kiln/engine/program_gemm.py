@@ -1,8 +1,9 @@
 """Planners of the transformer layers' program records: GEMMs with a constant weight
-(``MatMul``, ``FusedMatMul`` and its LayerNorm form), ``LayerNormalization`` and fused
-``Attention``, as the C interpreter's GEMM, LayerNorm and attention records (those
-:mod:`kiln.engine.chains` emits), so that a transformer's layers run in the program instead of
-stopping it once per layer.
+(``MatMul``, ``FusedMatMul`` and its LayerNorm form, ``Gemm``, ``FusedGemm``),
+``LayerNormalization``, ``RMSNormalization`` and fused ``Attention``, as the C interpreter's
+GEMM, LayerNorm, RMSNorm and attention records (those :mod:`kiln.engine.chains` emits, and an
+RMSNorm one), so that a transformer's layers run in the program instead of stopping it once per
+layer.
 
 A decode step of a small model is ~200 layers of a few microseconds each; each torch record
 costs the return to Python, the kernel's wrapper and torch's dispatch (tens of microseconds on a
@@ -25,7 +26,7 @@ from kiln.ops import nn as NN
 from kiln.runtime import host
 from kiln.settings import SETTINGS
 
-OP_GEMM, OP_LN, OP_ATTN = 1, 2, 3
+OP_GEMM, OP_LN, OP_ATTN, OP_RMS = 1, 2, 3, 8
 
 
 def _rows(v: Val | None):
@@ -61,19 +62,56 @@ def _const_f32(pc, st, i: int, shape: tuple | None = None):
     return c.contiguous()
 
 
-def _packed(pc, slot: int, w: torch.Tensor) -> native.PackedWeight:
-    pw = pc.packed.get(slot)
+def _packed(pc, key, w: torch.Tensor, src: torch.Tensor) -> native.PackedWeight:
+    """The kiln GEMM packing of ``w`` ([K, N], made from the constant ``src``), once per
+    ``key`` (the weight's slot and how it was made from it)."""
+    pw = pc.packed.get(key)
     if pw is None:
-        pw = pc.packed[slot] = native.PackedWeight(w)
-        host.release_pages(w)  # packed: the weight's engine-file pages can go
+        pw = pc.packed[key] = native.PackedWeight(w)
+        host.release_pages(src)  # packed: the weight's engine-file pages can go
     return pw
+
+
+def _residual(pc, st, ins, i: int, shape: tuple):
+    """Input ``i``, an optional residual of the product's ``shape``: (value, row stride),
+    (None, 0) where absent, None where the record cannot take it (computed outside the program,
+    broadcasting, rows that do not collapse)."""
+    if len(st.ins) <= i or st.ins[i] < 0:
+        return None, 0
+    r = ins[i]
+    rr = _rows(r)
+    if r is None or r.shape != shape or rr is None:
+        return None
+    return r, rr[1]
+
+
+def _emit_gemm(pc, x: Val, rows: int, lda: int, pw, bias, res, shape: tuple, act: str,
+               alpha, beta) -> Val:
+    """``y = act(x @ w + bias + r)``: one GEMM record into a new value of ``shape``."""
+    n = shape[-1]
+    k = x.shape[-1]
+    y = pc.alloc(shape)
+    lo, hi = native._epilogue_params(act, alpha, beta)
+    rec = [OP_GEMM, rows, n, k]
+    pc.put(rec, x)
+    rec += [lda, pc.fixed(pw.data), -1 if bias is None else pc.fixed(bias)]
+    pc.put(rec, res[0])
+    rec.append(res[1])
+    pc.put(rec, y)
+    rec += [n, native.ACTIVATIONS[act], pc.fparam(lo, hi)]
+    pc.emit(rec)
+    return y
+
+
+def _gemm_ok() -> bool:
+    return native.available and SETTINGS.cpu_linear in ("", "kiln")
 
 
 def _gemm(pc, st, ins, outs):
     """MatMul / FusedMatMul / FusedMatMulLayerNorm of a value by a constant [K, N] weight:
     ``y = act(x @ w + bias + r)`` (then the LayerNorm) as a GEMM record (and a LayerNorm
     record in place on its result)."""
-    if not native.available or SETTINGS.cpu_linear not in ("", "kiln") or len(outs) != 1:
+    if not _gemm_ok() or len(outs) != 1:
         return None
     op, x = st.node.op, ins[0]
     fused = op is not NN.MatMul
@@ -82,47 +120,63 @@ def _gemm(pc, st, ins, outs):
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or xr is None or len(x.shape) < 2 \
             or x.shape[-1] != w.shape[0]:
         return None
-    k, n = w.shape
+    n = w.shape[1]
     a = st.node.attrs if fused else None
     act = a.activation if fused else ""
-    if act not in native.ACTIVATIONS:
-        return None
     bias = _const_f32(pc, st, 2, (n,)) if fused else None
-    if bias is False:
-        return None
     shape = outs[0].shape
-    if shape != x.shape[:-1] + (n,):
+    res = _residual(pc, st, ins, 3, shape) if fused else (None, 0)
+    if act not in native.ACTIVATIONS or bias is False or res is None \
+            or shape != x.shape[:-1] + (n,):
         return None
-    r = ins[3] if fused and len(st.ins) > 3 and st.ins[3] >= 0 else None
-    if r is None and fused and len(st.ins) > 3 and st.ins[3] >= 0:
-        return None  # a residual that is not a float32 program value
-    rr = _rows(r) if r is not None else None
-    if r is not None and (r.shape != shape or rr is None):
-        return None  # a broadcasting residual
     ln = None
     if op is FC.FusedMatMulLayerNorm:
         ln = (_const_f32(pc, st, 4, (n,)), _const_f32(pc, st, 5, (n,)))
         if not isinstance(ln[0], torch.Tensor) or ln[1] is False:
             return None
-    y = pc.alloc(shape)
-    lo, hi = native._epilogue_params(act, a.alpha if fused else None,
-                                     a.beta if fused else None)
-    rec = [OP_GEMM, xr[0], n, k]
-    pc.put(rec, x)
-    rec += [xr[1], pc.fixed(_packed(pc, st.ins[1], w).data),
-            -1 if bias is None else pc.fixed(bias)]
-    pc.put(rec, r)
-    rec.append(rr[1] if r is not None else 0)
-    pc.put(rec, y)
-    rec += [n, native.ACTIVATIONS[act], pc.fparam(lo, hi)]
-    pc.emit(rec)
+    pw = _packed(pc, st.ins[1], w, w)
+    y = _emit_gemm(pc, x, xr[0], xr[1], pw, bias, res, shape, act,
+                   a.alpha if fused else None, a.beta if fused else None)
     if ln is not None:
         _emit_ln(pc, y, y, xr[0], n, ln[0], ln[1], a.epsilon)
     return [y]
 
 
-def _emit_ln(pc, x: Val, y: Val, rows: int, n: int, scale, bias, eps: float) -> None:
-    rec = [OP_LN, rows, n]
+def _gemm2d(pc, st, ins, outs):
+    """ONNX Gemm and FusedGemm of a [M, K] value (transA 0) by a constant B (either
+    transB): ``act(alpha x @ B + beta C + r)`` with C a constant row (or scalar) as a GEMM
+    record; alpha and beta (plain Gemm) are folded into the packed weight and the bias."""
+    if not _gemm_ok() or len(outs) != 1:
+        return None
+    a, x = st.node.attrs, ins[0]
+    fused = st.node.op is FC.FusedGemm
+    b = _const_f32(pc, st, 1)
+    xr = _rows(x)
+    if a.transA or not isinstance(b, torch.Tensor) or b.dim() != 2 or xr is None \
+            or len(x.shape) != 2:
+        return None
+    w = b.t() if a.transB else b
+    k, n = w.shape
+    alpha = 1.0 if fused or a.alpha is None else float(a.alpha)
+    beta = 1.0 if fused or a.beta is None else float(a.beta)
+    c = _const_f32(pc, st, 2)
+    if c is False or x.shape[1] != k or outs[0].shape != (x.shape[0], n) or (
+            c is not None and (c.numel() not in (1, n) or (c.dim() == 2 and c.shape[0] != 1)
+                               or c.dim() > 2)):
+        return None
+    bias = None if c is None else (c.reshape(-1).expand(n) * beta).contiguous()
+    res = _residual(pc, st, ins, 3, outs[0].shape) if fused else (None, 0)
+    act = a.activation if fused else ""
+    if res is None or act not in native.ACTIVATIONS:
+        return None
+    pw = _packed(pc, (st.ins[1], bool(a.transB), alpha), (w * alpha) if alpha != 1 else w, b)
+    return [_emit_gemm(pc, x, xr[0], xr[1], pw, bias, res, outs[0].shape, act,
+                       a.alpha if fused else None, a.beta if fused else None)]
+
+
+def _emit_ln(pc, x: Val, y: Val, rows: int, n: int, scale, bias, eps: float,
+             kind: int = OP_LN) -> None:
+    rec = [kind, rows, n]
     pc.put(rec, x)
     rec.append(_rows(x)[1])
     pc.put(rec, y)
@@ -144,6 +198,22 @@ def _layer_norm(pc, st, ins, outs):
         return None
     y = pc.alloc(x.shape)
     _emit_ln(pc, x, y, xr[0], n, scale, bias, 1e-5 if a.epsilon is None else float(a.epsilon))
+    return [y]
+
+
+def _rms_norm(pc, st, ins, outs):
+    """RMSNormalization over the last axis with a constant scale: an RMSNorm record."""
+    a, x = st.node.attrs, ins[0]
+    xr = _rows(x)
+    if not native.available or len(outs) != 1 or xr is None or (
+            a.axis is not None and a.axis not in (-1, len(x.shape) - 1)):
+        return None
+    scale = _const_f32(pc, st, 1, (x.shape[-1],))
+    if not isinstance(scale, torch.Tensor) or outs[0].shape != x.shape:
+        return None
+    y = pc.alloc(x.shape)
+    _emit_ln(pc, x, y, xr[0], x.shape[-1], scale, None,
+             1e-5 if a.epsilon is None else float(a.epsilon), OP_RMS)
     return [y]
 
 
@@ -228,4 +298,6 @@ def _attention(pc, st, ins, outs):
 
 
 PLANNERS = {NN.MatMul: _gemm, FC.FusedMatMul: _gemm, FC.FusedMatMulLayerNorm: _gemm,
-            NN.LayerNormalization: _layer_norm, FT.Attention: _attention}
+            NN.Gemm: _gemm2d, FC.FusedGemm: _gemm2d,
+            NN.LayerNormalization: _layer_norm, NN.RMSNormalization: _rms_norm,
+            FT.Attention: _attention}

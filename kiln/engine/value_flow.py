@@ -39,10 +39,10 @@ DATA_POSITIONS: dict[tuple[str, str], set[int] | None] = {
         "Relu", "LeakyRelu", "Elu", "Selu", "Celu", "Softplus", "Softsign", "Erf", "Gelu",
         "HardSigmoid", "HardSwish", "Mish", "PRelu", "Sign", "Floor", "Ceil", "Round",
         "Reciprocal", "IsNaN", "IsInf", "Identity", "Softmax", "LogSoftmax",
-        "LayerNormalization", "MatMul", "Gemm", "Transpose", "Concat", "Flatten", "Gather",
-        "GatherElements", "GatherND", "ScatterND", "ScatterElements", "BitwiseAnd",
-        "BitwiseOr", "BitwiseXor", "BitwiseNot", "BitShift", "Shape", "Size", "ArgMax",
-        "ArgMin", "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear",
+        "LayerNormalization", "RMSNormalization", "MatMul", "Gemm", "Transpose", "Concat",
+        "Flatten", "Gather", "GatherElements", "GatherND", "ScatterND", "ScatterElements",
+        "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", "BitShift", "Shape", "Size",
+        "ArgMax", "ArgMin", "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear",
         "MatMulInteger", "ConvInteger", "QLinearMatMul", "QLinearConv",
         # the result's shape depends on the values, which the program checks at run time:
         # a torch record whose float result changes shape stops it (program._DataDependent)

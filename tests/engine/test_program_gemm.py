@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not native.available, reason=native.why_not or "
 BERT = {"layers": 2, "hidden": 64, "heads": 2, "intermediate": 128, "vocab": 1000}
 GPT2 = {"layers": 2, "hidden": 64, "heads": 2, "vocab": 1000}
 RECORD_OPS = {"MatMul", "FusedMatMul", "FusedMatMulLayerNorm", "LayerNormalization",
-              "Attention"}
+              "RMSNormalization", "Attention", "Gemm", "FusedGemm"}
 CORPUS = Path(os.environ.get("KILN_CORPUS", Path.home() / ".cache/kiln/corpus"))
 
 
@@ -58,14 +58,19 @@ def test_transformer_layers_are_program_records(model, cfg, batch, seq):
     assert not RECORD_OPS & set(_torch_ops(_plan(engine)))
 
 
-def test_kv_cache_decode_step_runs_its_layers_in_the_program():
-    """A real export: transformers' Llama decode step (GQA, RoPE, past keys and values)."""
-    entry = CORPUS / "hf_llama_past_op17.onnx"
+@pytest.mark.parametrize("name,op,count", [
+    ("hf_llama_past_op17", "RMSNormalization", 9),  # 2 per layer and the final norm
+    ("hf_gpt2_past_op17", "Gemm", 16),  # Conv1D: 4 per layer, x flattened to 2-D
+])
+def test_kv_cache_decode_step_runs_its_layers_in_the_program(name, op, count):
+    """Real exports of transformers' decode steps (past keys and values in and out): Llama
+    (GQA, RoPE, RMSNorm written with Div(1, σ)) and GPT-2 (Conv1D as Gemm)."""
+    entry = CORPUS / f"{name}.onnx"
     if not entry.exists():
         pytest.skip(f"corpus model {entry} not built")
     from bench.corpus import manifest
 
-    spec = manifest.load(CORPUS)["hf_llama_past_op17"]
+    spec = manifest.load(CORPUS)[name]
     engine = kiln.Builder(kiln.BuilderConfig(device="cpu", tf32=False)).build(str(entry))
     sess = ort.InferenceSession(str(entry), providers=["CPUExecutionProvider"])
     ctx = engine.create_context()
@@ -74,9 +79,12 @@ def test_kv_cache_decode_step_runs_its_layers_in_the_program():
         want = sess.run(None, feeds)
         got = ctx.run({i.name: feeds[i.name] for i in engine.inputs})
         assert max_rel_err([got[o.name] for o in sess.get_outputs()], want) <= 1e-4
-    torch_ops = _torch_ops(_plan(engine))
-    assert not RECORD_OPS & set(torch_ops)
-    assert sum(st.node.op.name in RECORD_OPS for st in engine._executor.steps) >= 30
+    # (GPT-2's attention is not fused: its two MatMuls of computed values are torch records)
+    torch_ops = set(_torch_ops(_plan(engine))) - {"MatMul"}
+    assert not RECORD_OPS & torch_ops
+    steps = [st.node.op.name for st in engine._executor.steps]
+    assert sum(s in RECORD_OPS for s in steps) >= 24
+    assert sum(s in (op, "Fused" + op) for s in steps) == count
 
 
 def _untakeable() -> onnx.ModelProto:
