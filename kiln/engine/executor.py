@@ -242,7 +242,10 @@ def _native_program(ex: Executor):
                       if v.name in names)
     from kiln.engine.program import Program
 
-    return Program(ex.run_steps, ex.input_slots, dict(ex.consts), ex.output_slots, keyed)
+    # the steps before chaining: the program has records for what chains hold (GEMMs,
+    # LayerNorms, attention), and a chain in it would be a torch record; where a signature
+    # gets no plan, the executor runs run_steps, chains included
+    return Program(ex.steps, ex.input_slots, dict(ex.consts), ex.output_slots, keyed)
 
 
 def _plan_frees(steps: list, output_slots: list, const_slots: set) -> None:

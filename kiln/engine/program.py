@@ -149,6 +149,7 @@ class Program:
         self.steps, self.input_slots = steps, input_slots
         self.consts, self.output_slots = consts, output_slots
         self.plans: dict = {}
+        self.packed: dict = {}  # weight slot -> its kiln GEMM packing (shared by the plans)
         self._lock = threading.Lock()
         self.traced = 0  # traced runs (one per signature planned; tests count them)
         self.disabled = False  # a step's output shape or layout depends on data: no programs
@@ -244,7 +245,7 @@ class Program:
         if work > MAX_MEAN_WORK * max(1, len(steps)):
             raise _Decline
 
-        pc = PlanContext(consts)
+        pc = PlanContext(consts, self.packed)
         ext = []
         for s in self.input_slots:
             m = metas.get(s)
@@ -465,8 +466,9 @@ def _with_drops(fallbacks, pc, output_slots):
 class PlanContext:
     """What planners build a program with (see :mod:`kiln.engine.program_ops`)."""
 
-    def __init__(self, consts: dict):
+    def __init__(self, consts: dict, packed: dict | None = None):
         self.consts = consts
+        self.packed = {} if packed is None else packed  # weight slot -> PackedWeight
         self.prog: list[int] = []
         self.fparams: list[float] = []
         self.table: list[int] = [0]  # buffer 0: the arena

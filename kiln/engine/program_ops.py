@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 from kiln import native
+from kiln.engine import program_gemm
 from kiln.engine.program import (
     Val,
     channels_last_strides,
@@ -155,6 +156,16 @@ _OP_NAMES = {M.Add: "Add", M.Sub: "Sub", M.Mul: "Mul", M.Div: "Div", M.Max: "Max
              M.Exp: "Exp", M.Neg: "Neg", M.Abs: "Abs", M.Sqrt: "Sqrt",
              M.Reciprocal: "Reciprocal", M.LeakyRelu: "LeakyRelu",
              M.HardSigmoid: "HardSigmoid", M.HardSwish: "HardSwish", M.Clip: "Clip"}
+
+
+_GELU = {"none": _elementwise("Gelu"), "tanh": _elementwise("GeluTanh")}
+
+
+def _gelu(pc, st, ins, outs):
+    """Gelu (opset 20, or a matched one): the erf form or, ``approximate='tanh'``, the tanh
+    one, as the activation record GEMM epilogues use."""
+    plan = _GELU.get(getattr(st.node.attrs, "approximate", None) or "none")
+    return None if plan is None else plan(pc, st, ins, outs)
 
 
 def _fused_pointwise(pc, st, ins, outs):
@@ -520,7 +531,7 @@ def _nhwc(pc, v: Val) -> Val:
 
 PLANNERS = {op: _elementwise(name) for op, name in _OP_NAMES.items()}
 PLANNERS.update({
-    FT.FusedPointwise: _fused_pointwise,
+    FT.FusedPointwise: _fused_pointwise, M.Gelu: _gelu,
     T.Reshape: _reshape, T.Flatten: _reshape, T.Squeeze: _reshape, T.Unsqueeze: _reshape,
     T.Identity: _identity, T.Transpose: _transpose, T.Concat: _concat, T.Pad: pad_constant,
     N.MaxPool: _pool("max"), N.AveragePool: _pool("avg"),
@@ -528,3 +539,4 @@ PLANNERS.update({
     FC.FusedConv: fused_conv, FC.SqueezeExcite: _squeeze_excite, T.Slice: _slice,
     T.Split: _split,
 })
+PLANNERS.update(program_gemm.PLANNERS)  # GEMMs, LayerNorm, Attention

@@ -144,6 +144,8 @@ void kiln_sgemm(long M, long N, long K, const float *A, long lda, const float *B
                 float alpha, float beta, int nthreads);
 void kiln_layernorm_to(long M, long N, const float *X, long ldx, float *Y, long ldy,
                        const float *gamma, const float *beta, float eps, int nthreads);
+void kiln_rmsnorm_to(long M, long N, const float *X, long ldx, float *Y, long ldy,
+                     const float *gamma, float eps, int nthreads);
 int kiln_attention(long B, long H, long Hkv, long Sq, long Skv, long D, long Dv,
                    const float *Q, long qb, long qh, long qs,
                    const float *K, long kb, long kh, long ks,
