@@ -40,8 +40,12 @@ def _bstrides(v: Val, shape: tuple) -> list:
 
 
 def _collapse(shape, strides: list[list]) -> tuple[list, list[list]]:
-    """Size-1 dims dropped and neighbours merged where every operand steps evenly across them."""
-    dims = [d for d in range(len(shape)) if shape[d] != 1]
+    """Size-1 dims dropped, the rest ordered by the output's strides (``strides[0]``), largest
+    first, and neighbours merged where every operand steps evenly across them. The order puts
+    the output's contiguous dim innermost, where the kernel runs whole vectors: a channels-last
+    value seen as [N, C, H, W] is walked as [N, H, W, C], not a strided row per channel."""
+    dims = sorted((d for d in range(len(shape)) if shape[d] != 1),
+                  key=lambda d: -strides[0][d])
     sh = [shape[d] for d in dims]
     ss = [[s[d] for d in dims] for s in strides]
     d = len(sh) - 2
