@@ -87,6 +87,8 @@ def _load():
     lib.kiln_llm_ptrs_per_layer.restype = _L
     lib.kiln_llm_decode.argtypes = [_P] * 9 + [_F, _P, _I]
     lib.kiln_llm_decode.restype = None
+    lib.kiln_llm_set_isa.argtypes = [_I]
+    lib.kiln_llm_set_isa.restype = _I
     lib.kiln_dynamic_quantize.argtypes = [_L, _P, _P, _P, _P, _I]
     lib.kiln_dynamic_quantize.restype = None
     lib.kiln_dynamic_qdq.argtypes = [_L, _P, _P, _P, _P, _I]
