@@ -30,6 +30,7 @@ import os
 import numpy as np
 import torch
 
+from kiln.llm import fp8
 from kiln.llm.attention import TorchPagedAttention
 from kiln.llm.runner import ModelRunner
 from kiln.llm.triton_attention import paged_decode
@@ -37,6 +38,10 @@ from kiln.llm.triton_attention import paged_decode
 log = logging.getLogger("kiln.llm")
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def _fp8_vendor(x, q, scale):
+    return fp8.linear(x, fp8.Fp8Weight(q, scale))
 
 
 class DecodeMeta:
@@ -102,7 +107,7 @@ class CudaModelRunner(ModelRunner):
         self.paths = {"decode": "cuda-graph" if self.sizes else "eager-triton", "gemv": {}}
         if tune_gemv is None:
             tune_gemv = (model.device.type == "cuda" and os.environ.get("KILN_LLM_GEMV") != "0"
-                         and model.weights == "dtype")
+                         and model.weights in ("dtype", "fp8"))
         if tune_gemv:
             self._tune_gemv()
 
@@ -120,8 +125,12 @@ class CudaModelRunner(ModelRunner):
             from kiln.llm.triton_gemv import pick
 
             for name, w in shapes.items():
-                cfg = pick(w, name)
-                self.paths["gemv"][name] = "cublas" if cfg is None else f"triton{cfg}"
+                if isinstance(w, fp8.Fp8Weight):  # against _scaled_mm (or dequantize + cuBLAS)
+                    cfg = pick(w.q, name, w.scale, _fp8_vendor, m.dtype)
+                    vendor = "torch-fp8"
+                else:
+                    cfg, vendor = pick(w, name), "cublas"
+                self.paths["gemv"][name] = vendor if cfg is None else f"triton{cfg}"
                 if cfg is not None:
                     m.gemv[tuple(w.shape)] = cfg
         except Exception as e:  # no Triton at all, or the timing failed: cuBLAS everywhere

@@ -17,3 +17,22 @@ def test_rows_written_as_each_finishes(tmp_path):
     got = json.loads(path.read_text())
     assert [r["row"] for r in got] == ["kiln", "transformers eager"]
     assert got[0]["throughput_256_tok_s"] == 2.0
+
+
+def test_agreement_counts_prefixes():
+    from bench.llm import agreement
+
+    got = agreement([[1, 2, 3], [1, 9, 3], [7, 2, 3]], [[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    assert got == {"equal_sequences": "1/3", "agreeing_prefix_tokens": "4/9",
+                   "first_token_equal": "2/3"}
+
+
+def test_kiln_greedy_is_per_prompt_in_order(tiny_dir):
+    from bench.llm import kiln_greedy
+    from kiln.llm import LLM, SamplingParams
+
+    llm = LLM(tiny_dir, num_blocks=64)
+    prompts = [[5, 6, 7, 8], [100, 200], [9] * 11]
+    got = kiln_greedy(llm.engine, prompts, 4)
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
