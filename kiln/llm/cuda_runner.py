@@ -32,6 +32,7 @@ import torch
 
 from kiln.llm import fp8
 from kiln.llm.attention import TorchPagedAttention
+from kiln.llm.fused import FusedOps
 from kiln.llm.runner import ModelRunner
 from kiln.llm.triton_attention import paged_decode
 
@@ -60,12 +61,24 @@ class CudaAttention:
     def __call__(self, layer, q, k, v, meta):
         if not isinstance(meta, DecodeMeta):
             return self.torch_path(layer, q, k, v, meta)
-        kc, vc = self.cache[layer, 0], self.cache[layer, 1]
-        flat_k = kc.view(-1, *kc.shape[2:])
-        flat_v = vc.view(-1, *vc.shape[2:])
+        flat_k, flat_v = self.flat_kv(layer)
         flat_k.index_copy_(0, meta.slots, k)
         flat_v.index_copy_(0, meta.slots, v)
-        o = paged_decode(q, kc, vc, meta.tables, meta.lens, self.scale)
+        return self.attend(layer, q, meta)
+
+    def fuses_rope(self, meta) -> bool:
+        """Decode steps take RoPE + the cache write as one kernel (``fused.rope_kv``), then
+        ``attend``."""
+        return isinstance(meta, DecodeMeta)
+
+    def flat_kv(self, layer):
+        """The layer's K and V caches as [slots, kv_heads, head_dim] views."""
+        kc, vc = self.cache[layer, 0], self.cache[layer, 1]
+        return kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
+
+    def attend(self, layer, q, meta):
+        o = paged_decode(q, self.cache[layer, 0], self.cache[layer, 1], meta.tables, meta.lens,
+                         self.scale)
         return o.reshape(q.shape[0], -1)
 
 
@@ -93,7 +106,7 @@ class _Step:
 class CudaModelRunner(ModelRunner):
     def __init__(self, model, num_blocks: int, block_size: int, cuda_graphs: bool = True,
                  max_batch: int = 256, max_model_len: int | None = None,
-                 tune_gemv: bool | None = None):
+                 tune_gemv: bool | None = None, fused_ops: bool | None = None):
         # one more block than the pool: the scratch block that padding rows write into
         super().__init__(model, num_blocks + 1, block_size)
         self.num_blocks = num_blocks
@@ -110,6 +123,9 @@ class CudaModelRunner(ModelRunner):
                          and model.weights in ("dtype", "fp8"))
         if tune_gemv:
             self._tune_gemv()
+        if fused_ops is None:
+            fused_ops = model.device.type == "cuda" and os.environ.get("KILN_LLM_FUSED") != "0"
+        model.fused = FusedOps() if fused_ops else None
 
     def _make_attention(self):
         return CudaAttention(self.cache, self.model.cfg.num_heads)
@@ -276,5 +292,6 @@ class CudaModelRunner(ModelRunner):
 
     def describe(self) -> dict:
         """Which paths the runner took (for benchmark rows)."""
+        fused = self.model.fused.paths if self.model.fused is not None else "off"
         return {"decode": self.paths["decode"], "graphs": sorted(self.graphs),
-                "gemv": dict(self.paths["gemv"])}
+                "gemv": dict(self.paths["gemv"]), "fused": fused}

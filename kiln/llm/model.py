@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.errors import KilnError
-from kiln.llm import fp8, quant
+from kiln.llm import fp8, fused, quant
 from kiln.llm.config import ModelConfig, rope_inv_freq
 from kiln.llm.quant import linear
 
@@ -92,6 +92,7 @@ class LlamaModel:
         self._native = None  # the pointer table of decode_native, made on first use
         # (N, K) of a weight -> Triton GEMV config for one-row steps (CUDA, set by the runner)
         self.gemv: dict[tuple[int, int], tuple] = {}
+        self.fused: fused.FusedOps | None = None  # fused kernels (CUDA, set by the runner)
 
     def _linear(self, x: torch.Tensor, w, bias=None) -> torch.Tensor:
         if isinstance(w, fp8.Fp8Weight):
@@ -132,27 +133,36 @@ class LlamaModel:
         backend's per-step metadata (slots, block tables, lengths), built once per step.
         """
         cfg = self.cfg
-        hd, h = cfg.head_dim, cfg.hidden_size
+        hd = cfg.head_dim
         t = ids.shape[0]
+        ops = self.fused or fused  # the Triton kernels with torch fallbacks, or torch ops
         x = F.embedding(ids, self.embed)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        # a backend whose step takes RoPE + the cache write as one kernel (CUDA decode)
+        fuses = getattr(attn, "fuses_rope", None)
+        fuse_rope = self.fused is not None and fuses is not None and fuses(meta)
+        if not fuse_rope:
+            cos = self.cos[positions].unsqueeze(1)
+            sin = self.sin[positions].unsqueeze(1)
         eps = cfg.rms_norm_eps
+        res = None  # the last sublayer's output, added to x by the next norm
         for i, lay in enumerate(self.layers):
-            y = F.rms_norm(x, (h,), lay.ln1, eps)
+            x, y = ops.add_rms_norm(x, res, lay.ln1, eps)
             qkv = self._linear(y, lay.qkv, lay.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = _rope(q.view(t, -1, hd), cos, sin)
-            k = _rope(k.view(t, -1, hd), cos, sin)
-            o = attn(i, q, k, v.view(t, -1, hd), meta)
-            x = x + self._linear(o, lay.o)
-            y = F.rms_norm(x, (h,), lay.ln2, eps)
-            gu = self._linear(y, lay.gate_up)
-            g, u = gu.chunk(2, dim=-1)
-            x = x + self._linear(F.silu(g) * u, lay.down)
+            if fuse_rope:
+                q = self.fused.rope_kv(qkv, self.cos, self.sin, positions, meta.slots,
+                                       *attn.flat_kv(i), cfg.num_heads, cfg.num_kv_heads, hd)
+                o = attn.attend(i, q, meta)
+            else:
+                q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+                q = fused.rope(q.view(t, -1, hd), cos, sin)
+                k = fused.rope(k.view(t, -1, hd), cos, sin)
+                o = attn(i, q, k, v.view(t, -1, hd), meta)
+            x, y = ops.add_rms_norm(x, self._linear(o, lay.o), lay.ln2, eps)
+            res = self._linear(ops.silu_mul(self._linear(y, lay.gate_up)), lay.down)
         if logits_rows is not None:
-            x = x[logits_rows]
-        x = F.rms_norm(x, (h,), self.norm, eps)
+            x = (x + res)[logits_rows]
+            res = None
+        _, x = ops.add_rms_norm(x, res, self.norm, eps)
         return self._linear(x, self.lm_head).float()
 
     def native_decode_ok(self) -> bool:
@@ -213,8 +223,3 @@ def _pointer_table(model: LlamaModel, lib):
         rows += row
     return torch.tensor(rows, dtype=torch.long), fmt, keep
 
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x*cos + rotate_half(x)*sin, rotate_half([a, b]) = [-b, a]
-    a, b = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-b, a], dim=-1) * sin

@@ -26,6 +26,8 @@ log = logging.getLogger("kiln.llm")
 
 # (BLOCK_N, BLOCK_K, SPLIT): few rows with long K slices, or more rows and a K split
 CONFIGS = ((8, 512, 1), (16, 256, 1), (4, 1024, 1), (16, 512, 2), (32, 256, 4))
+# FP8 rows are half the bytes: longer K slices keep as many bytes in flight
+FP8_CONFIGS = CONFIGS + ((8, 1024, 1), (16, 1024, 1), (4, 2048, 1))
 MAX_ROWS = 8  # rows of x one launch takes (the float32 tile grows with them)
 
 
@@ -143,7 +145,7 @@ def pick(w: torch.Tensor, name: str = "", scale: torch.Tensor | None = None,
     ws = [w] + [w.clone() for _ in range(copies - 1)]
     times = {"vendor": _time(lambda i: vendor(x, ws[i], scale), copies)}
     want = F.linear(x.float(), w.float() if scale is None else w.float() * scale[:, None])
-    for cfg in CONFIGS:
+    for cfg in CONFIGS if scale is None else FP8_CONFIGS:
         try:
             got = gemv(x, w, config=cfg, scale=scale).float()
             err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)

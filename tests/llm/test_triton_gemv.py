@@ -13,7 +13,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 from kiln.llm import fp8
-from kiln.llm.triton_gemv import CONFIGS, MAX_ROWS, gemv
+from kiln.llm.triton_gemv import CONFIGS, FP8_CONFIGS, MAX_ROWS, gemv
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -37,7 +37,7 @@ def test_gemv_rows_match_linear(config, rows):
     torch.testing.assert_close(gemv(x, w, None, config), F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", FP8_CONFIGS)
 @pytest.mark.parametrize("rows", [1, 4])
 def test_fp8_gemv_matches_dequantized_linear(config, rows):
     """FP8 e4m3 codes widened in registers, times the row scales: the float32 GEMM on the
