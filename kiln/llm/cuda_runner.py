@@ -29,6 +29,7 @@ import os
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from kiln.llm import fp8
 from kiln.llm.attention import TorchPagedAttention
@@ -52,6 +53,38 @@ class DecodeMeta:
         self.slots, self.tables, self.lens = slots, tables, lens
 
 
+class MixedMeta:
+    """A step with prefill chunks: every token's slot; the one-token rows (decodes) with their
+    tables and lengths for the Triton kernel; per prefill chunk (first row, tokens, start
+    position, its blocks on the device where it continues a cached prefix, else None)."""
+
+    def __init__(self, entries, block_size: int, device):
+        slots, dec_rows, dec_lens, dec_tabs, self.prefills = [], [], [], [], []
+        row = 0
+        for start, n, table in entries:
+            tab = np.asarray(table, dtype=np.int64)
+            pos = np.arange(start, start + n)
+            slots.append(tab[pos // block_size] * block_size + pos % block_size)
+            if n == 1:
+                dec_rows.append(row)
+                dec_lens.append(start + 1)
+                dec_tabs.append(table)
+            else:
+                blocks = None if start == 0 else torch.from_numpy(tab).to(device)
+                self.prefills.append((row, n, start, blocks))
+            row += n
+        self.slots = torch.from_numpy(np.concatenate(slots)).to(device)
+        self.dec_rows = self.dec_tables = self.dec_lens = None
+        if dec_rows:
+            width = max(len(t) for t in dec_tabs)
+            tabs = np.zeros((len(dec_tabs), width), dtype=np.int32)
+            for i, t in enumerate(dec_tabs):
+                tabs[i, :len(t)] = t
+            self.dec_rows = torch.tensor(dec_rows, device=device)
+            self.dec_lens = torch.tensor(dec_lens, dtype=torch.int32, device=device)
+            self.dec_tables = torch.from_numpy(tabs).to(device)
+
+
 class CudaAttention:
     def __init__(self, cache: torch.Tensor, num_heads: int):
         self.torch_path = TorchPagedAttention(cache, num_heads)
@@ -59,12 +92,41 @@ class CudaAttention:
         self.scale = cache.shape[-1] ** -0.5
 
     def __call__(self, layer, q, k, v, meta):
+        if isinstance(meta, MixedMeta):
+            return self._mixed(layer, q, k, v, meta)
         if not isinstance(meta, DecodeMeta):
             return self.torch_path(layer, q, k, v, meta)
         flat_k, flat_v = self.flat_kv(layer)
         flat_k.index_copy_(0, meta.slots, k)
         flat_v.index_copy_(0, meta.slots, v)
         return self.attend(layer, q, meta)
+
+    def _mixed(self, layer, q, k, v, meta: MixedMeta):
+        """Decode rows through the Triton kernel, each prefill chunk through SDPA (causal over
+        its own new keys, or over its cached prefix + chunk with an offset causal mask)."""
+        flat_k, flat_v = self.flat_kv(layer)
+        flat_k.index_copy_(0, meta.slots, k)
+        flat_v.index_copy_(0, meta.slots, v)
+        t, heads, hd = q.shape
+        o = q.new_empty(t, heads, hd)
+        if meta.dec_rows is not None:
+            o[meta.dec_rows] = paged_decode(q[meta.dec_rows], self.cache[layer, 0],
+                                            self.cache[layer, 1], meta.dec_tables,
+                                            meta.dec_lens, self.scale)
+        for row, n, start, blocks in meta.prefills:
+            qs = q[row:row + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if blocks is None:  # the chunk is the whole context
+                ks, vs, mask = k[row:row + n], v[row:row + n], None
+            else:
+                ks = self.cache[layer, 0][blocks].flatten(0, 1)[:start + n]
+                vs = self.cache[layer, 1][blocks].flatten(0, 1)[:start + n]
+                keys = torch.arange(start + n, device=q.device)
+                mask = keys[None, :] <= start + torch.arange(n, device=q.device)[:, None]
+            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                                 is_causal=mask is None, enable_gqa=True)
+            o[row:row + n] = out[0].transpose(0, 1)
+        return o.reshape(t, -1)
 
     def fuses_rope(self, meta) -> bool:
         """Decode steps take RoPE + the cache write as one kernel (``fused.rope_kv``), then
@@ -169,7 +231,26 @@ class CudaModelRunner(ModelRunner):
                 if rows != list(range(len(entries))):  # a 1-token prefill chunk does not sample
                     logits = logits[torch.tensor(rows, device=logits.device)]
                 return logits
+        if self.triton_decode:
+            try:
+                return self._mixed(ids, positions, entries, rows)
+            except Exception as e:  # the same K/V slots are written again by the torch path
+                log.warning("Triton decode in a mixed step failed (%s: %s); the torch path "
+                            "from now on", type(e).__name__, str(e)[:200])
+                self.triton_decode = False
+                self.paths["decode"] = "torch"
+                self._drop_graphs()
         return super().forward(ids, positions, entries, rows)
+
+    def _mixed(self, ids, positions, entries, rows):
+        """A step with prefill chunks: the decode rows in it still take the Triton kernel
+        (``MixedMeta``), instead of padding every sequence to the longest chunk for SDPA."""
+        dev = self.model.device
+        meta = MixedMeta(entries, self.block_size, dev)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        rows_t = torch.tensor(rows or [0], dtype=torch.long, device=dev)
+        return self.model.forward(ids_t, pos_t, self.attn, meta, rows_t)
 
     def forward_sample(self, ids, positions, entries, rows, sampling):
         greedy = sampling and all(r.params.greedy and not r.params.penalized for r in sampling)

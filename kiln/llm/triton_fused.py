@@ -38,8 +38,9 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor,
     t, h = x.shape
     s = x if r is None else torch.empty_like(x)
     y = torch.empty_like(x)
+    block = triton.next_power_of_2(h)
     _add_rms_norm[(t,)](x, x if r is None else r, w, s, y, h, eps, HAS_R=r is not None,
-                        BLOCK=triton.next_power_of_2(h))
+                        BLOCK=block, num_warps=8 if block >= 2048 else 4)
     return s, y
 
 
@@ -69,9 +70,8 @@ def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, 
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)  # heads 0..H-1 are q, H..H+KV-1 are k (with their v)
     d = tl.arange(0, D)
-    half: tl.constexpr = D // 2
-    partner = (d + half) % D
-    sign = tl.where(d < half, -1.0, 1.0)  # rotate_half([a, b]) = [-b, a]
+    partner = (d + D // 2) % D
+    sign = tl.where(d < D // 2, -1.0, 1.0)  # rotate_half([a, b]) = [-b, a]
     p = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cos_ptr + p * D + d).to(tl.float32)
     sin = tl.load(sin_ptr + p * D + d).to(tl.float32)
