@@ -233,19 +233,47 @@ def agreement(got: list[list[int]], refs: list[list[int]]) -> dict:
             "first_token_equal": f"{sum(g[:1] == r[:1] for g, r in zip(got, refs))}/{len(refs)}"}
 
 
-def throughput_256(engine: LLMEngine, rng: random.Random) -> float:
-    """Output tokens/s of 256 requests (512 in / 256 out) queued at once."""
-    prompts = [[rng.randrange(100, 30000) for _ in range(512)] for _ in range(256)]
-    p = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
+def throughput_256(engine: LLMEngine, rng: random.Random, n: int = 256, in_len: int = 512,
+                   out_len: int = 256) -> dict:
+    """Output tokens/s of n = 256 requests (512 in / 256 out) queued at once, and where the time
+    went: the phase until every prompt is prefilled vs the decode-only rest, and the time inside
+    the runner (launches, GPU, the sync on the sampled ids) vs the host's share of the step
+    (scheduler, KV bookkeeping, detokenizing)."""
+    prompts = [[rng.randrange(100, 30000) for _ in range(in_len)] for _ in range(n)]
+    p = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    runner, execute = engine.runner, engine.runner.execute
+    in_runner = [0.0]
+
+    def timed(out):
+        t0 = time.perf_counter()
+        try:
+            return execute(out)
+        finally:
+            in_runner[0] += time.perf_counter() - t0
+
+    runner.execute = timed
     torch.cuda.synchronize()
     t = time.perf_counter()
-    for q in prompts:
-        engine.add_request(q, p)
-    n_out = 0
-    while engine.has_unfinished():
-        n_out += sum(len(o.new_token_ids) for o in engine.step())
+    reqs = [engine.add_request(q, p) for q in prompts]
+    n_out = steps = 0
+    prefilled = None  # (seconds, tokens out) when the last prompt got its first token
+    try:
+        while engine.has_unfinished():
+            n_out += sum(len(o.new_token_ids) for o in engine.step())
+            steps += 1
+            if prefilled is None and all(r.output_token_ids for r in reqs):
+                prefilled = (time.perf_counter() - t, n_out, steps)
+    finally:
+        del runner.execute  # the instance attribute: the method again
     torch.cuda.synchronize()
-    return n_out / (time.perf_counter() - t)
+    total = time.perf_counter() - t
+    row = {"throughput_256_tok_s": n_out / total, "steps": steps,
+           "runner_s": in_runner[0], "host_s": total - in_runner[0]}
+    if prefilled is not None:
+        pt, pn, ps = prefilled
+        row.update(prefill_phase_s=pt, prefill_phase_steps=ps,
+                   decode_phase_tok_s=(n_out - pn) / max(total - pt, 1e-9))
+    return row
 
 
 def kiln_cuda_row(name, row, cfg, sd, tokenizer, args, weights, refs=None) -> tuple[dict, list]:
@@ -275,7 +303,7 @@ def kiln_cuda_row(name, row, cfg, sd, tokenizer, args, weights, refs=None) -> tu
     if refs is not None and args.agree:
         out["agreement_vs_fp16"] = agreement(cont, refs)
         ROWS.emit(out)
-    out["throughput_256_tok_s"] = throughput_256(engine, rng)
+    out.update(throughput_256(engine, rng))
     out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     out["paths"] = engine.runner.describe()
     ROWS.emit(out)

@@ -36,3 +36,20 @@ def test_kiln_greedy_is_per_prompt_in_order(tiny_dir):
     got = kiln_greedy(llm.engine, prompts, 4)
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+
+
+def test_throughput_row_splits_the_time(tiny_dir, monkeypatch):
+    import random
+
+    import torch
+
+    from bench.llm import throughput_256
+    from kiln.llm import LLM
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    eng = LLM(tiny_dir, num_blocks=64, max_num_batched_tokens=64).engine
+    row = throughput_256(eng, random.Random(0), n=6, in_len=20, out_len=5)
+    assert row["throughput_256_tok_s"] > 0 and row["steps"] >= 5
+    assert 0 < row["runner_s"] and row["host_s"] > 0
+    assert 1 <= row["prefill_phase_steps"] < row["steps"]
+    assert "execute" not in vars(eng.runner)  # the runner's own method again
