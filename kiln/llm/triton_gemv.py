@@ -24,10 +24,13 @@ import triton.language as tl
 
 log = logging.getLogger("kiln.llm")
 
-# (BLOCK_N, BLOCK_K, SPLIT): few rows with long K slices, or more rows and a K split
-CONFIGS = ((8, 512, 1), (16, 256, 1), (4, 1024, 1), (16, 512, 2), (32, 256, 4))
+# (BLOCK_N, BLOCK_K, SPLIT[, warps]): few rows with long K slices, or more rows and a K split;
+# 8 warps where the tile is big enough to give them each whole 16-byte loads
+CONFIGS = ((8, 512, 1), (16, 256, 1), (4, 1024, 1), (16, 512, 2), (32, 256, 4),
+           (16, 512, 1, 8), (32, 256, 1, 8))
 # FP8 rows are half the bytes: longer K slices keep as many bytes in flight
-FP8_CONFIGS = CONFIGS + ((8, 1024, 1), (16, 1024, 1), (4, 2048, 1))
+FP8_CONFIGS = CONFIGS + ((8, 1024, 1), (16, 1024, 1), (4, 2048, 1), (16, 1024, 1, 8),
+                         (32, 512, 1, 8))
 MAX_ROWS = 8  # rows of x one launch takes (the float32 tile grows with them)
 
 
@@ -69,7 +72,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     """``F.linear(x, w * scale[:, None], bias)`` for x of up to ``MAX_ROWS`` rows ([..., K]);
     w [N, K] contiguous (FP8 e4m3 with ``scale`` [N] float32, or x's dtype)."""
     n, k = w.shape
-    bn, bk, split = config
+    bn, bk, split = config[:3]
+    warps = config[3] if len(config) > 3 else 4
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
     if rows > MAX_ROWS:
@@ -87,7 +91,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
         y = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
     _gemv[(triton.cdiv(n, bn), split)](
         x2, w, w if scale is None else scale, y, n, k, k_per, x2.stride(0), w.stride(0), n,
-        M=rows, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, HAS_SCALE=scale is not None)
+        M=rows, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, HAS_SCALE=scale is not None,
+        num_warps=warps)
     if split > 1:
         y = y.sum(0).to(x.dtype)
     if bias is not None:
