@@ -1,9 +1,11 @@
 """The CUDA model runner: Triton paged decode attention, SDPA prefill, CUDA graphs for decode.
 
-Decode-only steps (every sequence adds one token) run the Triton kernel; a step with a prefill
-chunk runs the torch path (SDPA on the gathered blocks; a fresh single prompt goes straight to
-flash attention). Decode steps are captured once per padded batch size of ``GRAPH_SIZES`` and
-replayed. A decode step's inputs are one int32 buffer (filled on the host in a pinned copy, one
+Decode-only steps (every sequence adds one token) run the Triton kernel; a step with prefill
+chunks (``MixedMeta``) runs its decode rows through the same kernel and each chunk through SDPA
+(a whole prompt straight to flash attention, a continued chunk over its gathered blocks). The
+model gets the fused decode kernels of ``fused.py`` (add + RMSNorm, SiLU * up, RoPE + KV
+write). Decode steps are captured once per padded batch size of ``GRAPH_SIZES`` and replayed.
+A decode step's inputs are one int32 buffer (filled on the host in a pinned copy, one
 host-to-device copy per step)::
 
     [ids[S] | positions[S] | slots[S] | lens[S] | tables[S, max_blocks]]
@@ -12,8 +14,9 @@ and the graph ends in a greedy argmax, so a greedy step copies back one token id
 instead of sampling from the logits on the host side. Padding rows write into a scratch block
 past the pool, with length 1.
 
-At load, each weight shape's one-row GEMV is timed with cuBLAS against the Triton split-K
-kernels of ``triton_gemv`` and the faster is kept (``LlamaModel.gemv``).
+At load, each weight shape's one-row GEMV is timed with cuBLAS (FP8 weights:
+``torch._scaled_mm``) against the Triton split-K kernels of ``triton_gemv`` and the faster is
+kept (``LlamaModel.gemv``).
 
 Fallbacks (logged on ``kiln.llm``, recorded in ``paths``): a graph that fails to capture turns
 graphs off (decode runs the same step eagerly); a Triton GEMV or decode kernel that fails to
