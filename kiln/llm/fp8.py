@@ -28,7 +28,9 @@ log = logging.getLogger("kiln.llm")
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
-_scaled_mm_ok: dict[tuple, bool] = {}  # (device type, out dtype) -> whether _scaled_mm runs
+# (device type, activation dtype) -> the output dtype _scaled_mm gives it (None: not usable);
+# some builds give rowwise-scaled results only in bfloat16, cast back then
+_scaled_mm_ok: dict[tuple, torch.dtype | None] = {}
 
 
 class Fp8Weight:
@@ -70,14 +72,15 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> t
     """``x @ w^T + bias`` without the Triton GEMV: ``_scaled_mm``, else dequantize + GEMM."""
     n, k = w.shape
     x2 = x.reshape(-1, k)
-    if n % 16 == 0 and k % 16 == 0 and _scaled_mm_usable(x.device, x.dtype):
+    out_dtype = _scaled_mm_usable(x.device, x.dtype) if n % 16 == 0 and k % 16 == 0 else None
+    if out_dtype is not None:
         try:
-            y = scaled_mm(x2, w, x.dtype)
+            y = scaled_mm(x2, w, out_dtype).to(x.dtype)
             if bias is not None:
                 y = y + bias
             return y.reshape(*x.shape[:-1], n)
         except RuntimeError as e:  # an input this build's _scaled_mm refuses: dequantize
-            _scaled_mm_ok[(x.device.type, x.dtype)] = False
+            _scaled_mm_ok[(x.device.type, x.dtype)] = None
             log.warning("torch._scaled_mm failed (%s); FP8 GEMMs dequantize to %s instead",
                         str(e)[:200], x.dtype)
     return F.linear(x, w.dequantize(x.dtype), bias)
@@ -98,19 +101,24 @@ def scaled_mm(x2: torch.Tensor, w: Fp8Weight, out_dtype) -> torch.Tensor:
                             out_dtype=out_dtype)
 
 
-def _scaled_mm_usable(device: torch.device, dtype) -> bool:
-    """Whether ``torch._scaled_mm`` with rowwise scales runs here (probed once per device type
-    and output dtype on a 16 x 16 x 32 problem)."""
+def _scaled_mm_usable(device: torch.device, dtype) -> torch.dtype | None:
+    """The output dtype ``torch._scaled_mm`` with rowwise scales gives activations of ``dtype``
+    here (``dtype`` itself, else bfloat16), or None where it does not run (probed once per
+    device type and dtype on a 16 x 16 x 32 problem)."""
     key = (device.type, dtype)
     if key not in _scaled_mm_ok:
-        try:
-            a = torch.ones(16, 32, device=device, dtype=dtype)
-            probe = Fp8Weight(torch.ones(16, 32, device=device).to(FP8),
-                              torch.ones(16, device=device))
-            y = scaled_mm(a, probe, dtype)
-            _scaled_mm_ok[key] = bool((y.float() == 32).all())
-        except (RuntimeError, TypeError, AttributeError, NotImplementedError) as e:
-            log.info("torch._scaled_mm is not usable on %s for %s (%s: %s); FP8 GEMMs past the "
-                     "GEMV dequantize", device.type, dtype, type(e).__name__, str(e)[:200])
-            _scaled_mm_ok[key] = False
+        _scaled_mm_ok[key] = None
+        a = torch.ones(16, 32, device=device, dtype=dtype)
+        probe = Fp8Weight(torch.ones(16, 32, device=device).to(FP8), torch.ones(16, device=device))
+        for out in dict.fromkeys((dtype, torch.bfloat16)):
+            try:
+                if bool((scaled_mm(a, probe, out).float() == 32).all()):
+                    _scaled_mm_ok[key] = out
+                    break
+            except (RuntimeError, TypeError, AttributeError, NotImplementedError) as e:
+                log.info("torch._scaled_mm to %s is not usable on %s (%s: %s)", out,
+                         device.type, type(e).__name__, str(e)[:200])
+        if _scaled_mm_ok[key] is None:
+            log.warning("torch._scaled_mm does not run on %s: FP8 GEMMs past the Triton GEMV "
+                        "dequantize their weight per call", device.type)
     return _scaled_mm_ok[key]

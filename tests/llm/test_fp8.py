@@ -47,15 +47,36 @@ def test_fp8_linear_matches_dequantized_gemm(rows):
     b = torch.randn(48, generator=g)
     want = F.linear(x, w.dequantize(), b)
     got = fp8.linear(x, w, b)
-    assert fp8._scaled_mm_ok[("cpu", torch.float32)]  # the CPU torch has it
+    assert fp8._scaled_mm_ok[("cpu", torch.float32)] == torch.float32  # the CPU torch has it
     # x in e4m3 adds |x| / 16 per element at most: a few percent of the row's scale
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * want.abs().max().item())
     saved = fp8._scaled_mm_ok.copy()
-    fp8._scaled_mm_ok[("cpu", torch.float32)] = False
+    fp8._scaled_mm_ok[("cpu", torch.float32)] = None
     try:
         torch.testing.assert_close(fp8.linear(x, w, b), want, rtol=1e-5, atol=1e-5)
     finally:
         fp8._scaled_mm_ok.update(saved)
+
+
+def test_fp8_linear_takes_bfloat16_results_where_only_those_come(monkeypatch):
+    g = torch.Generator().manual_seed(9)
+    w = fp8.quantize(torch.randn(32, 48, generator=g))
+    x = torch.randn(4, 48, generator=g).half()
+    real = torch._scaled_mm
+
+    def bf16_only(*a, out_dtype=None, **kw):
+        if out_dtype != torch.bfloat16:
+            raise RuntimeError("Only bf16 high precision output types are supported")
+        return real(*a, out_dtype=out_dtype, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", bf16_only)
+    monkeypatch.delitem(fp8._scaled_mm_ok, ("cpu", torch.float16), raising=False)
+    got = fp8.linear(x, w)
+    assert fp8._scaled_mm_ok[("cpu", torch.float16)] == torch.bfloat16
+    assert got.dtype == torch.float16
+    want = F.linear(x.float(), w.dequantize())
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05 * want.abs().max().item())
+    fp8._scaled_mm_ok.pop(("cpu", torch.float16))
 
 
 def test_fp8_linear_dequantizes_shapes_scaled_mm_refuses():

@@ -164,7 +164,7 @@ def test_runner_fp8_decode_through_triton_gemv(tiny_dir, monkeypatch):
     the same weights dequantized for torch GEMMs (weight-only both ways)."""
     from kiln.llm import LLM, SamplingParams
 
-    monkeypatch.setitem(fp8._scaled_mm_ok, ("cpu", torch.float32), False)
+    monkeypatch.setitem(fp8._scaled_mm_ok, ("cpu", torch.float32), None)
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm = _tiny_llm(tiny_dir, weights="fp8")
     m = llm.engine.model
