@@ -38,7 +38,7 @@ from kiln.llm import fp8
 from kiln.llm.attention import TorchPagedAttention
 from kiln.llm.fused import FusedOps
 from kiln.llm.runner import ModelRunner
-from kiln.llm.triton_attention import paged_decode
+from kiln.llm.triton_attention import decode_splits, paged_decode
 
 log = logging.getLogger("kiln.llm")
 
@@ -93,6 +93,8 @@ class CudaAttention:
         self.torch_path = TorchPagedAttention(cache, num_heads)
         self.cache, self.num_heads = cache, num_heads
         self.scale = cache.shape[-1] ** -0.5
+        self.sms = (torch.cuda.get_device_properties(cache.device).multi_processor_count
+                    if cache.device.type == "cuda" else 132)
 
     def __call__(self, layer, q, k, v, meta):
         if isinstance(meta, MixedMeta):
@@ -115,7 +117,8 @@ class CudaAttention:
         if meta.dec_rows is not None:
             o[meta.dec_rows] = paged_decode(q[meta.dec_rows], self.cache[layer, 0],
                                             self.cache[layer, 1], meta.dec_tables,
-                                            meta.dec_lens, self.scale)
+                                            meta.dec_lens, self.scale,
+                                            self._splits(len(meta.dec_lens)))
         for row, n, start, blocks in meta.prefills:
             qs = q[row:row + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if blocks is None:  # the chunk is the whole context
@@ -143,8 +146,11 @@ class CudaAttention:
 
     def attend(self, layer, q, meta):
         o = paged_decode(q, self.cache[layer, 0], self.cache[layer, 1], meta.tables, meta.lens,
-                         self.scale)
+                         self.scale, self._splits(q.shape[0]))
         return o.reshape(q.shape[0], -1)
+
+    def _splits(self, batch: int) -> int:
+        return decode_splits(batch, self.cache.shape[-2], self.sms)
 
 
 class _Step:
