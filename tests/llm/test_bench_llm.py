@@ -53,3 +53,17 @@ def test_throughput_row_splits_the_time(tiny_dir, monkeypatch):
     assert 0 < row["runner_s"] and row["host_s"] > 0
     assert 1 <= row["prefill_phase_steps"] < row["steps"]
     assert "execute" not in vars(eng.runner)  # the runner's own method again
+
+
+def test_token_times_streamer_sees_prompt_then_each_token():
+    # the compiled peer's timing: transformers hands the prompt, then every new token
+    import torch
+
+    from bench.llm import _TokenTimes, hf_generate, hf_model
+    from kiln.llm.config import ModelConfig
+    from tests.llm.helpers import TINY, tiny_state_dict
+
+    hf = hf_model(ModelConfig.from_hf(TINY), tiny_state_dict(TINY))
+    st = _TokenTimes()
+    hf_generate(hf, torch.tensor([[5, 6, 7]]), 4, streamer=st)
+    assert len(st.times) == 1 + 4 and st.times == sorted(st.times)
