@@ -45,18 +45,29 @@ def _gemv(x_ptr, w_ptr, s_ptr, y_ptr, N, K, k_per, stride_xm, stride_wn, stride_
     kk = tl.arange(0, BLOCK_K)
     m = tl.arange(0, M_PAD)
     mmask = m < M
-    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
     k0 = ps * k_per
     k1 = tl.minimum(k0 + k_per, K)
-    for k in range(k0, k1, BLOCK_K):
-        cols = k + kk
-        cmask = cols < k1
-        x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :],
-                    mask=mmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :],
-                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        acc += w[None, :, :] * x[:, None, :]
-    out = tl.sum(acc, 2)  # [M_PAD, BLOCK_N]
+    if M_PAD == 1:  # one row of x: a 2-D tile, reduced once at the end
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k in range(k0, k1, BLOCK_K):
+            cols = k + kk
+            cmask = cols < k1
+            x = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :],
+                        mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            acc1 += w * x[None, :]
+        out = tl.sum(acc1, 1)[None, :]  # [1, BLOCK_N]
+    else:
+        acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
+        for k in range(k0, k1, BLOCK_K):
+            cols = k + kk
+            cmask = cols < k1
+            x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :],
+                        mask=mmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :],
+                        mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            acc += w[None, :, :] * x[:, None, :]
+        out = tl.sum(acc, 2)  # [M_PAD, BLOCK_N]
     if HAS_SCALE:
         out = out * tl.load(s_ptr + rows, mask=rmask, other=0.0)[None, :]
     omask = mmask[:, None] & rmask[None, :]
