@@ -304,6 +304,11 @@ def kiln_cuda_row(name, row, cfg, sd, tokenizer, args, weights, refs=None) -> tu
         out["agreement_vs_fp16"] = agreement(cont, refs)
         ROWS.emit(out)
     out.update(throughput_256(engine, rng))
+    # the decode phase's roofline: each step streams the weights and every sequence's K/V
+    # (256 sequences at 640 cached tokens on average: 512 in + half of 256 out)
+    kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # FP16 K and V
+    step_bytes = cfg.weight_bytes(1 if weights == "fp8" else 2) + 256 * 640 * kv_token
+    out["decode_phase_limit_tok_s"] = 256 * BANDWIDTH / step_bytes
     out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     out["paths"] = engine.runner.describe()
     ROWS.emit(out)
