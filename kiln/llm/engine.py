@@ -38,7 +38,9 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV blocks of prompts seen before.
         cuda_graphs: capture decode steps in CUDA graphs (CUDA only).
         weights: ``dtype`` (GEMM weights in ``dtype``), ``int8`` or ``int4`` (CPU, float32:
-            weight-only quantized in groups of 32 with FP16 scales; the LM head in int8).
+            weight-only quantized in groups of 32 with FP16 scales; the LM head in int8), or
+            ``fp8`` (CUDA: every GEMM weight, the LM head included, in FP8 e4m3 with one scale
+            per output channel; decode GEMVs in Triton, larger GEMMs on ``torch._scaled_mm``).
         native_decode: on the CPU, run decode-only steps as one native call per step.
     """
     device: str = "auto"
