@@ -238,6 +238,8 @@ def _native_program(ex: Executor):
     keyed = ()
     if ex.program_blocked is not None:
         names = shape_setting_inputs(ex.graph, ex.fixed_captures)
+        if shape_setting_use(ex.graph, ex.fixed_captures | frozenset(names)) is not None:
+            return None  # set by what a plan per value does not key on (a float cast to ints)
         keyed = tuple(k for k, v in enumerate(ex.graph.inputs + ex.graph.captures)
                       if v.name in names)
     from kiln.engine.program import Program

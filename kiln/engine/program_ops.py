@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 
 from kiln import native
-from kiln.engine import program_gemm
 from kiln.engine.program import (
     Val,
     channels_last_strides,
@@ -543,4 +542,3 @@ PLANNERS.update({
     FC.FusedConv: fused_conv, FC.SqueezeExcite: _squeeze_excite, T.Slice: _slice,
     T.Split: _split,
 })
-PLANNERS.update(program_gemm.PLANNERS)  # GEMMs, LayerNorm, Attention

@@ -42,7 +42,10 @@ def _torch_ops(plan) -> list[str]:
 
 @pytest.mark.parametrize("model,cfg,batch,seq", [("bert-base", BERT, 2, 16),
                                                  ("gpt2", GPT2, 1, 12)])
-def test_transformer_layers_are_program_records(model, cfg, batch, seq):
+def test_transformer_layers_are_program_records(model, cfg, batch, seq, monkeypatch):
+    from kiln.kernels.torch import fused_conv
+
+    monkeypatch.setattr(fused_conv, "_FORCED", "kiln")  # planned where kiln's GEMM is traced
     path = str(build_onnx(model, **cfg))
     engine = kiln.Builder(kiln.BuilderConfig(device="cpu")).build(path)
     layers = {st.node.op.name for st in engine._executor.steps}
@@ -62,10 +65,13 @@ def test_transformer_layers_are_program_records(model, cfg, batch, seq):
     ("hf_llama_past_op17", "RMSNormalization", 9),  # 2 per layer and the final norm
     ("hf_gpt2_past_op17", "Gemm", 16),  # Conv1D: 4 per layer, x flattened to 2-D
 ])
-def test_kv_cache_decode_step_runs_its_layers_in_the_program(name, op, count):
+def test_kv_cache_decode_step_runs_its_layers_in_the_program(name, op, count, monkeypatch):
     """Real exports of transformers' decode steps (past keys and values in and out): Llama
     (GQA, RoPE, RMSNorm written with Div(1, σ)) and GPT-2 (Conv1D as Gemm, its mask of unknown
-    dims)."""
+    dims). kiln's GEMM is forced: a layer the tuner gives F.linear stays a torch record."""
+    from kiln.kernels.torch import fused_conv
+
+    monkeypatch.setattr(fused_conv, "_FORCED", "kiln")
     entry = CORPUS / f"{name}.onnx"
     if not entry.exists():
         pytest.skip(f"corpus model {entry} not built")
