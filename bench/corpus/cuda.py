@@ -83,7 +83,7 @@ def kiln_system(path: Path, feeds: dict, fp16: bool, tmp: Path, info: dict):
     info["build_parts"] = {"parse_s": builder.report.get("parse_s"),
                            "autotune": builder.report.get("autotune_summary"),
                            "precompile": builder.report.get("precompile"),
-                           "binaries_s": builder.report.get("binaries", {}).get("seconds")}
+                           "binaries": builder.report.get("binaries")}
     info["build_log"] = [ln[:300] for ln in lines if not ln.startswith("autotune ")][-30:]
     if next(iter(feeds.values())).shape[0] == 1:  # at b1 only: a warm build costs device time
         t0 = time.perf_counter()
@@ -123,7 +123,11 @@ if prof is not None:
     prof.disable(); s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
     print(s.getvalue()[-12000:], file=sys.stderr)
-print(json.dumps({"load_ms": 1e3 * (t1 - t0), "load_first_run_ms": 1e3 * (t2 - t0)}))
+binaries = sys.modules.get("kiln.kernels.triton.binary")
+print(json.dumps({"load_ms": 1e3 * (t1 - t0), "load_first_run_ms": 1e3 * (t2 - t0),
+                  "binaries_installed": binaries.installed() if binaries else None,
+                  "binaries_note": getattr(engine, "binaries_note", None),
+                  "triton_imported": "triton" in sys.modules}))
 """
 
 
