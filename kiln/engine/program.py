@@ -267,7 +267,8 @@ class Program:
             outs = [metas.get(s) for s in st.outs]
             planner = planners.PLANNERS.get(getattr(st.node, "op", None))
             made = None
-            if planner is not None and all(m is not None and m.dtype == _F32 for m in outs):
+            if planner is not None and _default_kernel(st) and all(
+                    m is not None and m.dtype == _F32 for m in outs):
                 made = planner(pc, st, ins, outs)
             if made is not None:
                 pc.vals.update(zip(st.outs, made))
@@ -461,6 +462,17 @@ def _with_drops(fallbacks, pc, output_slots):
         if nxt is not None:
             drops.setdefault(nxt, []).append(s)
     return [fb._replace(drop=tuple(drops.get(i, ()))) for i, fb in enumerate(fallbacks)]
+
+
+def _default_kernel(st) -> bool:
+    """Does the step run its op's default CPU kernel? A planner computes what that kernel
+    does; a step given another kernel (a tuned choice, a user's registration) keeps it, as a
+    torch record."""
+    from kiln.kernels.registry import kernels_for
+
+    op = getattr(st.node, "op", None)
+    ks = kernels_for(op, "cpu") if op is not None else []
+    return bool(ks) and st.fn is ks[0].fn
 
 
 class PlanContext:
