@@ -24,6 +24,7 @@ from bench.corpus.runner import Options, base_row, build_kiln, kiln_outputs, run
 
 BACK_TO_BACK = 20
 PROFILE_COLD_START = os.environ.get("KILN_BENCH_COLD_PROFILE") == "1"  # cProfile it too
+PROGRESS_ROW = None  # the row being measured, which a build in progress reports through PROGRESS
 PROGRESS = None  # set by the worker: called with the row after every system, so that a worker
 # stopped at its time limit still reports what it measured
 LARGE_BATCH = {"cnn": 64, "detector": 8, "segmentation": 16, "vision-transformer": 64,
@@ -77,7 +78,18 @@ def kiln_system(path: Path, feeds: dict, fp16: bool, tmp: Path, info: dict):
                                                                 for k, v in feeds.items()})])
     t0 = time.perf_counter()
     lines: list[str] = []
-    builder = kiln.Builder(config(), log=lines.append)
+    seen = [time.monotonic()]
+
+    def log(msg: str) -> None:  # the build's log, and the row reported every 5 s meanwhile
+        lines.append(msg)
+        if not msg.startswith("autotune "):
+            info["build_log"] = [ln[:300] for ln in lines if not ln.startswith("autotune ")]
+        if PROGRESS_ROW is not None and time.monotonic() - seen[0] > 5.0:
+            seen[0] = time.monotonic()
+            info["build_log_tail"] = [ln[:300] for ln in lines[-3:]]
+            info["build_lines"] = len(lines)
+            PROGRESS(PROGRESS_ROW)
+    builder = kiln.Builder(config(), log=log)
     engine = builder.build(str(path))
     info["build_s"] = time.perf_counter() - t0
     info["build_parts"] = {"parse_s": builder.report.get("parse_s"),
@@ -85,6 +97,7 @@ def kiln_system(path: Path, feeds: dict, fp16: bool, tmp: Path, info: dict):
                            "precompile": builder.report.get("precompile"),
                            "binaries": builder.report.get("binaries")}
     info["build_log"] = [ln[:300] for ln in lines if not ln.startswith("autotune ")][-30:]
+    info.pop("build_log_tail", None)
     if next(iter(feeds.values())).shape[0] == 1:  # at b1 only: a warm build costs device time
         t0 = time.perf_counter()
         kiln.Builder(config()).build(str(path))  # again, with the first build's timing cache
@@ -225,6 +238,7 @@ def check_fp32(entry: Entry, path: Path, feeds: dict, refs: dict | None, tmp: Pa
 
 
 def run_model(entry: Entry, corpus: Path, tmp: Path, opts: Options) -> dict:
+    global PROGRESS_ROW
     import torch
 
     row = base_row(entry)
@@ -246,6 +260,8 @@ def run_model(entry: Entry, corpus: Path, tmp: Path, opts: Options) -> dict:
         for system, make in _systems(entry, path, bf, tmp, opts.kiln_only).items():
             key = f"{system} b{b}"
             info: dict = {}
+            row["cuda"][key] = info  # filled in as it goes (a stopped worker reports it)
+            PROGRESS_ROW = row
             try:
                 fn = make(info)
                 err = fp16_error(fn(), entry, refs) if b == 1 else None
