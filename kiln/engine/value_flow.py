@@ -103,7 +103,7 @@ def shape_setting_use(graph: Graph, fixed: frozenset = frozenset()) -> str | Non
 
 
 def _is_float(v) -> bool:
-    return isinstance(v.type, TensorType) and v.type.dtype.is_float
+    return isinstance(v.type, TensorType) and v.type.dtype is not None and v.type.dtype.is_float
 
 
 def _blocked_at(n, key, carried: dict, floats: dict) -> str | None:
