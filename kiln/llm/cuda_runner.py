@@ -129,8 +129,10 @@ class CudaAttention:
                 keys = torch.arange(start + n, device=q.device)
                 mask = keys[None, :] <= start + torch.arange(n, device=q.device)[:, None]
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+            # GQA only where the heads differ: the flag keeps some SDPA kernels out
             out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
-                                                 is_causal=mask is None, enable_gqa=True)
+                                                 is_causal=mask is None,
+                                                 enable_gqa=heads != ks.shape[1])
             o[row:row + n] = out[0].transpose(0, 1)
         return o.reshape(t, -1)
 
