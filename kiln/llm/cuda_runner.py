@@ -129,8 +129,10 @@ class CudaAttention:
                 keys = torch.arange(start + n, device=q.device)
                 mask = keys[None, :] <= start + torch.arange(n, device=q.device)[:, None]
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+            # GQA only where the heads differ: the flag keeps some SDPA kernels out
             out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
-                                                 is_causal=mask is None, enable_gqa=True)
+                                                 is_causal=mask is None,
+                                                 enable_gqa=heads != ks.shape[1])
             o[row:row + n] = out[0].transpose(0, 1)
         return o.reshape(t, -1)
 
@@ -192,11 +194,11 @@ class CudaModelRunner(ModelRunner):
         if tune_gemv is None:
             tune_gemv = (model.device.type == "cuda" and os.environ.get("KILN_LLM_GEMV") != "0"
                          and model.weights in ("dtype", "fp8"))
-        if tune_gemv:
-            self._tune_gemv()
         if fused_ops is None:
             fused_ops = model.device.type == "cuda" and os.environ.get("KILN_LLM_FUSED") != "0"
         model.fused = FusedOps() if fused_ops else None
+        if tune_gemv:
+            self._tune_gemv()
 
     def _make_attention(self):
         return CudaAttention(self.cache, self.model.cfg.num_heads)
@@ -212,18 +214,26 @@ class CudaModelRunner(ModelRunner):
             from kiln.llm.triton_gemv import pick
 
             for name, w in shapes.items():
+                # down's input is silu(gate) * up: with the fused kernels on, the GEMV that
+                # makes it in registers competes against the separate kernel + the GEMV
+                act = name == "down" and m.fused is not None
                 if isinstance(w, fp8.Fp8Weight):  # against _scaled_mm (or dequantize + cuBLAS)
-                    cfg = pick(w.q, name, w.scale, _fp8_vendor, m.dtype)
+                    cfg = pick(w.q, name, w.scale, _fp8_vendor, m.dtype, silu_mul=act)
                     vendor = "torch-fp8"
                 else:
-                    cfg, vendor = pick(w, name), "cublas"
+                    cfg, vendor = pick(w, name, silu_mul=act), "cublas"
+                cfg, fused = cfg if act else (cfg, None)
                 self.paths["gemv"][name] = vendor if cfg is None else f"triton{cfg}"
                 if cfg is not None:
                     m.gemv[tuple(w.shape)] = cfg
+                if fused is not None:
+                    self.paths["gemv"]["silu_mul+down"] = f"triton{fused}"
+                    m.gemv_silu[tuple(w.shape)] = fused
         except Exception as e:  # no Triton at all, or the timing failed: cuBLAS everywhere
             log.warning("GEMV tuning failed (%s: %s); cuBLAS for every shape",
                         type(e).__name__, str(e)[:200])
             m.gemv.clear()
+            m.gemv_silu.clear()
             self.paths["gemv"] = {"error": f"{type(e).__name__}"}
         log.info("kiln.llm CUDA gemv choices: %s", self.paths["gemv"])
 

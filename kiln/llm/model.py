@@ -92,6 +92,8 @@ class LlamaModel:
         self._native = None  # the pointer table of decode_native, made on first use
         # (N, K) of a weight -> Triton GEMV config for one-row steps (CUDA, set by the runner)
         self.gemv: dict[tuple[int, int], tuple] = {}
+        # (N, K) of a down weight -> config of the GEMV that makes silu(gate) * up itself
+        self.gemv_silu: dict[tuple[int, int], tuple] = {}
         self.fused: fused.FusedOps | None = None  # fused kernels (CUDA, set by the runner)
 
     def _linear(self, x: torch.Tensor, w, bias=None) -> torch.Tensor:
@@ -124,6 +126,23 @@ class LlamaModel:
                                             str(e)[:200])
                     self.gemv.pop(w.shape, None)
         return fp8.linear(x, w, bias)
+
+    def _silu_down(self, gu: torch.Tensor, w, ops) -> torch.Tensor:
+        """down(silu(gate) * up): one Triton GEMV where one was picked for this shape (one row,
+        the fused kernels on), else the activation kernel then the GEMM."""
+        cfg = self.gemv_silu.get(tuple(w.shape)) if gu.shape[0] == 1 else None
+        if cfg is not None:
+            from kiln.llm import triton_gemv
+
+            q, scale = (w.q, w.scale) if isinstance(w, fp8.Fp8Weight) else (w, None)
+            try:
+                return triton_gemv.gemv(gu, q, None, cfg, scale=scale, silu_mul=True)
+            except Exception as e:  # compile/launch failure: the two kernels from now on
+                triton_gemv.log.warning("Triton SiLU-mul GEMV %s %s failed (%s: %s); two "
+                                        "kernels instead", tuple(w.shape), cfg,
+                                        type(e).__name__, str(e)[:200])
+                self.gemv_silu.pop(tuple(w.shape), None)
+        return self._linear(ops.silu_mul(gu), w)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn, meta,
                 logits_rows: torch.Tensor | None) -> torch.Tensor:
@@ -158,7 +177,7 @@ class LlamaModel:
                 k = fused.rope(k.view(t, -1, hd), cos, sin)
                 o = attn(i, q, k, v.view(t, -1, hd), meta)
             x, y = ops.add_rms_norm(x, self._linear(o, lay.o), lay.ln2, eps)
-            res = self._linear(ops.silu_mul(self._linear(y, lay.gate_up)), lay.down)
+            res = self._silu_down(self._linear(y, lay.gate_up), lay.down, ops)
         if logits_rows is not None:
             x = (x + res)[logits_rows]
             res = None

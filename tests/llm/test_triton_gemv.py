@@ -64,6 +64,29 @@ def test_fp8_gemv_half_activations():
 def test_gemv_refuses_too_many_rows():
     with pytest.raises(ValueError, match="rows"):
         gemv(torch.ones(MAX_ROWS + 1, 32), torch.ones(8, 32))
+    with pytest.raises(ValueError, match="one"):
+        gemv(torch.ones(2, 64), torch.ones(8, 32), silu_mul=True)
+
+
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[3]])
+@pytest.mark.parametrize("weights", ["float32", "fp8"])
+def test_silu_mul_gemv_matches_two_ops(config, weights):
+    """down(silu(gate) * up) with the activation made in registers from a [gate | up] row."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(24, 300, generator=g) * 0.1
+    gu = torch.randn(1, 600, generator=g) * 2
+    gate, up = gu.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    if weights == "fp8":
+        q = fp8.quantize(w)
+        want = F.linear(act, q.dequantize())
+        got = gemv(gu.to(DEV), q.q.to(DEV), None, config, scale=q.scale.to(DEV),
+                   silu_mul=True).cpu()
+    else:
+        want = F.linear(act, w)
+        got = gemv(gu.to(DEV), w.to(DEV), None, config, silu_mul=True).cpu()
+    assert got.shape == (1, 24)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def _tiny_llm(tiny_dir, weights="dtype", **kw):
@@ -179,3 +202,21 @@ def test_runner_fp8_decode_through_triton_gemv(tiny_dir, monkeypatch):
     assert len(calls) >= 4 * 2 * 3 and all(s is not None for s in calls)
     want = LLM(tiny_dir, num_blocks=32, weights="fp8").generate(PROMPTS[:2], p)
     assert got == [o.outputs[0].token_ids for o in want]
+
+
+def test_runner_silu_mul_gemv_matches_torch_path(tiny_dir, monkeypatch):
+    from kiln.llm import SamplingParams
+
+    p = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    llm = _tiny_llm(tiny_dir, fused_ops=True)
+    m = llm.engine.model
+    m.gemv_silu[tuple(m.layers[0].down.shape)] = CONFIGS[1]
+    import kiln.llm.triton_gemv as tg
+
+    calls = []
+    orig = tg.gemv
+    monkeypatch.setattr(tg, "gemv", lambda *a, **kw: calls.append(kw.get("silu_mul")) or orig(
+        *a, **kw))
+    got = [o.outputs[0].token_ids for o in llm.generate([PROMPTS[1]], p)]
+    assert calls.count(True) == 2 * 4  # two layers x four one-row decode steps
+    assert got == _want(tiny_dir, p)[1:2]
