@@ -100,6 +100,11 @@ def cuda_tables(rows: list[dict]) -> list[str]:
             if "error" in v:
                 out.append(f"| {r['model']} | {k} | failed: {v['error']} | | | | | |")
                 continue
+            if "per_call_ms" not in v:  # stopped before its timing (a build in progress)
+                tail = (v.get("build_log_tail") or v.get("build_log") or ["-"])[-1]
+                out.append(f"| {r['model']} | {k} | not timed (stopped; last build line: "
+                           f"{tail.replace('|', '/')[:160]}) | | | | | |")
+                continue
             build = (f"{v['build_s']:.1f}" if "build_s" in v else "-") + (
                 f" ({v['warm_build_s']:.1f})" if "warm_build_s" in v else "")
             cold = (f"{v['load_first_run_ms']:.0f} (load {v['load_ms']:.0f})"
@@ -109,7 +114,8 @@ def cuda_tables(rows: list[dict]) -> list[str]:
                        f"{_f(v.get('max_rel_err'), '.1e')} | {build} | {cold} |")
         for k, v in r["cuda"].items():
             peer = r["cuda"].get(k.replace("kiln fp16", "torch.compile reduce-overhead fp16"))
-            if not k.startswith("kiln fp16") or not peer or "error" in v or "error" in peer:
+            if not k.startswith("kiln fp16") or not peer or "error" in v or "error" in peer \
+                    or "per_call_ms" not in v or "per_call_ms" not in peer:
                 continue
             ratios.append((r["model"], k.rsplit(" ", 1)[1],
                            peer["per_call_ms"] / v["per_call_ms"],
