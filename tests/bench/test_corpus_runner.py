@@ -175,6 +175,11 @@ def test_cuda_path_helpers_without_a_gpu():
     assert cuda.fp16_error({"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0])}, e,
                            refs) == pytest.approx(0.25)  # kiln gives a dict by name
     assert cuda.fp16_error(out, e, None) is None
+    # a reference below FP16's range (EfficientNet-B0's seeded logits, 3.5e-14): not measured
+    tiny = {"a": np.array([3.5e-14, -1e-14]), "b": np.array([4.0])}
+    zeros = (torch.zeros(2, dtype=torch.float16), torch.tensor([4.2]))
+    assert cuda.fp16_error(zeros, e, tiny) == pytest.approx(0.05)
+    assert cuda.fp16_error(zeros, e, {"a": tiny["a"]}) is None
 
 
 def test_check_accepts_an_error_within_onnxruntimes_own_spread():
