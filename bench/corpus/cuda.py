@@ -19,8 +19,16 @@ from pathlib import Path
 import numpy as np
 
 from bench.corpus.manifest import Entry
-from bench.corpus.measure import TOLERANCE, describe_error, errors
-from bench.corpus.runner import Options, base_row, build_kiln, kiln_outputs, run_reference
+from bench.corpus.measure import describe_error, errors
+from bench.corpus.runner import (
+    Options,
+    base_row,
+    build_kiln,
+    check,
+    kiln_outputs,
+    reference_spread,
+    run_reference,
+)
 
 BACK_TO_BACK = 20
 PROFILE_COLD_START = os.environ.get("KILN_BENCH_COLD_PROFILE") == "1"  # cProfile it too
@@ -235,12 +243,8 @@ def check_fp32(entry: Entry, path: Path, feeds: dict, refs: dict | None, tmp: Pa
     except Exception as exc:
         row.update(status="build failed", error=describe_error("kiln build/run", exc))
         return
-    if refs is not None:
-        row["errors"] = errors(outs, refs)
-        row["max_rel_err"] = max(row["errors"].values(), default=0.0)
-        row["correct"] = row["max_rel_err"] <= TOLERANCE["fp32"]
-        if not row["correct"]:
-            row["status"] = "mismatch"
+    if refs is not None:  # the CPU runner's judgement, onnxruntime's own spread included
+        check(row, outs, refs, spread=lambda: reference_spread(path, feeds, refs))
 
 
 def run_model(entry: Entry, corpus: Path, tmp: Path, opts: Options) -> dict:
