@@ -36,9 +36,16 @@ def _qmatmul(a: torch.Tensor, bq, mult_b: torch.Tensor) -> torch.Tensor:
     [K, N] as float32, the chunks of K over which float32 sums are exact, or float64 and
     None; and FBGEMM's packed int8 weight or None), scaled back: float32(int result) *
     (a_scale * b_scale)."""
+    from kiln import native
+
+    w, chunks, packed = bq
+    if packed is not None and native.available and a.dtype == torch.float32 and \
+            a.is_contiguous() and a.numel():  # the codes' values in one C pass
+        qa, scale, zp = native.dynamic_qdq(a)
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            qa, scale, zp, packed)
     scale, zp = dynamic_params(a)
     q = (torch.round(a / float(scale)) + zp).clamp_(0, 255) - zp
-    w, chunks, packed = bq
     if packed is not None:
         # onnxruntime's u8 x s8 product: int16 pair sums that saturate on AVX2, as FBGEMM's.
         # FBGEMM quantizes its input by multiplying with 1 / scale, which can round a tie the
