@@ -74,7 +74,7 @@ class Builder:
         if cfg.int8 or cfg.fp8 or explicit:
             self.report["int8"] = apply_int8(graph, cfg, explicit, self.log,
                                              grid if explicit else None)
-            if explicit:
+            if explicit and cfg.device == "cpu":  # CUDA keeps its Triton INT8 GEMMs
                 fuse_requantize(graph, self.log)
         if cfg.fp16 or cfg.bf16:  # FP16 when both are allowed: more mantissa, same speed
             lower_precision(graph, "fp16" if cfg.fp16 else "bf16", log=self.log,
