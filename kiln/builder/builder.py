@@ -20,7 +20,7 @@ from kiln.kernels.registry import kernels_for
 from kiln.passes.fusion.match import NOT_FUSED
 from kiln.passes.pipeline import optimize
 from kiln.passes.quantize.data import load_batches
-from kiln.passes.quantize.dynamic import fold_dynamic_quant
+from kiln.passes.quantize.dynamic import fold_dynamic_quant, fuse_conv_integer_bias
 from kiln.passes.quantize.int8 import weight_grids
 from kiln.passes.quantize.qdq import fold_qdq, fuse_qdq_pairs, fuse_requantize, lower_qlinear
 
@@ -67,13 +67,14 @@ class Builder:
         grid = weight_grids(graph)  # a quantized model's weight scales, before they fold
         explicit = {**fold_qdq(graph, self.log), **fold_dynamic_quant(graph, self.log)}
         fuse_qdq_pairs(graph, self.log)  # the pairs left, each one pass
+        fuse_conv_integer_bias(graph, self.log)
         if cfg.optimize:
             graph = optimize(graph, log=_near_misses(self.log, near), device=cfg.device)
         keep_fp32 = [k for k, p in cfg.layer_precision.items() if p == "fp32"]
         if cfg.int8 or cfg.fp8 or explicit:
             self.report["int8"] = apply_int8(graph, cfg, explicit, self.log,
                                              grid if explicit else None)
-            if explicit:
+            if explicit and cfg.device == "cpu":  # CUDA keeps its Triton INT8 GEMMs
                 fuse_requantize(graph, self.log)
         if cfg.fp16 or cfg.bf16:  # FP16 when both are allowed: more mantissa, same speed
             lower_precision(graph, "fp16" if cfg.fp16 else "bf16", log=self.log,

@@ -93,6 +93,10 @@ def _load():
     lib.kiln_dynamic_quantize.restype = None
     lib.kiln_dynamic_qdq.argtypes = [_L, _P, _P, _P, _P, _I]
     lib.kiln_dynamic_qdq.restype = None
+    lib.kiln_shifted_codes.argtypes = [_L, _P, _P, _F, _F]
+    lib.kiln_shifted_codes.restype = None
+    lib.kiln_requantize.argtypes = [_L, _L, _P, _P, _F, _F, _F, _F]
+    lib.kiln_requantize.restype = None
     return lib, ""
 
 
@@ -345,6 +349,29 @@ def dynamic_qdq(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
     _lib.kiln_dynamic_qdq(x.numel(), x.data_ptr(), y.data_ptr(), ctypes.addressof(sz),
                           ctypes.addressof(sz) + 4, torch.get_num_threads())
     return y, float(sz[0]), int(sz[1])
+
+
+def shifted_codes(x: torch.Tensor, scale: float, zero: int) -> torch.Tensor:
+    """``clamp(round(x / scale) + zero, 0, 255) - zero`` of a contiguous float32 CPU tensor
+    (quant.c), as float32."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError("shifted_codes: expected a contiguous float32 CPU tensor")
+    y = torch.empty(x.shape, dtype=torch.float32)
+    _lib.kiln_shifted_codes(x.numel(), x.data_ptr(), y.data_ptr(), scale, float(zero))
+    return y
+
+
+def requantize_(acc: torch.Tensor, mult: torch.Tensor, scale: float, zero: int, lo: int,
+                hi: int) -> torch.Tensor:
+    """In place over integer products ``acc`` [rows, cols] (contiguous float32 CPU):
+    ``(clamp(round(acc * mult) + zero, lo, hi) - zero) * scale``, ``mult`` [cols] (quant.c)."""
+    if acc.dtype != torch.float32 or acc.dim() != 2 or not acc.is_contiguous() or \
+            mult.dtype != torch.float32 or mult.numel() != acc.shape[1] or \
+            not mult.is_contiguous():
+        raise ValueError("requantize_: expected contiguous float32 acc [rows, cols], mult [cols]")
+    _lib.kiln_requantize(acc.shape[0], acc.shape[1], acc.data_ptr(), mult.data_ptr(), scale,
+                         float(zero), float(lo), float(hi))
+    return acc
 
 
 def pool2d(kind: str, x: torch.Tensor, kernel, stride, dilation, pads, out_hw) -> torch.Tensor:

@@ -125,3 +125,48 @@ void kiln_dynamic_qdq(long n, const float *x, float *y, float *scale, float *zer
             dequantized(b - a, x + a, y + a, s, z);
     }
 }
+
+/* codes minus zero point of a static scale: y = clamp(round(x / scale) + zero, 0, 255) - zero
+ * (QuantizeLinear's float32 steps), the input of a GEMM whose float products are integers */
+TGT void kiln_shifted_codes(long n, const float *x, float *y, float scale, float zero)
+{
+    const __m256 vs = _mm256_set1_ps(scale), vz = _mm256_set1_ps(zero);
+    const __m256 top = _mm256_set1_ps(255.0f), bot = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), vs),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, vz), bot), top);
+        _mm256_storeu_ps(y + i, _mm256_sub_ps(q, vz));
+    }
+    for (; i < n; i++) {
+        float q = nearbyintf(x[i] / scale) + zero;
+        y[i] = (q < 0.0f ? 0.0f : q > 255.0f ? 255.0f : q) - zero;
+    }
+}
+
+/* QLinearMatMul's requantization (MLAS's float32 steps) then DequantizeLinear, in place over
+ * acc [rows, cols] of integer products: (clamp(round(acc * mult[j]) + zero, lo, hi) - zero) *
+ * scale, round half to even. */
+TGT void kiln_requantize(long rows, long cols, float *acc, const float *mult, float scale,
+                         float zero, float lo, float hi)
+{
+    const __m256 vs = _mm256_set1_ps(scale), vz = _mm256_set1_ps(zero);
+    const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+    for (long r = 0; r < rows; r++) {
+        float *a = acc + r * cols;
+        long j = 0;
+        for (; j + 8 <= cols; j += 8) {
+            __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(a + j),
+                                                     _mm256_loadu_ps(mult + j)),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, vz), vlo), vhi);
+            _mm256_storeu_ps(a + j, _mm256_mul_ps(_mm256_sub_ps(q, vz), vs));
+        }
+        for (; j < cols; j++) {
+            float q = nearbyintf(a[j] * mult[j]) + zero;
+            q = q < lo ? lo : q > hi ? hi : q;
+            a[j] = (q - zero) * scale;
+        }
+    }
+}

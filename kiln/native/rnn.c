@@ -287,8 +287,8 @@ static void clip_n(float *v, long n, float clip)
 }
 
 /* scale and zero point of h's range widened to hold 0 (DynamicQuantizeLinear's float32 steps)
- * and q = codes - zero point, as floats */
-static void quantize_rows(long n, const float *h, float *q, float *scale)
+ * and q = codes - zero point */
+static void quantize_rows(long n, const float *h, short *q, float *scale)
 {
     float lo = 0.0f, hi = 0.0f;
     for (long i = 0; i < n; i++) {
@@ -299,9 +299,47 @@ static void quantize_rows(long n, const float *h, float *q, float *scale)
     z = nearbyintf(z < 0.0f ? 0.0f : z > 255.0f ? 255.0f : z);
     for (long i = 0; i < n; i++) {
         float c = nearbyintf(h[i] / s) + z;
-        q[i] = (c < 0.0f ? 0.0f : c > 255.0f ? 255.0f : c) - z;
+        q[i] = (short)((c < 0.0f ? 0.0f : c > 255.0f ? 255.0f : c) - z);
     }
     *scale = s;
+}
+
+/* acc[0..N) = q[0..K) r as int32, exactly: r holds the int16 rows in pairs, r[(i N + j) 2 + e]
+ * = R[2 i + e][j] (K even), so that one vpmaddwd adds two rows' products (|q|, |R| <= 255:
+ * no overflow). */
+TGT static void gemv_i16(long K, long N, const short *q, const short *r, int *acc)
+{
+    long j = 0;
+    for (; j + 64 <= N; j += 64) {
+        __m256i a[8];
+        for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_si256();
+        for (long i = 0; i < K / 2; i++) {
+            int pair = (unsigned short)q[2 * i] | ((unsigned)(unsigned short)q[2 * i + 1] << 16);
+            if (!pair)
+                continue;
+            __m256i qp = _mm256_set1_epi32(pair);
+            const short *ri = r + (i * N + j) * 2;
+            for (int u = 0; u < 8; u++)
+                a[u] = _mm256_add_epi32(a[u], _mm256_madd_epi16(
+                    qp, _mm256_loadu_si256((const __m256i *)(ri + 16 * u))));
+        }
+        for (int u = 0; u < 8; u++) _mm256_storeu_si256((__m256i *)(acc + j + 8 * u), a[u]);
+    }
+    for (; j + 8 <= N; j += 8) {
+        __m256i a = _mm256_setzero_si256();
+        for (long i = 0; i < K / 2; i++) {
+            int pair = (unsigned short)q[2 * i] | ((unsigned)(unsigned short)q[2 * i + 1] << 16);
+            a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_set1_epi32(pair), _mm256_loadu_si256(
+                (const __m256i *)(r + (i * N + j) * 2))));
+        }
+        _mm256_storeu_si256((__m256i *)(acc + j), a);
+    }
+    for (; j < N; j++) {
+        int a = 0;
+        for (long i = 0; i < K / 2; i++)
+            a += q[2 * i] * r[(i * N + j) * 2] + q[2 * i + 1] * r[(i * N + j) * 2 + 1];
+        acc[j] = a;
+    }
 }
 
 /* com.microsoft DynamicQuantizeLSTM's recurrence, one forward direction, in the float32 steps
@@ -315,18 +353,20 @@ static void quantize_rows(long n, const float *h, float *q, float *scale)
  * multiply-add), as PyTorch computes them. Returns 1 when scratch memory ran out. */
 __attribute__((target("avx2,fma"), optimize("fp-contract=off")))
 int kiln_dq_lstm(const long *g, const int *acts, const float *ab, float clip, const float *xw,
-                 const float *rq, const float *rs, const float *bias, const float *peep,
+                 const short *rq, const float *rs, const float *bias, const float *peep,
                  const float *h0, const float *c0, const long *lens, float *y, float *yh,
                  float *yc)
 {
     long T = g[0], B = g[1], H = g[2], N = 4 * H;
     int flags = (int)g[3], cl = (flags & RNN_CLIP) != 0, forget = (flags & RNN_INPUT_FORGET) != 0;
     rnn_act f = {acts[0], ab[0], ab[3]}, gg = {acts[1], ab[1], ab[4]}, hf = {acts[2], ab[2], ab[5]};
-    size_t bh = sizeof(float) * (B * H > 0 ? B * H : 1), nb = sizeof(float) * (N > 0 ? N : 1);
-    float *prev = malloc(bh), *q = malloc(bh), *c = malloc(bh), *acc = malloc(nb);
-    float *m = malloc(nb);
-    if (!prev || !q || !c || !acc || !m) {
-        free(prev); free(q); free(c); free(acc); free(m);
+    long K = H + (H & 1);  /* rq's rows, padded to pairs */
+    size_t bh = sizeof(float) * (B * K > 0 ? B * K : 1), nb = sizeof(float) * (N > 0 ? N : 1);
+    float *prev = malloc(bh), *c = malloc(bh), *acc = malloc(nb), *m = malloc(nb);
+    short *q = calloc(B * K > 0 ? B * K : 1, sizeof(short));
+    int *iacc = malloc(nb);
+    if (!prev || !q || !c || !acc || !m || !iacc) {
+        free(prev); free(q); free(c); free(acc); free(m); free(iacc);
         return 1;
     }
     for (long i = 0; i < B * H; i++) {
@@ -337,21 +377,19 @@ int kiln_dq_lstm(const long *g, const int *acts, const float *ab, float clip, co
     }
     for (long t = 0; t < T; t++) {
         float s;
-        quantize_rows(B * H, prev, q, &s);
+        quantize_rows(B * H, prev, q, &s);  /* all rows together, one scale */
+        for (long b = B - 1; b > 0; b--) {  /* rows K apart: a zero code pads an odd H */
+            memmove(q + b * K, q + b * H, sizeof(short) * H);
+            if (K > H) q[b * K + H] = 0;
+        }
+        if (K > H) q[H] = 0;
         for (long j = 0; j < N; j++) m[j] = rs[j] * s;
         for (long b = 0; b < B; b++) {
-            const float *qb = q + b * H, *x = xw + (t * B + b) * N;
+            const float *x = xw + (t * B + b) * N;
             float *cb = c + b * H, *hb = y + (t * B + b) * H;
-            for (long j = 0; j < N; j++) acc[j] = 0.0f;
-            for (long k = 0; k < H; k++) {
-                float qk = qb[k];
-                if (qk == 0.0f)
-                    continue;
-                const float *r = rq + k * N;
-                for (long j = 0; j < N; j++) acc[j] += qk * r[j];
-            }
+            gemv_i16(K, N, q + b * K, rq, iacc);
             for (long j = 0; j < N; j++) {
-                float p = acc[j] * m[j];
+                float p = (float)iacc[j] * m[j];
                 float sum = x[j] + p;
                 acc[j] = sum + bias[j];
             }
@@ -401,7 +439,7 @@ int kiln_dq_lstm(const long *g, const int *acts, const float *ab, float clip, co
             }
         }
     }
-    free(prev); free(q); free(c); free(acc); free(m);
+    free(prev); free(q); free(c); free(acc); free(m); free(iacc);
     return 0;
 }
 

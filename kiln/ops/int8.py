@@ -9,10 +9,12 @@ activation) runs on the float result. The output is float32, as the layer's was.
 
 from __future__ import annotations
 
+from kiln.ir import DType
 from kiln.ir.opdef import REQUIRED, Attr
 from kiln.ops.fused_conv import _CONV_ATTRS, _EPILOGUE
 from kiln.ops.nn import _conv_rule, _matmul_rule
-from kiln.ops.rules import same
+from kiln.ops.quant import ConvInteger, conv_shape
+from kiln.ops.rules import same, tensor
 from kiln.ops.schema import kiln_op
 
 # x_scale 0: the activation is quantized on every call from its own range (dynamic)
@@ -49,3 +51,15 @@ QuantizeDequantize = kiln_op(
     doc="DequantizeLinear(QuantizeLinear(X, scale, zero), scale, zero) in one pass (a Q/DQ "
         "pair read by ops other than INT8 layers): X's 8-bit codes (round half to even, "
         "saturated to int8 when signed, else uint8) back in float32")
+
+
+def _conv_integer_scaled(ctx):
+    return [tensor(DType.float32, conv_shape(ctx.shape(0), ctx.shape(1), ctx.attrs))]
+
+
+ConvIntegerScaled = kiln_op(
+    "ConvIntegerScaled", dict(ConvInteger.attrs), _conv_integer_scaled,
+    doc="float32(ConvInteger(X, W, x_zero, w_zero) + int32(floor(B / S))) * S, the bias and "
+        "rescale onnxruntime's dynamic quantizer writes around a ConvInteger, in its steps; "
+        "inputs X (uint8), W, x_zero, w_zero (optional), B (float32 [M]), S (float32 scalar: "
+        "x_scale * w_scale)")

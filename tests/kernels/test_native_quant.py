@@ -64,3 +64,23 @@ def test_native_dynamic_qdq_is_the_codes_dequantized(k):
     codes, scale, zp = _torch_steps(x)
     assert s == float(scale) and z == int(zp)
     assert torch.equal(y, (codes.float() - float(zp)) * scale)
+
+
+@needs_native
+def test_native_shifted_codes_and_requantize_match_torch_steps():
+    """quant.c's static quantization (codes minus zero point) and QLinearMatMul
+    requantization against the same float32 steps in torch, bit for bit, ties included."""
+    rng = np.random.default_rng(2)
+    s = np.float32(0.05)
+    x = rng.standard_normal(1003).astype(np.float32) * 8
+    x[:100] = (np.arange(100) - 50.5).astype(np.float32) * s  # ties
+    xt = torch.from_numpy(x)
+    want = torch.div(xt, float(s)).round_().add_(131).clamp_(0, 255).sub_(131)
+    assert torch.equal(native.shifted_codes(xt, float(s), 131), want)
+    acc = torch.from_numpy(rng.integers(-40000, 40000, (7, 37)).astype(np.float32))
+    mult = torch.from_numpy((rng.random(37) * 4e-3).astype(np.float32))
+    mult[0] = 1 / 64  # exact halves
+    acc[:, 0] = torch.arange(7) * 64 + 32
+    want = acc.mul(mult).round_().add_(-3).clamp_(-128, 127).sub_(-3).mul_(0.25)
+    got = native.requantize_(acc.clone(), mult, 0.25, -3, -128, 127)
+    assert torch.equal(got, want)

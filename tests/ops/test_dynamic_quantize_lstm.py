@@ -164,7 +164,7 @@ def test_dynamic_quantize_lstm_native_recurrence_matches_torch_steps(case, monke
     monkeypatch.setattr(DL, "_run_native", lambda *a: calls.append(1) or native(*a))
     got = run_kiln(model, feeds)
     assert calls
-    monkeypatch.setattr(DL, "_native_fits", lambda rq, x: False)
+    monkeypatch.setattr(DL, "_native_fits", lambda n, rq, x: False)
     want = run_kiln(model, feeds)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

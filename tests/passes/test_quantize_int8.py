@@ -641,3 +641,53 @@ def test_no_fuse_requantize_with_bias():
     g.outputs.append(y)
     assert fuse_requantize(g) == 0
     assert [nd.op for nd in g.nodes] == [I8.Int8MatMul, I8.QuantizeDequantize]
+
+
+def _dynamic_conv_model(same_scale: bool = True) -> onnx.ModelProto:
+    """DynamicQuantizeLinear -> ConvInteger with the bias and rescale as ddddocr's quantizer
+    writes them (the scale product twice; ``same_scale=False``: the rescale by another one)."""
+    rng = np.random.default_rng(6)
+    w = rng.integers(0, 256, (8, 4, 3, 3)).astype(np.uint8)
+    inits = [numpy_helper.from_array(w, "W"), numpy_helper.from_array(np.uint8(119), "wz"),
+             numpy_helper.from_array(np.array(0.004, np.float32), "ws"),
+             numpy_helper.from_array(np.array(0.003, np.float32), "other"),
+             numpy_helper.from_array((rng.standard_normal(8) * 0.5).astype(np.float32), "B"),
+             numpy_helper.from_array(np.array([1, -1, 1, 1], np.int64), "shape")]
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+             helper.make_node("Mul", ["xs", "ws"], ["s1"]),
+             helper.make_node("Mul", ["xs", "ws" if same_scale else "other"], ["s2"]),
+             helper.make_node("Div", ["B", "s1"], ["bd"]),
+             helper.make_node("Floor", ["bd"], ["bf"]),
+             helper.make_node("Cast", ["bf"], ["bi"], to=TensorProto.INT32),
+             helper.make_node("Reshape", ["bi", "shape"], ["br"]),
+             helper.make_node("ConvInteger", ["xq", "W", "xz", "wz"], ["acc"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["acc", "br"], ["sum"]),
+             helper.make_node("Cast", ["sum"], ["sumf"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["sumf", "s2"], ["y"])]
+    g = helper.make_graph(
+        nodes, "dynconv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 9, 11])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 9, 11])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("same_scale", [True, False])
+def test_conv_integer_bias_and_rescale_one_op(tmp_path, same_scale):
+    """The eight ops around a dynamic ConvInteger become one ConvIntegerScaled computing the
+    same steps: onnxruntime's output to the bit. Rescaled by another scale than the bias's,
+    nothing fuses and the result is the same too."""
+    ort = pytest.importorskip("onnxruntime")
+    path = tmp_path / "dynconv.onnx"
+    onnx.save(_dynamic_conv_model(same_scale), path)
+    logs = []
+    e = Builder(BuilderConfig(), log=logs.append).build(path)
+    kinds = list(e.choices.values())
+    fused = any("1 ConvInteger layer(s) with their bias and rescale" in m for m in logs)
+    assert fused == same_scale
+    assert kinds.count("TorchConvIntegerScaled") == int(same_scale)
+    assert kinds.count("TorchConvInteger") == int(not same_scale)
+    if same_scale:
+        assert not any(k in kinds for k in ("TorchFloor", "TorchDiv", "TorchCast"))
+    x = np.random.default_rng(7).standard_normal((1, 4, 9, 11)).astype(np.float32) * 3
+    got = e.create_context().run({"x": x})["y"]
+    want = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
+    assert np.array_equal(got, want)

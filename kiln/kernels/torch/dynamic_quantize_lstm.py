@@ -36,9 +36,16 @@ def _qmatmul(a: torch.Tensor, bq, mult_b: torch.Tensor) -> torch.Tensor:
     [K, N] as float32, the chunks of K over which float32 sums are exact, or float64 and
     None; and FBGEMM's packed int8 weight or None), scaled back: float32(int result) *
     (a_scale * b_scale)."""
+    from kiln import native
+
+    w, chunks, packed = bq
+    if packed is not None and native.available and a.dtype == torch.float32 and \
+            a.is_contiguous() and a.numel():  # the codes' values in one C pass
+        qa, scale, zp = native.dynamic_qdq(a)
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            qa, scale, zp, packed)
     scale, zp = dynamic_params(a)
     q = (torch.round(a / float(scale)) + zp).clamp_(0, 255) - zp
-    w, chunks, packed = bq
     if packed is not None:
         # onnxruntime's u8 x s8 product: int16 pair sums that saturate on AVX2, as FBGEMM's.
         # FBGEMM quantizes its input by multiplying with 1 / scale, which can round a tie the
@@ -125,7 +132,7 @@ def dynamic_quantize_lstm(n, x, w, r, b=None, seq_lens=None, h0=None, c0=None, p
         xw = _qmatmul(xd[:steps].reshape(-1, xd.shape[2]), wq[d], ws[d])
         xw = xw.reshape(steps, batch, 4 * hid)
         yd = None
-        if native_acts is not None and _native_fits(rq[d], x):
+        if native_acts is not None and _native_fits(n, rq[d], x):
             yd, hd, cd = _run_native(n, native_acts[d], xw, rq[d], rs[d], bias[d], pd, h, c,
                                      lens, steps)
         if yd is None:
@@ -147,17 +154,38 @@ def _native_acts(a, dirs: int):
     return NR.activation_codes(a, "LSTM", dirs)
 
 
-def _native_fits(rq, x: torch.Tensor) -> bool:
+def _native_fits(n, rq, x: torch.Tensor) -> bool:
     """Whether kiln_dq_lstm computes this R product's integers: one exact float32 chunk (see
-    :func:`_exact_f32`), and no int16 pair saturation to reproduce (uint8 codes, or a CPU
-    whose u8 x s8 GEMMs are exact, or codes too small to saturate)."""
+    :func:`_exact_f32`), codes minus zero point within int16's pair sums (+-255), and no int16
+    pair saturation to reproduce (uint8 codes, or a CPU whose u8 x s8 GEMMs are exact, or
+    codes too small to saturate). Decided once per weight."""
     from kiln.kernels.torch import int8 as K
 
     w, chunks, packed = rq
     if x.device.type != "cpu" or chunks is None or len(chunks) != 1 or \
             w.dtype != torch.float32:
         return False
-    return packed is None or not K.u8s8_saturates() or float(w.abs().max()) <= 64
+    per_weight = n.cache.setdefault("dq_lstm_fits", {})
+    got = per_weight.get(id(w))
+    if got is None or got[0] is not w:
+        top = float(w.abs().max())
+        ok = top <= 255 and (packed is None or not K.u8s8_saturates() or top <= 64)
+        got = per_weight[id(w)] = (w, ok)
+    return got[1]
+
+
+def _pairs_i16(n, w: torch.Tensor) -> torch.Tensor:
+    """R's integers [H, 4H] as kiln_dq_lstm reads them: int16, rows in pairs (an odd H padded
+    with a zero row), each pair's two values side by side per column; made once per weight."""
+    per_weight = n.cache.setdefault("dq_lstm_i16", {})  # one per direction
+    got = per_weight.get(id(w))
+    if got is None or got[0] is not w:
+        k, cols = w.shape
+        rows = torch.zeros((k + (k & 1), cols), dtype=torch.int16)
+        rows[:k] = w.to(torch.int16)
+        packed = rows.reshape(-1, 2, cols).transpose(1, 2).contiguous()
+        got = per_weight[id(w)] = (w, packed)
+    return got[1]
 
 
 def _run_native(n, acts, xw, rq, rs, bias, p, h, c, lens, steps):
@@ -166,10 +194,9 @@ def _run_native(n, acts, xw, rq, rs, bias, p, h, c, lens, steps):
 
     batch, hid = h.shape
     flags = (NR.INPUT_FORGET if n.a.input_forget else 0) | (NR.CLIP if n.a.clip else 0)
-    w = rq[0]
     y, y_h, y_c = NR.dq_lstm(
         (steps, batch, hid, flags), acts, float(n.a.clip or 0.0), xw.contiguous(),
-        w.contiguous(), rs.contiguous(), bias.contiguous(),
+        _pairs_i16(n, rq[0]), rs.contiguous(), bias.contiguous(),
         None if p is None else p.contiguous(), h.contiguous(), c.contiguous(),
         lens.to(torch.int64).contiguous())
     return y, y_h, y_c

@@ -266,10 +266,16 @@ def int8_matmul_qdq(n, x, wq, w_scale):
     which it quantizes back to the codes exactly, and a weight packed with scale 1; its float
     ``acc`` is the int32 one converted, as onnxruntime converts it), a float32 matmul of the
     codes elsewhere (exact below 2**24)."""
+    from kiln import native
+
     a = n.a
     k, m = wq.shape
     xf = x.float().reshape(-1, k)
-    codes = torch.div(xf, a.x_scale).round_().add_(a.x_zero).clamp_(0, 255).sub_(a.x_zero)
+    fast = native.available and xf.device.type == "cpu" and xf.is_contiguous()
+    if fast:
+        codes = native.shifted_codes(xf, a.x_scale, a.x_zero)
+    else:
+        codes = torch.div(xf, a.x_scale).round_().add_(a.x_zero).clamp_(0, 255).sub_(a.x_zero)
     if _fbgemm_ok(xf):
         packed = _cached(n, "w_fbgemm_unit", lambda: _fbgemm_pack(wq, torch.ones(m), None))
         acc = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
@@ -280,7 +286,10 @@ def int8_matmul_qdq(n, x, wq, w_scale):
         torch.tensor(a.x_scale, dtype=torch.float32) * w_scale.float().reshape(-1)) /
         torch.tensor(a.y_scale, dtype=torch.float32))
     lo, hi = (-128, 127) if a.y_signed else (0, 255)
-    y = acc.mul_(mult).round_().add_(a.y_zero).clamp_(lo, hi).sub_(a.y_zero).mul_(a.y_scale)
+    if fast and acc.is_contiguous() and mult.is_contiguous():
+        y = native.requantize_(acc, mult, a.y_scale, a.y_zero, lo, hi)
+    else:
+        y = acc.mul_(mult).round_().add_(a.y_zero).clamp_(lo, hi).sub_(a.y_zero).mul_(a.y_scale)
     return y.reshape(*x.shape[:-1], m).to(x.dtype)
 
 

@@ -21,6 +21,7 @@ from kiln.ir import DType
 from kiln.kernels.registry import register
 from kiln.kernels.torch.convert import TORCH_DTYPE, dtype_of
 from kiln.kernels.torch.quant import FLOAT8, cast
+from kiln.ops import int8 as I8
 from kiln.ops import quant as Q
 
 INT_RANGE = {
@@ -359,6 +360,16 @@ def int_conv(x, w, x_zp, w_zp, a, cache: dict | None = None) -> torch.Tensor:
 @register(Q.ConvInteger)
 def conv_integer(n, x, w, x_zp=None, w_zp=None):
     return int_conv(x, w, x_zp, w_zp, n.a, n.cache)
+
+
+@register(I8.ConvIntegerScaled)
+def conv_integer_scaled(n, x, w, x_zp, w_zp, b, s):
+    """ConvInteger, then the ops it replaces one after the other, each in its own dtype: the
+    bias ``int32(floor(B / S))`` added in int32, the sum cast to float32 and scaled by S."""
+    acc = int_conv(x, w, x_zp, w_zp, n.a, n.cache)
+    bq = torch.floor(torch.div(b.float(), s.float())).to(torch.int32)
+    acc = acc.add_(bq.reshape((1, -1) + (1,) * (acc.dim() - 2)))
+    return acc.to(torch.float32).mul_(s.float().reshape(()))
 
 
 @register(Q.QLinearConv)

@@ -23,6 +23,7 @@ import numpy as np
 
 from kiln.ir import DType, Graph, Node, TensorType
 from kiln.ir.rewrite import single_user
+from kiln.ops import int8 as I8
 from kiln.ops import math as M
 from kiln.ops import nn as N
 from kiln.ops import quant as Q
@@ -103,3 +104,101 @@ def fold_dynamic_quant(graph: Graph, log=lambda m: None) -> dict[str, tuple[floa
         log(f"dynamic quantization: {len(found)} activation(s) quantized per call, "
             f"{len(dead) // 2} MatMulInteger layer(s) made INT8 layers")
     return found
+
+
+def fuse_conv_integer_bias(graph: Graph, log=lambda m: None) -> int:
+    """A dynamic convolution's bias and rescale as onnxruntime's quantizer writes them (a
+    ddddocr model's 21 convolutions), one op instead of eight::
+
+        S = xs * ws      bq = Cast(Floor(Div(B, S)), int32) ──Reshape([1, M, 1, 1])──┐
+        ConvInteger(xq, Wq, xz, wz) ─────────────────────────────────────────────── Add
+            ──Cast(float)──Mul(·, S)──▶ y
+                   ==>  y = ConvIntegerScaled(xq, Wq, xz, wz, B, S)
+
+    (the same steps in the same dtypes, so the same values). Fires for a constant float32
+    bias of one value per output channel, a reshape that puts it on the channel dim, the same
+    scalar S in the Div and the Mul (or the same product of the same two scales, as the
+    quantizer writes it twice), and single readers along the chain; returns the number
+    fused."""
+    users, dead, done = graph.users(), set(), 0
+    for conv in [n for n in graph.nodes if n.op is Q.ConvInteger]:
+        m = _match_conv_bias(graph, conv, users)
+        if m is None:
+            continue
+        b, s, mul, chain = m
+        ins = list(conv.inputs) + [None] * (4 - len(conv.inputs))
+        new = Node(I8.ConvIntegerScaled, f"{conv.name} + bias + scale", [*ins[:4], b, s],
+                   list(mul.outputs), I8.ConvIntegerScaled.make_attrs(**{
+                       k: getattr(conv.attrs, k) for k in I8.ConvIntegerScaled.attrs}))
+        graph.nodes[graph.nodes.index(mul)] = new
+        dead |= {id(n) for n in chain}
+        done += 1
+    graph.nodes = [n for n in graph.nodes if id(n) not in dead]
+    if done:
+        log(f"dynamic quantization: {done} ConvInteger layer(s) with their bias and rescale "
+            "as one op each")
+    return done
+
+
+def _match_conv_bias(graph: Graph, conv: Node, users):
+    """(B, S, the final Mul, the other nodes to drop) or None."""
+    from kiln.ops import tensor as T
+
+    rank = len(getattr(conv.outputs[0].type, "shape", None) or ())
+    add = single_user(graph, conv.outputs[0], users)
+    if add is None or add.op is not M.Add or rank < 3:
+        return None
+    r = add.inputs[1] if add.inputs[0] is conv.outputs[0] else add.inputs[0]
+    rs = r.producer
+    shape = _const(rs.inputs[1]) if rs is not None and rs.op is T.Reshape else None
+    if shape is None or len(shape) != rank or any(int(d) != 1 for k, d in enumerate(shape)
+                                                   if k != 1):
+        return None
+    casted = rs.inputs[0].producer
+    fl = casted.inputs[0].producer if casted is not None and casted.op is Q.Cast else None
+    dv = fl.inputs[0].producer if fl is not None and fl.op is M.Floor else None
+    if dv is None or dv.op is not M.Div or Q.cast_target(casted.attrs.to) != DType.int32:
+        return None
+    b, s = dv.inputs
+    bias = _const(b)
+    if bias is None or bias.dtype != np.float32 or bias.ndim != 1 or \
+            int(shape[1]) not in (-1, bias.size):
+        return None
+    cast = single_user(graph, add.outputs[0], users)
+    if cast is None or cast.op is not Q.Cast or Q.cast_target(cast.attrs.to) != DType.float32:
+        return None
+    mul = single_user(graph, cast.outputs[0], users)
+    if mul is None or mul.op is not M.Mul or len(mul.inputs) != 2 or \
+            cast.outputs[0] not in mul.inputs or not _scalar(graph, s):
+        return None
+    other = mul.inputs[1] if mul.inputs[0] is cast.outputs[0] else mul.inputs[0]
+    if not _same_value(s, other):
+        return None
+    pre = [dv, fl, casted, rs]
+    if any(single_user(graph, n.outputs[0], users) is None for n in pre):
+        return None
+    return b, s, mul, [*pre, conv, add, cast]
+
+
+def _same_value(a, b) -> bool:
+    """a and b are one value, or two Muls of the same two inputs (the quantizer writes
+    x_scale * w_scale twice: for the bias, and for the rescale)."""
+    if a is b:
+        return True
+    pa, pb = a.producer, b.producer
+    return pa is not None and pb is not None and pa.op is M.Mul and pb.op is M.Mul and \
+        len(pa.inputs) == 2 and len(pb.inputs) == 2 and (
+            (pa.inputs[0] is pb.inputs[0] and pa.inputs[1] is pb.inputs[1]) or
+            (pa.inputs[0] is pb.inputs[1] and pa.inputs[1] is pb.inputs[0]))
+
+
+def _scalar(graph: Graph, s) -> bool:
+    """S is one value: a product of scalars (x_scale, a one-value weight scale)."""
+    shape = getattr(getattr(s, "type", None), "shape", None)
+    if shape is not None and all(isinstance(d, int) for d in shape):
+        return int(np.prod(shape, dtype=np.int64)) == 1
+    p = s.producer
+    return p is not None and p.op is M.Mul and all(
+        (i.const is not None and i.const.size == 1) or (
+            i.producer is not None and i.producer.op is Q.DynamicQuantizeLinear)
+        for i in p.inputs)
