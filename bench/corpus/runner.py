@@ -85,11 +85,11 @@ def run_reference(path: Path, feeds: dict, opts: Options, row: dict):
     return sess, ins, outs
 
 
-def build_kiln(path: Path, opts: Options, tmp: Path, row: dict) -> Path:
+def build_kiln(path: Path, opts: Options, tmp: Path, row: dict, tune: bool = True) -> Path:
     import kiln
 
     # strict FP32 (TF32 off): the check's 1e-4 bound is an FP32 one; TF32 convs miss it by 10x
-    builder = kiln.Builder(kiln.BuilderConfig(device=opts.device, tf32=False))
+    builder = kiln.Builder(kiln.BuilderConfig(device=opts.device, tf32=False, tune=tune))
     t0 = time.perf_counter()
     engine = builder.build(str(path))
     row["build_s"] = time.perf_counter() - t0

@@ -449,7 +449,8 @@ class GraphTimer:
 def tune_graph(graph, profile=None, cache: TimingCache | None = None,
                timer: Callable | None = None, log: Callable[[str], None] = lambda m: None,
                device: str = "cuda", plan_margin: float = 0.0,
-               status: dict | None = None) -> dict[str, Selection]:
+               status: dict | None = None, only: set[str] | None = None
+               ) -> dict[str, Selection]:
     """Run ``graph`` once at the profile's opt shapes with the PyTorch kernels on ``device``;
     at every node that has CUDA kernels, time its candidates on the live inputs first
     (``plan_margin``: see :func:`select`).
@@ -457,7 +458,8 @@ def tune_graph(graph, profile=None, cache: TimingCache | None = None,
     Returns a :class:`Selection` per tuned node (nodes with only the PyTorch kernel are not
     listed). Saves ``cache`` at the end. ``status["complete"]``: whether the run on random
     inputs reached the end (random indices out of range stop it before a CUDA kernel would
-    assert and take the process's CUDA context with it)."""
+    assert and take the process's CUDA context with it). ``only``: tune these nodes alone (the
+    others run their PyTorch kernel untimed: :mod:`kiln.builder.precompile`'s workers)."""
     import kiln.kernels.triton  # noqa: F401  (registers the CUDA kernels)
     from kiln.engine.engine import TensorInfo
     from kiln.engine.executor import Executor
@@ -480,7 +482,7 @@ def tune_graph(graph, profile=None, cache: TimingCache | None = None,
 
         def tuned(call, *ins):
             ins = tuple(_to(x, device) for x in ins)
-            if node.name not in picks:
+            if node.name not in picks and (only is None or node.name in only):
                 cands = candidates(node.op, call, ins)
                 if len(cands) > 1:
                     picks[node.name] = sel = select(node.name, node.op, call, ins, cands,

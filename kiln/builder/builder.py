@@ -22,7 +22,7 @@ from kiln.passes.pipeline import optimize
 from kiln.passes.quantize.data import load_batches
 from kiln.passes.quantize.dynamic import fold_dynamic_quant
 from kiln.passes.quantize.int8 import weight_grids
-from kiln.passes.quantize.qdq import fold_qdq, fuse_qdq_pairs, lower_qlinear
+from kiln.passes.quantize.qdq import fold_qdq, fuse_qdq_pairs, fuse_requantize, lower_qlinear
 
 
 class Builder:
@@ -73,6 +73,8 @@ class Builder:
         if cfg.int8 or cfg.fp8 or explicit:
             self.report["int8"] = apply_int8(graph, cfg, explicit, self.log,
                                              grid if explicit else None)
+            if explicit:
+                fuse_requantize(graph, self.log)
         if cfg.fp16 or cfg.bf16:  # FP16 when both are allowed: more mantissa, same speed
             lower_precision(graph, "fp16" if cfg.fp16 else "bf16", log=self.log,
                             io=cfg.low_precision_io, keep_fp32=keep_fp32)
@@ -209,6 +211,27 @@ class Builder:
                  + (f", {len(rec.skipped)} not embeddable: {sorted(set(rec.skipped.values()))}"
                     if rec.skipped else "") + f" in {time.perf_counter() - t0:.2f} s")
 
+    def _precompile(self, graph: Graph, cache: autotune.TimingCache) -> None:
+        """Compile the Triton candidates in worker processes first
+        (:mod:`kiln.builder.precompile`), unless the timing cache already holds times for
+        this device (a warm build: it times little and compiles mostly its winners)."""
+        from kiln.builder import precompile as P
+
+        cfg = self.config
+        workers = P.default_workers() if cfg.compile_workers is None else cfg.compile_workers
+        if workers < 2 or cache.entries.get(cache.device):
+            return
+        if len(P.share(graph, 0, 1)) < P.MIN_LAYERS:  # starting the workers costs seconds
+            return
+        choices = {n.name: (kernels_for(n.op, "cpu") or kernels_for(n.op, "cuda"))[0].name
+                   for n in _all_nodes(graph)}
+        try:
+            self.report["precompile"] = P.precompile(graph, choices, cfg.profiles, workers,
+                                                     self.log)
+        except Exception as e:  # the build compiles the candidates itself, as without it
+            self.log(f"autotune: parallel compile not run ({type(e).__name__}: "
+                     f"{str(e)[:200]}); compiling in the build process")
+
     def _choose_kernels(self, graph: Graph, picks: dict | None
                         ) -> tuple[dict[str, str], dict[str, dict]]:
         """``(choices, tactics)``: the kernel name per node, and the tactic per node whose
@@ -225,9 +248,10 @@ class Builder:
                     tactics[n.name] = dict(sel.tactic)
                 continue
             ks = kernels_for(n.op, backend) or kernels_for(n.op, "cpu")
-            if picks is not None and kernels_for(n.op, "cpu"):
+            if (picks is not None or not self.config.tune) and kernels_for(n.op, "cpu"):
                 # tuned, and no CUDA kernel could run this node at the opt shapes (or it never
-                # ran): the PyTorch kernel, which is what the tuner itself ran
+                # ran), or not tuned at all: the PyTorch kernel, which is what the tuner
+                # itself runs
                 ks = kernels_for(n.op, "cpu")
             if not ks:
                 raise KilnError(f"node '{n.name}': op {n.op.qualname} has no {backend} kernel")
@@ -240,6 +264,10 @@ class Builder:
         cfg = self.config
         if cfg.device != "cuda" or not torch.cuda.is_available():
             return None
+        if not cfg.tune:
+            self.log("autotune: off (tune=False / --no-tune): every layer runs its first "
+                     "kernel, untimed")
+            return None
         try:
             import kiln.kernels.triton  # noqa: F401  (registers the CUDA kernels)
         except ImportError as e:
@@ -247,6 +275,7 @@ class Builder:
             return None
         t0 = time.perf_counter()
         cache = autotune.TimingCache(cfg.timing_cache, autotune.device_key(), log=self.log)
+        self._precompile(graph, cache)
         per_profile = []
         for k, profile in enumerate(cfg.profiles or [None]):
             if len(cfg.profiles) > 1:

@@ -29,6 +29,13 @@ class BuilderConfig:
         workspace: bytes of scratch memory kernels may use (None: no limit).
         optimize: run the graph optimizer (folding, elimination, fusion).
         timing_cache: path of a timing cache file for kernel selection.
+        tune: on CUDA, time the candidate kernels of every layer and keep the fastest (the
+            default). False builds in seconds with each layer's first kernel (the PyTorch one,
+            as TensorRT's builder optimization level 0 skips tactic timing): for an accuracy
+            check or a quick smoke test, not for speed.
+        compile_workers: on CUDA, processes that compile the Triton candidates before they
+            are timed (:mod:`kiln.builder.precompile`); None: half the host's cores, at most
+            8, none below 4 cores; 0 or 1: compile in the build process.
         plan_margin: on CUDA, a layer keeps a kernel that runs from the engine's embedded
             binaries over a faster cuDNN one when it is at most this fraction slower (0.25:
             25%). cuDNN makes a plan per layer shape at an engine's first run (milliseconds
@@ -69,6 +76,8 @@ class BuilderConfig:
     workspace: int | None = None
     optimize: bool = True
     timing_cache: str | None = None
+    tune: bool = True
+    compile_workers: int | None = None
     plan_margin: float = 0.25
     cuda_graph: bool = True
     calib: object = None
@@ -98,6 +107,9 @@ class BuilderConfig:
         bad = {k: v for k, v in self.layer_precision.items() if v not in PRECISIONS}
         if bad:
             raise ValueError(f"layer precision must be one of {PRECISIONS}: {bad}")
+        if self.compile_workers is not None and not 0 <= self.compile_workers <= 256:
+            raise ValueError(f"compile_workers must be between 0 and 256 (None: automatic), "
+                             f"not {self.compile_workers!r}")
         if not 0.0 <= self.plan_margin <= 10.0:
             raise ValueError(f"plan_margin must be a fraction between 0 and 10 (0.25: 25%), "
                              f"not {self.plan_margin!r}")

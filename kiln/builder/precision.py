@@ -61,7 +61,7 @@ FP32_INPUTS: dict = {
     N.LayerNormalization: (1, 2), N.GroupNormalization: (1, 2), N.RMSNormalization: (1,),
     V.Resize: (1, 2), V.Upsample: (1,),
     # INT8/FP8 layers take and give the low precision; their weight scales stay float32
-    I8.Int8MatMul: (2,), I8.Int8Conv: (2,), I8.Fp8MatMul: (2,),
+    I8.Int8MatMul: (2,), I8.Int8MatMulQDQ: (2,), I8.Int8Conv: (2,), I8.Fp8MatMul: (2,),
 }
 
 

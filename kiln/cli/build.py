@@ -28,6 +28,12 @@ def add_arguments(p):
     add_layer_precision_arg(p)
     p.add_argument("--no-optimize", action="store_true", help="skip the graph optimizer")
     p.add_argument("--timing-cache", help="timing cache file for kernel selection")
+    p.add_argument("--no-tune", action="store_true",
+                   help="CUDA: skip kernel timing; every layer runs its first (PyTorch) kernel "
+                        "(builds in seconds; for accuracy checks, not speed)")
+    p.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                   help="CUDA: processes compiling the Triton candidates before timing "
+                        "(default: half the cores, at most 8; 0: in the build process)")
     p.add_argument("--plan-margin", type=float, default=0.25, metavar="F",
                    help="CUDA: keep a kernel embedded in the engine over a faster cuDNN one "
                         "when at most this fraction slower (cuDNN makes a plan per layer "
@@ -52,7 +58,9 @@ def main(args) -> int:
                         fp8=args.fp8, tf32=not args.no_tf32, profiles=[profile] if profile else [],
                         low_precision_io=args.low_precision_io,
                         optimize=not args.no_optimize, timing_cache=args.timing_cache,
-                        plan_margin=args.plan_margin, cuda_graph=not args.no_cuda_graph,
+                        tune=not args.no_tune, compile_workers=args.compile_workers,
+                        plan_margin=args.plan_margin,
+                        cuda_graph=not args.no_cuda_graph,
                         calib=args.calib, calibrator=args.calibrator,
                         calib_cache=args.calib_cache, int8_asymmetric=args.asymmetric,
                         int8_smoothing=args.smooth,

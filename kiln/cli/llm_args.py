@@ -11,9 +11,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "past_key_values, or `smollm2`")
     g.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     g.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto")
-    g.add_argument("--weights", default="dtype", choices=["dtype", "int8", "int4"],
-                   help="GEMM weights: in --dtype, or weight-only int8 / int4 in groups of 32 "
-                   "(CPU, float32; the LM head int8)")
+    g.add_argument("--weights", default="dtype", choices=["dtype", "int8", "int4", "fp8"],
+                   help="GEMM weights: in --dtype, weight-only int8 / int4 in groups of 32 "
+                   "(CPU, float32; the LM head int8), or fp8 e4m3 with per-channel scales "
+                   "(CUDA)")
     g.add_argument("--num-blocks", type=int, default=0,
                    help="KV-cache blocks (default: sized from --memory-fraction)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")

@@ -43,9 +43,10 @@ def add_arguments(p):
                    "v2 generate; its metrics on /metrics")
     p.add_argument("--llm-name", metavar="NAME",
                    help="the LLM's model name in the API (default: the file's stem)")
-    p.add_argument("--llm-weights", choices=["dtype", "int8", "int4"], default="dtype",
-                   help="the LLM's GEMM weights: in its dtype, or weight-only int8/int4 "
-                   "(CPU) (default dtype)")
+    p.add_argument("--llm-weights", choices=["dtype", "int8", "int4", "fp8"],
+                   default="dtype",
+                   help="the LLM's GEMM weights: in its dtype, weight-only int8/int4 (CPU) "
+                   "or fp8 (CUDA) (default dtype)")
     add_common_args(p)
 
 

@@ -246,11 +246,16 @@ def _native_program(ex: Executor):
     keyed = ()
     if ex.program_blocked is not None:
         names = shape_setting_inputs(ex.graph, ex.fixed_captures)
+        if shape_setting_use(ex.graph, ex.fixed_captures | frozenset(names)) is not None:
+            return None  # set by what a plan per value does not key on (a float cast to ints)
         keyed = tuple(k for k, v in enumerate(ex.graph.inputs + ex.graph.captures)
                       if v.name in names)
     from kiln.engine.program import Program
 
-    return Program(ex.run_steps, ex.input_slots, dict(ex.consts), ex.output_slots, keyed)
+    # the steps before chaining: the program has records for what chains hold (GEMMs,
+    # LayerNorms, attention), and a chain in it would be a torch record; where a signature
+    # gets no plan, the executor runs run_steps, chains included
+    return Program(ex.steps, ex.input_slots, dict(ex.consts), ex.output_slots, keyed)
 
 
 def _plan_frees(steps: list, output_slots: list, const_slots: set) -> None:

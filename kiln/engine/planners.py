@@ -4,8 +4,45 @@ modules built on its emitters."""
 
 from __future__ import annotations
 
-from kiln.engine import program_conv1d, program_data, program_linear, program_ops, program_rnn
+from kiln.engine import (
+    program_conv1d,
+    program_data,
+    program_gemm,
+    program_linear,
+    program_ops,
+    program_rnn,
+)
+
+
+def _as_traced(planner):
+    """``planner``, where the traced run of the node took kiln's GEMM (or no CPU GEMM tactic
+    at all): a node the tuner gave F.linear stays a torch record, so that planned runs compute
+    what the traced one did."""
+    def plan(pc, st, ins, outs):
+        lin = st.call.cache.get("lin_plans") or {}
+        if any(getattr(f, "tactic", "kiln") != "kiln" for f in lin.values()):
+            return None
+        return planner(pc, st, ins, outs)
+    return plan
+
+
+def _first(*planners):
+    """The first of ``planners`` that plans the step."""
+    def plan(pc, st, ins, outs):
+        for p in planners:
+            got = p(pc, st, ins, outs)
+            if got is not None:
+                return got
+        return None
+    return plan
+
 
 PLANNERS = dict(program_ops.PLANNERS)
 for _module in (program_conv1d, program_data, program_linear, program_rnn):
     PLANNERS.update(_module.PLANNERS)
+# program_gemm's records (MatMul, FusedMatMul with a residual or LayerNorm, Gemm, FusedGemm,
+# LayerNorm, RMSNorm, Attention); where program_linear plans the op too (a lone FusedGemm /
+# FusedMatMul, its input copied to rows where it is a strided view), program_linear first
+for _op, _planner in program_gemm.PLANNERS.items():
+    PLANNERS[_op] = _first(PLANNERS[_op], _as_traced(_planner)) if _op in PLANNERS \
+        else _as_traced(_planner)

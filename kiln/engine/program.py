@@ -149,6 +149,7 @@ class Program:
         self.steps, self.input_slots = steps, input_slots
         self.consts, self.output_slots = consts, output_slots
         self.plans: dict = {}
+        self.packed: dict = {}  # weight slot -> its kiln GEMM packing (shared by the plans)
         self._lock = threading.Lock()
         self.traced = 0  # traced runs (one per signature planned; tests count them)
         self.disabled = False  # a step's output shape or layout depends on data: no programs
@@ -244,7 +245,7 @@ class Program:
         if work > MAX_MEAN_WORK * max(1, len(steps)):
             raise _Decline
 
-        pc = PlanContext(consts)
+        pc = PlanContext(consts, self.packed)
         ext = []
         for s in self.input_slots:
             m = metas.get(s)
@@ -266,7 +267,8 @@ class Program:
             outs = [metas.get(s) for s in st.outs]
             planner = planners.PLANNERS.get(getattr(st.node, "op", None))
             made = None
-            if planner is not None and all(m is not None and m.dtype == _F32 for m in outs):
+            if planner is not None and _default_kernel(st) and all(
+                    m is not None and m.dtype == _F32 for m in outs):
                 made = planner(pc, st, ins, outs)
             if made is not None:
                 pc.vals.update(zip(st.outs, made))
@@ -462,11 +464,23 @@ def _with_drops(fallbacks, pc, output_slots):
     return [fb._replace(drop=tuple(drops.get(i, ()))) for i, fb in enumerate(fallbacks)]
 
 
+def _default_kernel(st) -> bool:
+    """Does the step run its op's default CPU kernel? A planner computes what that kernel
+    does; a step given another kernel (a tuned choice, a user's registration) keeps it, as a
+    torch record."""
+    from kiln.kernels.registry import kernels_for
+
+    op = getattr(st.node, "op", None)
+    ks = kernels_for(op, "cpu") if op is not None else []
+    return bool(ks) and st.fn is ks[0].fn
+
+
 class PlanContext:
     """What planners build a program with (see :mod:`kiln.engine.program_ops`)."""
 
-    def __init__(self, consts: dict):
+    def __init__(self, consts: dict, packed: dict | None = None):
         self.consts = consts
+        self.packed = {} if packed is None else packed  # weight slot -> PackedWeight
         self.prog: list[int] = []
         self.fparams: list[float] = []
         self.table: list[int] = [0]  # buffer 0: the arena

@@ -39,8 +39,12 @@ def _bstrides(v: Val, shape: tuple) -> list:
 
 
 def _collapse(shape, strides: list[list]) -> tuple[list, list[list]]:
-    """Size-1 dims dropped and neighbours merged where every operand steps evenly across them."""
-    dims = [d for d in range(len(shape)) if shape[d] != 1]
+    """Size-1 dims dropped, the rest ordered by the output's strides (``strides[0]``), largest
+    first, and neighbours merged where every operand steps evenly across them. The order puts
+    the output's contiguous dim innermost, where the kernel runs whole vectors: a channels-last
+    value seen as [N, C, H, W] is walked as [N, H, W, C], not a strided row per channel."""
+    dims = sorted((d for d in range(len(shape)) if shape[d] != 1),
+                  key=lambda d: -strides[0][d])
     sh = [shape[d] for d in dims]
     ss = [[s[d] for d in dims] for s in strides]
     d = len(sh) - 2
@@ -155,6 +159,16 @@ _OP_NAMES = {M.Add: "Add", M.Sub: "Sub", M.Mul: "Mul", M.Div: "Div", M.Max: "Max
              M.Exp: "Exp", M.Neg: "Neg", M.Abs: "Abs", M.Sqrt: "Sqrt",
              M.Reciprocal: "Reciprocal", M.LeakyRelu: "LeakyRelu",
              M.HardSigmoid: "HardSigmoid", M.HardSwish: "HardSwish", M.Clip: "Clip"}
+
+
+_GELU = {"none": _elementwise("Gelu"), "tanh": _elementwise("GeluTanh")}
+
+
+def _gelu(pc, st, ins, outs):
+    """Gelu (opset 20, or a matched one): the erf form or, ``approximate='tanh'``, the tanh
+    one, as the activation record GEMM epilogues use."""
+    plan = _GELU.get(getattr(st.node.attrs, "approximate", None) or "none")
+    return None if plan is None else plan(pc, st, ins, outs)
 
 
 def _fused_pointwise(pc, st, ins, outs):
@@ -520,7 +534,7 @@ def _nhwc(pc, v: Val) -> Val:
 
 PLANNERS = {op: _elementwise(name) for op, name in _OP_NAMES.items()}
 PLANNERS.update({
-    FT.FusedPointwise: _fused_pointwise,
+    FT.FusedPointwise: _fused_pointwise, M.Gelu: _gelu,
     T.Reshape: _reshape, T.Flatten: _reshape, T.Squeeze: _reshape, T.Unsqueeze: _reshape,
     T.Identity: _identity, T.Transpose: _transpose, T.Concat: _concat, T.Pad: pad_constant,
     N.MaxPool: _pool("max"), N.AveragePool: _pool("avg"),

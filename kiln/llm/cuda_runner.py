@@ -1,9 +1,11 @@
 """The CUDA model runner: Triton paged decode attention, SDPA prefill, CUDA graphs for decode.
 
-Decode-only steps (every sequence adds one token) run the Triton kernel; a step with a prefill
-chunk runs the torch path (SDPA on the gathered blocks; a fresh single prompt goes straight to
-flash attention). Decode steps are captured once per padded batch size of ``GRAPH_SIZES`` and
-replayed. A decode step's inputs are one int32 buffer (filled on the host in a pinned copy, one
+Decode-only steps (every sequence adds one token) run the Triton kernel; a step with prefill
+chunks (``MixedMeta``) runs its decode rows through the same kernel and each chunk through SDPA
+(a whole prompt straight to flash attention, a continued chunk over its gathered blocks). The
+model gets the fused decode kernels of ``fused.py`` (add + RMSNorm, SiLU * up, RoPE + KV
+write). Decode steps are captured once per padded batch size of ``GRAPH_SIZES`` and replayed.
+A decode step's inputs are one int32 buffer (filled on the host in a pinned copy, one
 host-to-device copy per step)::
 
     [ids[S] | positions[S] | slots[S] | lens[S] | tables[S, max_blocks]]
@@ -12,8 +14,9 @@ and the graph ends in a greedy argmax, so a greedy step copies back one token id
 instead of sampling from the logits on the host side. Padding rows write into a scratch block
 past the pool, with length 1.
 
-At load, each weight shape's one-row GEMV is timed with cuBLAS against the Triton split-K
-kernels of ``triton_gemv`` and the faster is kept (``LlamaModel.gemv``).
+At load, each weight shape's one-row GEMV is timed with cuBLAS (FP8 weights:
+``torch._scaled_mm``) against the Triton split-K kernels of ``triton_gemv`` and the faster is
+kept (``LlamaModel.gemv``).
 
 Fallbacks (logged on ``kiln.llm``, recorded in ``paths``): a graph that fails to capture turns
 graphs off (decode runs the same step eagerly); a Triton GEMV or decode kernel that fails to
@@ -29,14 +32,21 @@ import os
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+from kiln.llm import fp8
 from kiln.llm.attention import TorchPagedAttention
+from kiln.llm.fused import FusedOps
 from kiln.llm.runner import ModelRunner
-from kiln.llm.triton_attention import paged_decode
+from kiln.llm.triton_attention import decode_splits, paged_decode
 
 log = logging.getLogger("kiln.llm")
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def _fp8_vendor(x, q, scale):
+    return fp8.linear(x, fp8.Fp8Weight(q, scale))
 
 
 class DecodeMeta:
@@ -46,22 +56,103 @@ class DecodeMeta:
         self.slots, self.tables, self.lens = slots, tables, lens
 
 
+class MixedMeta:
+    """A step with prefill chunks: every token's slot; the one-token rows (decodes) with their
+    tables and lengths for the Triton kernel; per prefill chunk (first row, tokens, start
+    position, its blocks on the device where it continues a cached prefix, else None)."""
+
+    def __init__(self, entries, block_size: int, device):
+        slots, dec_rows, dec_lens, dec_tabs, self.prefills = [], [], [], [], []
+        row = 0
+        for start, n, table in entries:
+            tab = np.asarray(table, dtype=np.int64)
+            pos = np.arange(start, start + n)
+            slots.append(tab[pos // block_size] * block_size + pos % block_size)
+            if n == 1:
+                dec_rows.append(row)
+                dec_lens.append(start + 1)
+                dec_tabs.append(table)
+            else:
+                blocks = None if start == 0 else torch.from_numpy(tab).to(device)
+                self.prefills.append((row, n, start, blocks))
+            row += n
+        self.slots = torch.from_numpy(np.concatenate(slots)).to(device)
+        self.dec_rows = self.dec_tables = self.dec_lens = None
+        if dec_rows:
+            width = max(len(t) for t in dec_tabs)
+            tabs = np.zeros((len(dec_tabs), width), dtype=np.int32)
+            for i, t in enumerate(dec_tabs):
+                tabs[i, :len(t)] = t
+            self.dec_rows = torch.tensor(dec_rows, device=device)
+            self.dec_lens = torch.tensor(dec_lens, dtype=torch.int32, device=device)
+            self.dec_tables = torch.from_numpy(tabs).to(device)
+
+
 class CudaAttention:
     def __init__(self, cache: torch.Tensor, num_heads: int):
         self.torch_path = TorchPagedAttention(cache, num_heads)
         self.cache, self.num_heads = cache, num_heads
         self.scale = cache.shape[-1] ** -0.5
+        self.sms = (torch.cuda.get_device_properties(cache.device).multi_processor_count
+                    if cache.device.type == "cuda" else 132)
 
     def __call__(self, layer, q, k, v, meta):
+        if isinstance(meta, MixedMeta):
+            return self._mixed(layer, q, k, v, meta)
         if not isinstance(meta, DecodeMeta):
             return self.torch_path(layer, q, k, v, meta)
-        kc, vc = self.cache[layer, 0], self.cache[layer, 1]
-        flat_k = kc.view(-1, *kc.shape[2:])
-        flat_v = vc.view(-1, *vc.shape[2:])
+        flat_k, flat_v = self.flat_kv(layer)
         flat_k.index_copy_(0, meta.slots, k)
         flat_v.index_copy_(0, meta.slots, v)
-        o = paged_decode(q, kc, vc, meta.tables, meta.lens, self.scale)
+        return self.attend(layer, q, meta)
+
+    def _mixed(self, layer, q, k, v, meta: MixedMeta):
+        """Decode rows through the Triton kernel, each prefill chunk through SDPA (causal over
+        its own new keys, or over its cached prefix + chunk with an offset causal mask)."""
+        flat_k, flat_v = self.flat_kv(layer)
+        flat_k.index_copy_(0, meta.slots, k)
+        flat_v.index_copy_(0, meta.slots, v)
+        t, heads, hd = q.shape
+        o = q.new_empty(t, heads, hd)
+        if meta.dec_rows is not None:
+            o[meta.dec_rows] = paged_decode(q[meta.dec_rows], self.cache[layer, 0],
+                                            self.cache[layer, 1], meta.dec_tables,
+                                            meta.dec_lens, self.scale,
+                                            self._splits(len(meta.dec_lens)))
+        for row, n, start, blocks in meta.prefills:
+            qs = q[row:row + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if blocks is None:  # the chunk is the whole context
+                ks, vs, mask = k[row:row + n], v[row:row + n], None
+            else:
+                ks = self.cache[layer, 0][blocks].flatten(0, 1)[:start + n]
+                vs = self.cache[layer, 1][blocks].flatten(0, 1)[:start + n]
+                keys = torch.arange(start + n, device=q.device)
+                mask = keys[None, :] <= start + torch.arange(n, device=q.device)[:, None]
+            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+            # GQA only where the heads differ: the flag keeps some SDPA kernels out
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                                 is_causal=mask is None,
+                                                 enable_gqa=heads != ks.shape[1])
+            o[row:row + n] = out[0].transpose(0, 1)
+        return o.reshape(t, -1)
+
+    def fuses_rope(self, meta) -> bool:
+        """Decode steps take RoPE + the cache write as one kernel (``fused.rope_kv``), then
+        ``attend``."""
+        return isinstance(meta, DecodeMeta)
+
+    def flat_kv(self, layer):
+        """The layer's K and V caches as [slots, kv_heads, head_dim] views."""
+        kc, vc = self.cache[layer, 0], self.cache[layer, 1]
+        return kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
+
+    def attend(self, layer, q, meta):
+        o = paged_decode(q, self.cache[layer, 0], self.cache[layer, 1], meta.tables, meta.lens,
+                         self.scale, self._splits(q.shape[0]))
         return o.reshape(q.shape[0], -1)
+
+    def _splits(self, batch: int) -> int:
+        return decode_splits(batch, self.cache.shape[-2], self.sms)
 
 
 class _Step:
@@ -88,7 +179,7 @@ class _Step:
 class CudaModelRunner(ModelRunner):
     def __init__(self, model, num_blocks: int, block_size: int, cuda_graphs: bool = True,
                  max_batch: int = 256, max_model_len: int | None = None,
-                 tune_gemv: bool | None = None):
+                 tune_gemv: bool | None = None, fused_ops: bool | None = None):
         # one more block than the pool: the scratch block that padding rows write into
         super().__init__(model, num_blocks + 1, block_size)
         self.num_blocks = num_blocks
@@ -102,7 +193,10 @@ class CudaModelRunner(ModelRunner):
         self.paths = {"decode": "cuda-graph" if self.sizes else "eager-triton", "gemv": {}}
         if tune_gemv is None:
             tune_gemv = (model.device.type == "cuda" and os.environ.get("KILN_LLM_GEMV") != "0"
-                         and model.weights == "dtype")
+                         and model.weights in ("dtype", "fp8"))
+        if fused_ops is None:
+            fused_ops = model.device.type == "cuda" and os.environ.get("KILN_LLM_FUSED") != "0"
+        model.fused = FusedOps() if fused_ops else None
         if tune_gemv:
             self._tune_gemv()
 
@@ -120,14 +214,26 @@ class CudaModelRunner(ModelRunner):
             from kiln.llm.triton_gemv import pick
 
             for name, w in shapes.items():
-                cfg = pick(w, name)
-                self.paths["gemv"][name] = "cublas" if cfg is None else f"triton{cfg}"
+                # down's input is silu(gate) * up: with the fused kernels on, the GEMV that
+                # makes it in registers competes against the separate kernel + the GEMV
+                act = name == "down" and m.fused is not None
+                if isinstance(w, fp8.Fp8Weight):  # against _scaled_mm (or dequantize + cuBLAS)
+                    cfg = pick(w.q, name, w.scale, _fp8_vendor, m.dtype, silu_mul=act)
+                    vendor = "torch-fp8"
+                else:
+                    cfg, vendor = pick(w, name, silu_mul=act), "cublas"
+                cfg, fused = cfg if act else (cfg, None)
+                self.paths["gemv"][name] = vendor if cfg is None else f"triton{cfg}"
                 if cfg is not None:
                     m.gemv[tuple(w.shape)] = cfg
+                if fused is not None:
+                    self.paths["gemv"]["silu_mul+down"] = f"triton{fused}"
+                    m.gemv_silu[tuple(w.shape)] = fused
         except Exception as e:  # no Triton at all, or the timing failed: cuBLAS everywhere
             log.warning("GEMV tuning failed (%s: %s); cuBLAS for every shape",
                         type(e).__name__, str(e)[:200])
             m.gemv.clear()
+            m.gemv_silu.clear()
             self.paths["gemv"] = {"error": f"{type(e).__name__}"}
         log.info("kiln.llm CUDA gemv choices: %s", self.paths["gemv"])
 
@@ -144,7 +250,26 @@ class CudaModelRunner(ModelRunner):
                 if rows != list(range(len(entries))):  # a 1-token prefill chunk does not sample
                     logits = logits[torch.tensor(rows, device=logits.device)]
                 return logits
+        if self.triton_decode:
+            try:
+                return self._mixed(ids, positions, entries, rows)
+            except Exception as e:  # the same K/V slots are written again by the torch path
+                log.warning("Triton decode in a mixed step failed (%s: %s); the torch path "
+                            "from now on", type(e).__name__, str(e)[:200])
+                self.triton_decode = False
+                self.paths["decode"] = "torch"
+                self._drop_graphs()
         return super().forward(ids, positions, entries, rows)
+
+    def _mixed(self, ids, positions, entries, rows):
+        """A step with prefill chunks: the decode rows in it still take the Triton kernel
+        (``MixedMeta``), instead of padding every sequence to the longest chunk for SDPA."""
+        dev = self.model.device
+        meta = MixedMeta(entries, self.block_size, dev)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        rows_t = torch.tensor(rows or [0], dtype=torch.long, device=dev)
+        return self.model.forward(ids_t, pos_t, self.attn, meta, rows_t)
 
     def forward_sample(self, ids, positions, entries, rows, sampling):
         greedy = sampling and all(r.params.greedy and not r.params.penalized for r in sampling)
@@ -267,5 +392,6 @@ class CudaModelRunner(ModelRunner):
 
     def describe(self) -> dict:
         """Which paths the runner took (for benchmark rows)."""
+        fused = self.model.fused.paths if self.model.fused is not None else "off"
         return {"decode": self.paths["decode"], "graphs": sorted(self.graphs),
-                "gemv": dict(self.paths["gemv"])}
+                "gemv": dict(self.paths["gemv"]), "fused": fused}

@@ -45,6 +45,7 @@ class KVCacheManager:
         self.free: OrderedDict[int, Block] = OrderedDict((b.id, b) for b in self.blocks)
         self.cached: dict[int, Block] = {}  # hash -> block
         self.tables: dict[str, list[Block]] = {}
+        self.published: dict[str, int] = {}  # blocks of each request already looked at
         self.hits = self.queries = 0  # prefix-cache tokens found / looked up
 
     # -- queries -------------------------------------------------------------------------------
@@ -103,11 +104,14 @@ class KVCacheManager:
             return
         table = self.tables.get(req.request_id, [])
         hs = self._hashes(req)
-        for i in range(min(num_computed // self.block_size, len(table), len(hs))):
+        n = min(num_computed // self.block_size, len(table), len(hs))
+        # from the first block not looked at yet: a decode step costs O(1), not O(blocks)
+        for i in range(self.published.get(req.request_id, 0), n):
             b = table[i]
             if b.hash is None and hs[i] not in self.cached:
                 b.hash = hs[i]
                 self.cached[hs[i]] = b
+        self.published[req.request_id] = n
 
     # -- allocation ----------------------------------------------------------------------------
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
@@ -128,6 +132,7 @@ class KVCacheManager:
 
     def free_request(self, request_id: str):
         """Return ``request_id``'s blocks; hashed ones stay findable until reused."""
+        self.published.pop(request_id, None)
         for b in reversed(self.tables.pop(request_id, [])):
             b.ref -= 1
             if b.ref == 0:

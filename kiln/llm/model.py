@@ -12,7 +12,8 @@ Q/K/V and gate/up are concatenated at load so a layer is four GEMMs. The attenti
 On the CPU, ``weights="int8"`` or ``"int4"`` stores the layers' GEMM weights quantized in groups
 of 32 (``quant.py``; the LM head in int8 either way), and a step made only of decodes runs the
 whole decoder stack in one native call (``decode_native``: ``kiln/native/llm.c``), with no
-Python between the ops.
+Python between the ops. ``weights="fp8"`` (for CUDA) stores every GEMM weight, the LM head
+included, as FP8 e4m3 with a scale per output channel (``fp8.py``).
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from kiln.errors import KilnError
-from kiln.llm import quant
+from kiln.llm import fp8, fused, quant
 from kiln.llm.config import ModelConfig, rope_inv_freq
 from kiln.llm.quant import linear
 
-WEIGHTS = ("dtype", "int8", "int4")
+WEIGHTS = ("dtype", "int8", "int4", "fp8")
 
 
 class Layer:
@@ -44,8 +45,10 @@ class Layer:
         self.o = w("self_attn.o_proj.weight").contiguous()
         self.gate_up = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]).contiguous()
         self.down = w("mlp.down_proj.weight").contiguous()
-        if weights != "dtype":
-            for name in ("qkv", "o", "gate_up", "down"):
+        for name in ("qkv", "o", "gate_up", "down") if weights != "dtype" else ():
+            if weights == "fp8":
+                setattr(self, name, fp8.quantize(getattr(self, name), f"layer {i} {name}"))
+            else:
                 setattr(self, name, quant.quantize(getattr(self, name), weights,
                                                    f"layer {i} {name}"))
 
@@ -53,15 +56,17 @@ class Layer:
 class LlamaModel:
     """Weights on one device plus the step function. ``dtype`` float32 on CPU, float16 on CUDA.
 
-    ``weights``: ``dtype`` (the GEMM weights in ``dtype``), or ``int8`` / ``int4`` (CPU, float32:
-    weight-only quantized, see ``quant.py``).
+    ``weights``: ``dtype`` (the GEMM weights in ``dtype``), ``int8`` / ``int4`` (CPU, float32:
+    weight-only quantized, see ``quant.py``) or ``fp8`` (e4m3 with per-channel scales, see
+    ``fp8.py``: made for CUDA; on the CPU its GEMMs run on weights dequantized per call).
     """
 
     def __init__(self, cfg: ModelConfig, sd: dict, device="cpu", dtype=torch.float32,
                  weights: str = "dtype"):
         if weights not in WEIGHTS:
             raise KilnError(f"weights {weights!r}: use one of {', '.join(WEIGHTS)}")
-        if weights != "dtype" and (torch.device(device).type != "cpu" or dtype != torch.float32):
+        if weights in ("int8", "int4") and (torch.device(device).type != "cpu"
+                                            or dtype != torch.float32):
             raise KilnError(f"weights={weights} runs on the CPU in float32 (asked: {device}, "
                             f"{dtype}); use --device cpu --dtype float32")
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
@@ -69,7 +74,10 @@ class LlamaModel:
         self.embed = sd["model.embed_tokens.weight"].to(device=device, dtype=dtype)
         self.lm_head = (self.embed if cfg.tie_embeddings
                         else sd["lm_head.weight"].to(device=device, dtype=dtype))
-        if weights != "dtype":
+        if weights == "fp8":
+            self.lm_head = fp8.quantize(self.lm_head, "lm_head")
+            fp8._scaled_mm_usable(self.device, dtype)  # probed now, never inside a graph capture
+        elif weights != "dtype":
             self.lm_head = quant.quantize(self.lm_head, "int8", "lm_head")
         self.norm = sd["model.norm.weight"].to(device=device, dtype=dtype)
         self.layers = [Layer(sd, i, cfg, device, dtype, weights) for i in range(cfg.num_layers)]
@@ -84,8 +92,13 @@ class LlamaModel:
         self._native = None  # the pointer table of decode_native, made on first use
         # (N, K) of a weight -> Triton GEMV config for one-row steps (CUDA, set by the runner)
         self.gemv: dict[tuple[int, int], tuple] = {}
+        # (N, K) of a down weight -> config of the GEMV that makes silu(gate) * up itself
+        self.gemv_silu: dict[tuple[int, int], tuple] = {}
+        self.fused: fused.FusedOps | None = None  # fused kernels (CUDA, set by the runner)
 
     def _linear(self, x: torch.Tensor, w, bias=None) -> torch.Tensor:
+        if isinstance(w, fp8.Fp8Weight):
+            return self._linear_fp8(x, w, bias)
         if self.gemv and x.shape[0] == 1 and isinstance(w, torch.Tensor):
             cfg = self.gemv.get(tuple(w.shape))
             if cfg is not None:
@@ -99,6 +112,38 @@ class LlamaModel:
                     self.gemv.pop(tuple(w.shape), None)
         return linear(x, w, bias)
 
+    def _linear_fp8(self, x: torch.Tensor, w: fp8.Fp8Weight, bias) -> torch.Tensor:
+        cfg = self.gemv.get(w.shape)
+        if cfg is not None:
+            from kiln.llm import triton_gemv
+
+            if x.numel() // w.shape[1] <= triton_gemv.MAX_ROWS:
+                try:
+                    return triton_gemv.gemv(x, w.q, bias, cfg, scale=w.scale)
+                except Exception as e:  # compile/launch failure: the torch FP8 path from now
+                    triton_gemv.log.warning("Triton FP8 GEMV %s %s failed (%s: %s); torch "
+                                            "instead", w.shape, cfg, type(e).__name__,
+                                            str(e)[:200])
+                    self.gemv.pop(w.shape, None)
+        return fp8.linear(x, w, bias)
+
+    def _silu_down(self, gu: torch.Tensor, w, ops) -> torch.Tensor:
+        """down(silu(gate) * up): one Triton GEMV where one was picked for this shape (one row,
+        the fused kernels on), else the activation kernel then the GEMM."""
+        cfg = self.gemv_silu.get(tuple(w.shape)) if gu.shape[0] == 1 else None
+        if cfg is not None:
+            from kiln.llm import triton_gemv
+
+            q, scale = (w.q, w.scale) if isinstance(w, fp8.Fp8Weight) else (w, None)
+            try:
+                return triton_gemv.gemv(gu, q, None, cfg, scale=scale, silu_mul=True)
+            except Exception as e:  # compile/launch failure: the two kernels from now on
+                triton_gemv.log.warning("Triton SiLU-mul GEMV %s %s failed (%s: %s); two "
+                                        "kernels instead", tuple(w.shape), cfg,
+                                        type(e).__name__, str(e)[:200])
+                self.gemv_silu.pop(tuple(w.shape), None)
+        return self._linear(ops.silu_mul(gu), w)
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn, meta,
                 logits_rows: torch.Tensor | None) -> torch.Tensor:
         """Logits [rows, vocab] (float32) for ``logits_rows`` of the step's ``ids``.
@@ -107,33 +152,42 @@ class LlamaModel:
         backend's per-step metadata (slots, block tables, lengths), built once per step.
         """
         cfg = self.cfg
-        hd, h = cfg.head_dim, cfg.hidden_size
+        hd = cfg.head_dim
         t = ids.shape[0]
+        ops = self.fused or fused  # the Triton kernels with torch fallbacks, or torch ops
         x = F.embedding(ids, self.embed)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        # a backend whose step takes RoPE + the cache write as one kernel (CUDA decode)
+        fuses = getattr(attn, "fuses_rope", None)
+        fuse_rope = self.fused is not None and fuses is not None and fuses(meta)
+        if not fuse_rope:
+            cos = self.cos[positions].unsqueeze(1)
+            sin = self.sin[positions].unsqueeze(1)
         eps = cfg.rms_norm_eps
+        res = None  # the last sublayer's output, added to x by the next norm
         for i, lay in enumerate(self.layers):
-            y = F.rms_norm(x, (h,), lay.ln1, eps)
+            x, y = ops.add_rms_norm(x, res, lay.ln1, eps)
             qkv = self._linear(y, lay.qkv, lay.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = _rope(q.view(t, -1, hd), cos, sin)
-            k = _rope(k.view(t, -1, hd), cos, sin)
-            o = attn(i, q, k, v.view(t, -1, hd), meta)
-            x = x + self._linear(o, lay.o)
-            y = F.rms_norm(x, (h,), lay.ln2, eps)
-            gu = self._linear(y, lay.gate_up)
-            g, u = gu.chunk(2, dim=-1)
-            x = x + self._linear(F.silu(g) * u, lay.down)
+            if fuse_rope:
+                q = self.fused.rope_kv(qkv, self.cos, self.sin, positions, meta.slots,
+                                       *attn.flat_kv(i), cfg.num_heads, cfg.num_kv_heads, hd)
+                o = attn.attend(i, q, meta)
+            else:
+                q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+                q = fused.rope(q.view(t, -1, hd), cos, sin)
+                k = fused.rope(k.view(t, -1, hd), cos, sin)
+                o = attn(i, q, k, v.view(t, -1, hd), meta)
+            x, y = ops.add_rms_norm(x, self._linear(o, lay.o), lay.ln2, eps)
+            res = self._silu_down(self._linear(y, lay.gate_up), lay.down, ops)
         if logits_rows is not None:
-            x = x[logits_rows]
-        x = F.rms_norm(x, (h,), self.norm, eps)
+            x = (x + res)[logits_rows]
+            res = None
+        _, x = ops.add_rms_norm(x, res, self.norm, eps)
         return self._linear(x, self.lm_head).float()
 
     def native_decode_ok(self) -> bool:
         """Whether decode steps can run as one native call (CPU, float32, the C library)."""
         return (self.device.type == "cpu" and self.dtype == torch.float32 and quant.native_ok()
-                and self.cfg.head_dim % 2 == 0)
+                and self.cfg.head_dim % 2 == 0 and self.weights != "fp8")
 
     def decode_native(self, ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
                       meta) -> torch.Tensor:
@@ -188,8 +242,3 @@ def _pointer_table(model: LlamaModel, lib):
         rows += row
     return torch.tensor(rows, dtype=torch.long), fmt, keep
 
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x*cos + rotate_half(x)*sin, rotate_half([a, b]) = [-b, a]
-    a, b = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-b, a], dim=-1) * sin

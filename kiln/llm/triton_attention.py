@@ -76,6 +76,13 @@ def _decode_reduce(acc_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, HEADS: tl.con
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
+def decode_splits(batch: int, kv_heads: int, sms: int = 132) -> int:
+    """Context splits per (sequence, KV head): about four programs per SM, 1 to 8. Few
+    sequences need the splits to fill the GPU; many fill it alone, and each split costs a
+    partial (acc, m, l) written and read back."""
+    return max(1, min(8, -(-4 * sms // max(batch * kv_heads, 1))))
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, scale: float,
                  splits: int = 8) -> torch.Tensor:

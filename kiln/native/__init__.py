@@ -87,8 +87,12 @@ def _load():
     lib.kiln_llm_ptrs_per_layer.restype = _L
     lib.kiln_llm_decode.argtypes = [_P] * 9 + [_F, _P, _I]
     lib.kiln_llm_decode.restype = None
+    lib.kiln_llm_set_isa.argtypes = [_I]
+    lib.kiln_llm_set_isa.restype = _I
     lib.kiln_dynamic_quantize.argtypes = [_L, _P, _P, _P, _P, _I]
     lib.kiln_dynamic_quantize.restype = None
+    lib.kiln_dynamic_qdq.argtypes = [_L, _P, _P, _P, _P, _I]
+    lib.kiln_dynamic_qdq.restype = None
     return lib, ""
 
 
@@ -328,6 +332,19 @@ def dynamic_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     _lib.kiln_dynamic_quantize(x.numel(), x.data_ptr(), y.data_ptr(), sz.data_ptr(),
                                sz.data_ptr() + 4, torch.get_num_threads())
     return y, sz[0].clone(), sz[1].to(torch.uint8)
+
+
+def dynamic_qdq(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+    """DynamicQuantizeLinear then DequantizeLinear of a contiguous float32 CPU tensor
+    (quant.c): (``(codes - zero) * scale`` as float32, scale, uint8 zero point), the codes
+    those of :func:`dynamic_quantize`."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError("dynamic_qdq: expected a contiguous float32 CPU tensor")
+    y = torch.empty(x.shape, dtype=torch.float32)
+    sz = (ctypes.c_float * 2)()
+    _lib.kiln_dynamic_qdq(x.numel(), x.data_ptr(), y.data_ptr(), ctypes.addressof(sz),
+                          ctypes.addressof(sz) + 4, torch.get_num_threads())
+    return y, float(sz[0]), int(sz[1])
 
 
 def pool2d(kind: str, x: torch.Tensor, kernel, stride, dilation, pads, out_hw) -> torch.Tensor:

@@ -8,9 +8,9 @@
 #include "kernels.h"
 
 enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, OP_WINO = 7,
-       OP_RNN = 8 };
+       OP_RNN = 8, OP_RMS = 9 };
 #define GEMM_LEN 17 /* kind M N K a aoff lda w bias r roff ldr c coff ldc act fparam */
-#define LN_LEN 12   /* kind M N x xoff ldx y yoff ldy gamma beta fparam */
+#define LN_LEN 12   /* kind M N x xoff ldx y yoff ldy gamma beta fparam (OP_RMS too, no beta) */
 #define ATTN_LEN 36 /* kind B H Hkv Sq Skv D Dv, (buf off b h s) for q k v, (buf off b h q k) for
                      * the bias, causal, fparam (scale), (buf off b h s) for y */
 #define PW_LEN (3 + PW_RANK + 3 * (2 + PW_RANK) + 1) /* kind op rank shape, (buf off strides)
@@ -36,6 +36,10 @@ long kiln_chain_run(const long *prog, long n, const float *fp, float *const *buf
         } else if (p[0] == OP_LN && i + LN_LEN <= n) {
             kiln_layernorm_to(p[1], p[2], PTR(p[3], p[4]), p[5], PTR(p[6], p[7]), p[8],
                               PTR(p[9], 0), PTR(p[10], 0), fp[p[11]], nthreads);
+            i += LN_LEN;
+        } else if (p[0] == OP_RMS && i + LN_LEN <= n) {
+            kiln_rmsnorm_to(p[1], p[2], PTR(p[3], p[4]), p[5], PTR(p[6], p[7]), p[8],
+                            PTR(p[9], 0), fp[p[11]], nthreads);
             i += LN_LEN;
         } else if (p[0] == OP_ATTN && i + ATTN_LEN <= n) {
             const long *q = p + 8, *k = q + 5, *v = k + 5, *bi = v + 5, *y = bi + 8;

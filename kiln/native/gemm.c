@@ -5,8 +5,8 @@
  * keeps both FMA pipes busy on AVX2 + FMA with a load to FMA ratio of 7:12, and a batch of
  * 128 rows is whole tiles. K is blocked (KC) and A's rows in blocks of MC; with K up to ~500 a
  * block of A rows stays in L2, beyond that it comes from L3 (MC from 96 to 1024 timed within
- * +-2% at M = 1024). Threads (OpenMP; loaded after torch, this library shares
- * torch's libgomp and so its thread pool) split the panels, or the rows where panels are few.
+ * +-2% at M = 1024). Threads (kiln's team, team.c) take blocks of rows, or groups of panels
+ * where the rows are few.
  *
  * The code is compiled for AVX2 + FMA by function attribute; kiln_sgemm_supported() says
  * whether this CPU has them, and callers must not call anything else when it says no. */
@@ -287,9 +287,35 @@ TGT void kiln_gemm_block(long m0, long m1, long p0, long p1, long N, long K, con
 }
 
 
+struct gemm_job {
+    long M, N, K, lda, ldr, ldc, panels, tiles_m, rb, pg;
+    const float *A, *Bp, *bias, *R;
+    float *C;
+    int act;
+    float alpha, beta;
+};
+
+/* Items [i0, i1) of the rb x pg grid of (row block, panel group). */
+TGT static void gemm_items(void *arg, long i0, long i1)
+{
+    const struct gemm_job *j = arg;
+    for (long it = i0; it < i1; it++) {
+        long r = it / j->pg, p = it % j->pg;
+        long a = j->tiles_m * r / j->rb * MR, b = j->tiles_m * (r + 1) / j->rb * MR;
+        long p0 = j->panels * p / j->pg, p1 = j->panels * (p + 1) / j->pg;
+        if (b > j->M)
+            b = j->M;
+        if (a < b && p0 < p1)
+            kiln_gemm_block(a, b, p0, p1, j->N, j->K, j->A, j->lda, j->Bp, j->bias, j->R, j->ldr,
+                            j->C, j->ldc, j->act, j->alpha, j->beta);
+    }
+}
+
 /* C[M, N] (row stride ldc) = act(A[M, K] (row stride lda) @ B + bias[N] + R[M, N] (row stride
  * ldr)), B packed by kiln_sgemm_pack, K >= 1; bias and R may be NULL; act: an ACT_ code, alpha and beta
- * its parameters (Clip's bounds, LeakyRelu's slope). */
+ * its parameters (Clip's bounds, LeakyRelu's slope). The work is a grid of (row block, panel
+ * group) items on kiln's team (team.c): row blocks where the rows are many (each reads the
+ * packed weight whole), else panel groups (each reads A whole), else both. */
 void kiln_sgemm(long M, long N, long K, const float *A, long lda, const float *Bp,
                 const float *bias, const float *R, long ldr, float *C, long ldc, int act,
                 float alpha, float beta, int nthreads)
@@ -298,40 +324,22 @@ void kiln_sgemm(long M, long N, long K, const float *A, long lda, const float *B
     if (nthreads < 1) nthreads = 1;
     if (M <= 0 || N <= 0 || K <= 0)  /* callers pass K >= 1 (there is no product to take) */
         return;
-    /* Split the panels where each thread gets at least two, else the rows (in whole tiles). */
-    int by_rows = panels < 2L * nthreads && M >= 2L * MR * nthreads;
     if (nthreads == 1 || (M * N * K) < 64L * 64 * 64) {
         kiln_gemm_block(0, M, 0, panels, N, K, A, lda, Bp, bias, R, ldr, C, ldc, act, alpha, beta);
         return;
     }
-#pragma omp parallel num_threads(nthreads)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        if (by_rows) {
-            long tiles_m = (M + MR - 1) / MR;
-            long a = tiles_m * t / nt * MR, b = tiles_m * (t + 1) / nt * MR;
-            if (b > M) b = M;
-            if (a < b)
-                kiln_gemm_block(a, b, 0, panels, N, K, A, lda, Bp, bias, R, ldr, C, ldc, act, alpha, beta);
-        } else {
-            /* nt shares of (panel, row slice) items, panel-major: whole panels, and where the
-             * panels do not divide evenly the boundary panel's rows split between two threads
-             * (11 panels, N = 256, on 2 threads: 5.5 each, not 5 and 6) */
-            long tiles_m = (M + MR - 1) / MR, a = panels * t, b = panels * (t + 1);
-#define ROW(s) (tiles_m * (s) / nt * MR < M ? tiles_m * (s) / nt * MR : M)
-            if (a % nt) {  /* the tail of a panel: its row slices a % nt .. nt - 1 */
-                long p = a / nt, end = b / nt == p ? b % nt : nt;
-                kiln_gemm_block(ROW(a % nt), ROW(end), p, p + 1, N, K, A, lda, Bp, bias, R, ldr, C, ldc,
-                      act, alpha, beta);
-                a = (p + 1) * nt;
-            }
-            if (a < b / nt * nt)  /* whole panels */
-                kiln_gemm_block(0, M, a / nt, b / nt, N, K, A, lda, Bp, bias, R, ldr, C, ldc, act, alpha,
-                      beta);
-            if (b % nt && b / nt * nt >= a)  /* the head of a panel: slices 0 .. b % nt - 1 */
-                kiln_gemm_block(0, ROW(b % nt), b / nt, b / nt + 1, N, K, A, lda, Bp, bias, R, ldr, C,
-                      ldc, act, alpha, beta);
-#undef ROW
-        }
+    long tiles_m = (M + MR - 1) / MR, want = 4L * nthreads, rb, pg;
+    if (tiles_m >= want) {
+        rb = want;
+        pg = 1;
+    } else if (panels >= want) {
+        rb = 1;
+        pg = want;
+    } else {
+        rb = tiles_m;
+        pg = (want + rb - 1) / rb < panels ? (want + rb - 1) / rb : panels;
     }
+    struct gemm_job j = {M, N, K, lda, ldr, ldc, panels, tiles_m, rb, pg, A, Bp, bias, R, C, act,
+                         alpha, beta};
+    kiln_parallel(rb * pg, gemm_items, &j, nthreads);
 }

@@ -1,5 +1,6 @@
 /* Shared by kiln's C kernels (one file per concept: gemm.c, layernorm.c, attention.c,
- * winograd.c, pointwise.c, pool.c, depthwise.c, chain.c, rnn.c, llm.c, quant.c; linked into one library, kiln/native/_kernels*.so): the register tile's
+ * winograd.c, pointwise.c, pool.c, depthwise.c, chain.c, rnn.c, llm.c, quant.c, team.c; linked
+ * into one library, kiln/native/_kernels*.so): the register tile's
  * geometry, the AVX2 + FMA target attribute, the vector math the epilogues apply, scratch memory,
  * and the entry points the kernels call each other through. */
 #ifndef KILN_KERNELS_H
@@ -144,6 +145,8 @@ void kiln_sgemm(long M, long N, long K, const float *A, long lda, const float *B
                 float alpha, float beta, int nthreads);
 void kiln_layernorm_to(long M, long N, const float *X, long ldx, float *Y, long ldy,
                        const float *gamma, const float *beta, float eps, int nthreads);
+void kiln_rmsnorm_to(long M, long N, const float *X, long ldx, float *Y, long ldy,
+                     const float *gamma, float eps, int nthreads);
 int kiln_attention(long B, long H, long Hkv, long Sq, long Skv, long D, long Dv,
                    const float *Q, long qb, long qh, long qs,
                    const float *K, long kb, long kh, long ks,
@@ -153,6 +156,10 @@ int kiln_attention(long B, long H, long Hkv, long Sq, long Skv, long D, long Dv,
 int kiln_wino3x3(long N, long H, long W, long C, long K, long Ho, long Wo, long pt, long pl,
                  const float *X, const float *Up, const float *bias, const float *R, float *Y,
                  int act, float alpha, float beta, long tb, int nthreads);
+/* team.c: fn(ctx, i0, i1) over [0, n) in chunks on up to nthreads threads, the caller one of
+ * them (kiln's own team: see team.c for why not an OpenMP region). */
+typedef void (*kiln_range_fn)(void *ctx, long i0, long i1);
+void kiln_parallel(long n, kiln_range_fn fn, void *ctx, int nthreads);
 #define PW_RANK 6 /* dims of an elementwise op's index space */
 void kiln_pointwise(int op, int rank, const long *shape, float *y, const long *sy,
                     const float *a, const long *sa, const float *b, const long *sb, float p0,

@@ -1,4 +1,4 @@
-/* LayerNorm over the rows of a float32 matrix, split over threads by rows. */
+/* LayerNorm and RMSNorm over the rows of a float32 matrix, split over threads by rows. */
 #include "kernels.h"
 
 /* Rows [m0, m1) of X (row stride ldx, N columns) normalized into Y (row stride ldy; Y may be X):
@@ -48,5 +48,45 @@ void kiln_layernorm_to(long M, long N, const float *X, long ldx, float *Y, long 
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         layernorm_rows(M * t / nt, M * (t + 1) / nt, N, X, ldx, Y, ldy, gamma, beta, eps);
+    }
+}
+
+/* Rows [m0, m1) of X RMS-normalized into Y (Y may be X): x / sqrt(mean(x^2) + eps) * gamma, the
+ * mean square in float32 over each row. */
+TGT static void rmsnorm_rows(long m0, long m1, long N, const float *X, long ldx, float *Y,
+                             long ldy, const float *gamma, float eps)
+{
+    for (long i = m0; i < m1; i++) {
+        const float *x = X + i * ldx;
+        float *y = Y + i * ldy;
+        __m256 acc = _mm256_setzero_ps();
+        long j = 0;
+        for (; j + 8 <= N; j += 8) {
+            __m256 v = _mm256_loadu_ps(x + j);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float sq = hsum256(acc);
+        for (; j < N; j++) sq += x[j] * x[j];
+        float inv = 1.0f / sqrtf(sq / (float)N + eps);
+        __m256 iv = _mm256_set1_ps(inv);
+        for (j = 0; j + 8 <= N; j += 8)
+            _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), iv),
+                                                  _mm256_loadu_ps(gamma + j)));
+        for (; j < N; j++) y[j] = x[j] * inv * gamma[j];
+    }
+}
+
+/* RMSNorm of the M rows of X into Y (in place where Y == X). */
+void kiln_rmsnorm_to(long M, long N, const float *X, long ldx, float *Y, long ldy,
+                     const float *gamma, float eps, int nthreads)
+{
+    if (nthreads < 2 || M < 2) {
+        rmsnorm_rows(0, M, N, X, ldx, Y, ldy, gamma, eps);
+        return;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        rmsnorm_rows(M * t / nt, M * (t + 1) / nt, N, X, ldx, Y, ldy, gamma, eps);
     }
 }

@@ -29,6 +29,24 @@ int kiln_llm_supported(void)
         && __builtin_cpu_supports("f16c");
 }
 
+/* The int GEMVs' instruction set: 1 AVX2, 2 AVX-512 (F + BW + VL), chosen on first use where
+ * the CPU has it; kiln_llm_set_isa picks one (tests run both) and returns the one in force. */
+static int isa;
+
+static int isa_best(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vl") ? 2 : 1;
+}
+
+int kiln_llm_set_isa(int want)
+{
+    int best = isa_best();
+    isa = want <= 0 || want > best ? best : want;
+    return isa;
+}
+
 #define G 32
 #define PF_AHEAD 2048 /* bytes of weight rows prefetched ahead of the row being read */
 
@@ -141,6 +159,161 @@ INL void row_i4(const long R, long K, const float *x, long ldx, const uint8_t *r
     }
 }
 
+/* AVX-512: a whole group in two vectors of 16. int4 takes each weight from a table of the
+ * group's 16 values d * q + m (exactly GGUF's dequantized weights), indexed by the nibble
+ * itself (vpermps reads an index's low 4 bits: no mask, no conversion); int8 multiplies the
+ * converted codes by d. Then one FMA per 16 weights and row of x, in natural order (x is not
+ * permuted). At batch 1, 4 row records at a time share each load of x (8 accumulators in
+ * flight, one 4-wide store); with more rows of x, one record against up to 4 rows, two groups
+ * in flight. */
+#define TGT512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define INL512 TGT512 static inline __attribute__((always_inline))
+
+/* the 16 FP16 values at h[0..n) (n <= 16) as floats in f[0..16) */
+INL512 void halves(const uint16_t *h, long n, float *f)
+{
+    __m256i v = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), h);
+    _mm512_storeu_ps(f, _mm512_cvtph_ps(v));
+}
+
+/* group g of a row (w: its codes) as 32 floats in w0, w1; d, m: its scale and minimum */
+INL512 void unpack512(const int fmt, const uint8_t *w, long g, float d_, float m_, __m512 *w0,
+                      __m512 *w1)
+{
+    __m512 d = _mm512_set1_ps(d_);
+    if (fmt == 1) {
+        const int8_t *q = (const int8_t *)w + g * G;
+        *w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))));
+        *w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))));
+    } else {
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        /* d * q is exact in float32 (an FP16 d times q < 16), so this is d * q + m as GGUF
+         * dequantizes it, fused or not */
+        __m512 tab = _mm512_fmadd_ps(d, iota, _mm512_set1_ps(m_));
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + g * 16)));
+        *w0 = _mm512_permutexvar_ps(b, tab);
+        *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), tab);
+    }
+}
+
+/* group g (index j among the 16 whose scales are in ds/ms) into accumulators a, a + 1 */
+INL512 void group512(const long R, const int fmt, const float *x, long ldx, const uint8_t *w,
+                     long g, float d_, float m_, __m512 acc[4][4], const int a)
+{
+    __m512 w0, w1;
+    unpack512(fmt, w, g, d_, m_, &w0, &w1);
+    for (long r = 0; r < R; r++) {
+        const float *xr = x + r * ldx + g * G;
+        acc[r][a] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][a]);
+        acc[r][a + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][a + 1]);
+    }
+}
+
+/* the sums of a, b, c, d, in that order */
+INL512 __m128 hsum4_512(__m512 a, __m512 b, __m512 c, __m512 d)
+{
+#define HALF(v) _mm256_add_ps(_mm512_castps512_ps256(v), \
+    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
+#define QUARTER(v) _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))
+    __m128 qa = QUARTER(HALF(a)), qb = QUARTER(HALF(b)), qc = QUARTER(HALF(c));
+    __m128 qd = QUARTER(HALF(d));
+#undef HALF
+#undef QUARTER
+    return _mm_hadd_ps(_mm_hadd_ps(qa, qb), _mm_hadd_ps(qc, qd));
+}
+
+/* one row of x against 4 consecutive row records (a decode at batch 1): each group of x is
+ * loaded once for the 4 rows, 8 accumulators in flight, one 4-wide store */
+INL512 void cols4_q512(const int fmt, long K, const float *x, const uint8_t *row, long rb,
+                       float *out)
+{
+    long ng = K / G;
+    const long codes = (fmt == 1 ? 2 : 4) * ng;
+    __m512 acc[4][2];
+    for (int c = 0; c < 4; c++)
+        acc[c][0] = acc[c][1] = _mm512_setzero_ps();
+    float ds[4][16], ms[4][16] = {{0}};
+    for (long g0 = 0; g0 < ng; g0 += 16) {
+        long n = ng - g0 < 16 ? ng - g0 : 16;
+        for (int c = 0; c < 4; c++) {
+            const uint16_t *sh = (const uint16_t *)(row + c * rb);
+            halves(sh + g0, n, ds[c]);
+            if (fmt == 2)
+                halves(sh + ng + g0, n, ms[c]);
+        }
+        for (long j = 0; j < n; j++) {
+            long g = g0 + j;
+            __m512 x0 = _mm512_loadu_ps(x + g * G), x1 = _mm512_loadu_ps(x + g * G + 16);
+            for (int c = 0; c < 4; c++) {
+                __m512 w0, w1;
+                unpack512(fmt, row + c * rb + codes, g, ds[c][j], ms[c][j], &w0, &w1);
+                acc[c][0] = _mm512_fmadd_ps(w0, x0, acc[c][0]);
+                acc[c][1] = _mm512_fmadd_ps(w1, x1, acc[c][1]);
+            }
+        }
+    }
+    _mm_storeu_ps(out, hsum4_512(_mm512_add_ps(acc[0][0], acc[0][1]),
+                                 _mm512_add_ps(acc[1][0], acc[1][1]),
+                                 _mm512_add_ps(acc[2][0], acc[2][1]),
+                                 _mm512_add_ps(acc[3][0], acc[3][1])));
+}
+
+TGT512 static void cols4_512(int fmt, long K, const float *x, const uint8_t *row, long rb,
+                             float *out)
+{
+    if (fmt == 1)
+        cols4_q512(1, K, x, row, rb, out);
+    else
+        cols4_q512(2, K, x, row, rb, out);
+}
+
+INL512 void row_q512(const long R, const int fmt, long K, const float *x, long ldx,
+                     const uint8_t *row, float *out)
+{
+    long ng = K / G;
+    const uint16_t *sh = (const uint16_t *)row, *mh = sh + ng;
+    const uint8_t *w = row + (fmt == 1 ? 2 : 4) * ng;
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int a = 0; a < 4; a++)
+            acc[r][a] = _mm512_setzero_ps();
+    float ds[16], ms[16] = {0};
+    for (long g0 = 0; g0 < ng; g0 += 16) {
+        long n = ng - g0 < 16 ? ng - g0 : 16, j = 0;
+        halves(sh + g0, n, ds);
+        if (fmt == 2)
+            halves(mh + g0, n, ms);
+        for (; j + 2 <= n; j += 2) { /* literal accumulator indices: they stay in registers */
+            group512(R, fmt, x, ldx, w, g0 + j, ds[j], ms[j], acc, 0);
+            group512(R, fmt, x, ldx, w, g0 + j + 1, ds[j + 1], ms[j + 1], acc, 2);
+        }
+        if (j < n)
+            group512(R, fmt, x, ldx, w, g0 + j, ds[j], ms[j], acc, 0);
+    }
+    for (long r = 0; r < R; r++)
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]),
+                                                    _mm512_add_ps(acc[r][2], acc[r][3])));
+}
+
+TGT512 static void rows512(int fmt, long R, long K, const float *x, long ldx,
+                           const uint8_t *row, float *out)
+{
+#define ROWS(n)                                                                            \
+    if (fmt == 1)                                                                          \
+        row_q512(n, 1, K, x, ldx, row, out);                                               \
+    else                                                                                   \
+        row_q512(n, 2, K, x, ldx, row, out);
+    switch (R) {
+    case 1: ROWS(1) break;
+    case 2: ROWS(2) break;
+    case 3: ROWS(3) break;
+    default: ROWS(4) break;
+    }
+#undef ROWS
+}
+
 TGT static void rows(int fmt, long R, long K, const float *x, long ldx, const uint8_t *row,
                      const float *xs, float *out)
 {
@@ -167,7 +340,10 @@ TGT void kiln_qgemv(int fmt, long M, long N, long K, const float *x, long ldx, c
 {
     long ng = K / G, rb = kiln_qrow_bytes(fmt, K);
     float *xs = NULL, *xp = NULL;
-    if (fmt == 2) {
+    if (!isa)
+        kiln_llm_set_isa(0);
+    int wide = fmt != 0 && isa == 2;
+    if (fmt == 2 && !wide) {
         xs = malloc(sizeof(float) * (M * ng + M * K + 1));
         xp = xs + M * ng;
         for (long r = 0; r < M; r++)
@@ -185,15 +361,34 @@ TGT void kiln_qgemv(int fmt, long M, long N, long K, const float *x, long ldx, c
         ldx = K;
     }
     const uint8_t *base = w;
+    long n4 = 0;
+    if (wide && M == 1) { /* batch 1: 4 row records at a time */
+        n4 = N / 4 * 4;
 #pragma omp parallel for schedule(static) num_threads(nt)
-    for (long n = 0; n < N; n++) {
+        for (long n = 0; n < n4; n += 4) {
+            const uint8_t *row = base + n * rb;
+            for (long off = 0; off < 4 * rb; off += 64)
+                _mm_prefetch((const char *)row + PF_AHEAD + off, _MM_HINT_T0);
+            float out[4];
+            cols4_512(fmt, K, x, row, rb, out);
+            for (int c = 0; c < 4; c++) {
+                float v = out[c] + (bias ? bias[n + c] : 0.0f);
+                y[n + c] = accumulate ? y[n + c] + v : v;
+            }
+        }
+    }
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (long n = n4; n < N; n++) {
         const uint8_t *row = base + n * rb;
         for (long off = 0; off < rb; off += 64) /* this row's share of the stream, ahead */
             _mm_prefetch((const char *)row + PF_AHEAD + off, _MM_HINT_T0);
         for (long r0 = 0; r0 < M; r0 += 4) {
             long R = M - r0 < 4 ? M - r0 : 4;
             float out[4];
-            rows(fmt, R, K, x + r0 * ldx, ldx, row, xs ? xs + r0 * ng : NULL, out);
+            if (wide)
+                rows512(fmt, R, K, x + r0 * ldx, ldx, row, out);
+            else
+                rows(fmt, R, K, x + r0 * ldx, ldx, row, xs ? xs + r0 * ng : NULL, out);
             for (long r = 0; r < R; r++) {
                 float v = out[r] + (bias ? bias[n] : 0.0f);
                 float *dst = y + (r0 + r) * ldy + n;
@@ -209,7 +404,7 @@ TGT void kiln_qdequant(int fmt, long N, long K, const void *w, float *out, int n
 {
     long ng = K / G, rb = kiln_qrow_bytes(fmt, K);
     const uint8_t *base = w;
-#pragma omp parallel for schedule(static) num_threads(nt)
+    #pragma omp parallel for schedule(static) num_threads(nt)
     for (long n = 0; n < N; n++) {
         const uint8_t *row = base + n * rb;
         const uint16_t *sh = (const uint16_t *)row;

@@ -137,6 +137,22 @@ static void outer_row(int op, int rank, const long *shape, long o, float *y, con
                       const float *a, const long *sa, const float *b, const long *sb, float p0,
                       float p1);
 
+struct pw_job {
+    int op, rank;
+    const long *shape, *sy, *sa, *sb;
+    float *y;
+    const float *a, *b;
+    float p0, p1;
+};
+
+static void pw_rows(void *arg, long o0, long o1)
+{
+    const struct pw_job *j = arg;
+    for (long o = o0; o < o1; o++)
+        outer_row(j->op, j->rank, j->shape, o, j->y, j->sy, j->a, j->sa, j->b, j->sb, j->p0,
+                  j->p1);
+}
+
 /* shape[rank] and the strides (in elements) of y, a and b (b NULL for a unary op) over it. */
 void kiln_pointwise(int op, int rank, const long *shape, float *y, const long *sy,
                     const float *a, const long *sa, const float *b, const long *sb, float p0,
@@ -152,14 +168,8 @@ void kiln_pointwise(int op, int rank, const long *shape, float *y, const long *s
     if (outer * inner == 0)
         return;
     int nt = outer * inner >= (1L << 16) && outer > 1 ? nthreads : 1;
-    if (nt > 1) {
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (long o = 0; o < outer; o++)
-            outer_row(op, rank, shape, o, y, sy, a, sa, b, sb, p0, p1);
-        return;
-    }
-    for (long o = 0; o < outer; o++)
-        outer_row(op, rank, shape, o, y, sy, a, sa, b, sb, p0, p1);
+    struct pw_job j = {op, rank, shape, sy, sa, sb, y, a, b, p0, p1};
+    kiln_parallel(outer, pw_rows, &j, nt);
 }
 
 /* Row o of the dims before the innermost one. */

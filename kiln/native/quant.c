@@ -48,44 +48,80 @@ TGT static void codes(long n, const float *x, unsigned char *y, float scale, flo
     }
 }
 
+/* The codes' float values (q - zero) * scale: what a layer reading DynamicQuantizeLinear's
+ * output through a dequantization sees (the same codes as codes() writes, to the bit). */
+TGT static void dequantized(long n, const float *x, float *y, float scale, float zero)
+{
+    const __m256 vs = _mm256_set1_ps(scale), vz = _mm256_set1_ps(zero);
+    const __m256 top = _mm256_set1_ps(255.0f), bot = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), vs),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, vz), bot), top);
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_sub_ps(q, vz), vs));
+    }
+    for (; i < n; i++) {
+        float q = nearbyintf(x[i] / scale) + zero;
+        q = q < 0.0f ? 0.0f : q > 255.0f ? 255.0f : q;
+        y[i] = (q - zero) * scale;
+    }
+}
+
+static int threads_for(long n, int nthreads)
+{
+    int nt = n >= (1L << 16) ? nthreads : 1;
+    return nt > 64 ? 64 : nt < 1 ? 1 : nt;
+}
+
+/* scale and zero point (a float holding an integer 0..255) of x's range, widened to hold 0 */
+static void scale_zero(long n, const float *x, int nt, float *scale, float *zero)
+{
+    float lo = 0.0f, hi = 0.0f, los[64], his[64];
+    long per = (n + nt - 1) / nt;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int t = 0; t < nt; t++) {
+        long a = t * per, b = a + per < n ? a + per : n;
+        range(b > a ? b - a : 0, x + a, &los[t], &his[t]);
+    }
+    for (int t = 0; t < nt; t++) {
+        lo = los[t] < lo ? los[t] : lo;
+        hi = his[t] > hi ? his[t] : hi;
+    }
+    float s = hi == lo ? 1.0f : (hi - lo) / 255.0f;
+    float z = -lo / s;
+    *scale = s;
+    *zero = nearbyintf(z < 0.0f ? 0.0f : z > 255.0f ? 255.0f : z);
+}
+
 /* Writes codes y[n], *scale and *zero (as a float holding an integer 0..255). */
 void kiln_dynamic_quantize(long n, const float *x, unsigned char *y, float *scale, float *zero,
                            int nthreads)
 {
-    float lo, hi;
-    int nt = n >= (1L << 16) ? nthreads : 1;
-    if (nt > 1) {
-        float los[64], his[64];
-        if (nt > 64)
-            nt = 64;
-        long per = (n + nt - 1) / nt;
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (int t = 0; t < nt; t++) {
-            long a = t * per, b = a + per < n ? a + per : n;
-            range(b > a ? b - a : 0, x + a, &los[t], &his[t]);
-        }
-        lo = 0.0f, hi = 0.0f;
-        for (int t = 0; t < nt; t++) {
-            lo = los[t] < lo ? los[t] : lo;
-            hi = his[t] > hi ? his[t] : hi;
-        }
-    } else {
-        range(n, x, &lo, &hi);
+    int nt = threads_for(n, nthreads);
+    scale_zero(n, x, nt, scale, zero);
+    float s = *scale, z = *zero;
+    long per = (n + nt - 1) / nt;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int t = 0; t < nt; t++) {
+        long a = t * per, b = a + per < n ? a + per : n;
+        if (b > a)
+            codes(b - a, x + a, y + a, s, z);
     }
-    float s = hi == lo ? 1.0f : (hi - lo) / 255.0f;
-    float z = -lo / s;
-    z = nearbyintf(z < 0.0f ? 0.0f : z > 255.0f ? 255.0f : z);
-    *scale = s;
-    *zero = z;
-    if (nt > 1) {
-        long per = (n + nt - 1) / nt;
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (int t = 0; t < nt; t++) {
-            long a = t * per, b = a + per < n ? a + per : n;
-            if (b > a)
-                codes(b - a, x + a, y + a, s, z);
-        }
-    } else {
-        codes(n, x, y, s, z);
+}
+
+/* DynamicQuantizeLinear then DequantizeLinear: y[n] = (codes - zero) * scale, with *scale and
+ * *zero as kiln_dynamic_quantize gives them. */
+void kiln_dynamic_qdq(long n, const float *x, float *y, float *scale, float *zero, int nthreads)
+{
+    int nt = threads_for(n, nthreads);
+    scale_zero(n, x, nt, scale, zero);
+    float s = *scale, z = *zero;
+    long per = (n + nt - 1) / nt;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int t = 0; t < nt; t++) {
+        long a = t * per, b = a + per < n ? a + per : n;
+        if (b > a)
+            dequantized(b - a, x + a, y + a, s, z);
     }
 }

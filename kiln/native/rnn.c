@@ -267,6 +267,144 @@ TGT int kiln_rnn(const long *p, const float *f)
     return rc;
 }
 
+/* v[0..n) = act(v), tails through a padded vector */
+TGT static void apply_n(float *v, long n, const rnn_act *a)
+{
+    long i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(v + i, apply(_mm256_loadu_ps(v + i), a));
+    if (i < n) {
+        float t[8] = {0};
+        for (long k = i; k < n; k++) t[k - i] = v[k];
+        _mm256_storeu_ps(t, apply(_mm256_loadu_ps(t), a));
+        for (long k = i; k < n; k++) v[k] = t[k - i];
+    }
+}
+
+static void clip_n(float *v, long n, float clip)
+{
+    for (long i = 0; i < n; i++) v[i] = v[i] < -clip ? -clip : v[i] > clip ? clip : v[i];
+}
+
+/* scale and zero point of h's range widened to hold 0 (DynamicQuantizeLinear's float32 steps)
+ * and q = codes - zero point, as floats */
+static void quantize_rows(long n, const float *h, float *q, float *scale)
+{
+    float lo = 0.0f, hi = 0.0f;
+    for (long i = 0; i < n; i++) {
+        lo = h[i] < lo ? h[i] : lo;
+        hi = h[i] > hi ? h[i] : hi;
+    }
+    float s = hi == lo ? 1.0f : (hi - lo) / 255.0f, z = -lo / s;
+    z = nearbyintf(z < 0.0f ? 0.0f : z > 255.0f ? 255.0f : z);
+    for (long i = 0; i < n; i++) {
+        float c = nearbyintf(h[i] / s) + z;
+        q[i] = (c < 0.0f ? 0.0f : c > 255.0f ? 255.0f : c) - z;
+    }
+    *scale = s;
+}
+
+/* com.microsoft DynamicQuantizeLSTM's recurrence, one forward direction, in the float32 steps
+ * of kiln's PyTorch kernel (kiln/kernels/torch/dynamic_quantize_lstm.py): each step quantizes
+ * the previous step's output rows [B, H] together from their own range, multiplies the codes
+ * minus the zero point by R's codes minus its zero points (rq [H, 4H]; float32 sums of
+ * integers, exact: the caller checked that 255 sum_k |rq[k][j]| stays below 2**24), scales the
+ * product back by h_scale * rs[j], adds the input rows xw [T, B, 4H] and the bias, then runs
+ * the gates (i, o, f, c), peepholes and clip as ONNX's LSTM. g: T, B, H, flags (RNN_*), acts:
+ * f, g, h codes; ab: their alphas then betas. Each sum is its own float32 operation (no fused
+ * multiply-add), as PyTorch computes them. Returns 1 when scratch memory ran out. */
+__attribute__((target("avx2,fma"), optimize("fp-contract=off")))
+int kiln_dq_lstm(const long *g, const int *acts, const float *ab, float clip, const float *xw,
+                 const float *rq, const float *rs, const float *bias, const float *peep,
+                 const float *h0, const float *c0, const long *lens, float *y, float *yh,
+                 float *yc)
+{
+    long T = g[0], B = g[1], H = g[2], N = 4 * H;
+    int flags = (int)g[3], cl = (flags & RNN_CLIP) != 0, forget = (flags & RNN_INPUT_FORGET) != 0;
+    rnn_act f = {acts[0], ab[0], ab[3]}, gg = {acts[1], ab[1], ab[4]}, hf = {acts[2], ab[2], ab[5]};
+    size_t bh = sizeof(float) * (B * H > 0 ? B * H : 1), nb = sizeof(float) * (N > 0 ? N : 1);
+    float *prev = malloc(bh), *q = malloc(bh), *c = malloc(bh), *acc = malloc(nb);
+    float *m = malloc(nb);
+    if (!prev || !q || !c || !acc || !m) {
+        free(prev); free(q); free(c); free(acc); free(m);
+        return 1;
+    }
+    for (long i = 0; i < B * H; i++) {
+        prev[i] = h0 ? h0[i] : 0.0f;
+        c[i] = c0 ? c0[i] : 0.0f;
+        yh[i] = 0.0f;
+        yc[i] = 0.0f;
+    }
+    for (long t = 0; t < T; t++) {
+        float s;
+        quantize_rows(B * H, prev, q, &s);
+        for (long j = 0; j < N; j++) m[j] = rs[j] * s;
+        for (long b = 0; b < B; b++) {
+            const float *qb = q + b * H, *x = xw + (t * B + b) * N;
+            float *cb = c + b * H, *hb = y + (t * B + b) * H;
+            for (long j = 0; j < N; j++) acc[j] = 0.0f;
+            for (long k = 0; k < H; k++) {
+                float qk = qb[k];
+                if (qk == 0.0f)
+                    continue;
+                const float *r = rq + k * N;
+                for (long j = 0; j < N; j++) acc[j] += qk * r[j];
+            }
+            for (long j = 0; j < N; j++) {
+                float p = acc[j] * m[j];
+                float sum = x[j] + p;
+                acc[j] = sum + bias[j];
+            }
+            float *gi = acc, *go = acc + H, *gf = acc + 2 * H, *gc = acc + 3 * H;
+            if (peep) {
+                for (long k = 0; k < H; k++) {
+                    float pi = peep[k] * cb[k], pf = peep[2 * H + k] * cb[k];
+                    gi[k] = gi[k] + pi;
+                    gf[k] = gf[k] + pf;
+                }
+            }
+            if (cl) {
+                clip_n(gi, H, clip);
+                clip_n(gf, H, clip);
+                clip_n(gc, H, clip);
+            }
+            apply_n(gi, H, &f);
+            if (forget)
+                for (long k = 0; k < H; k++) gf[k] = 1.0f - gi[k];
+            else
+                apply_n(gf, H, &f);
+            apply_n(gc, H, &gg);
+            for (long k = 0; k < H; k++) {
+                float fc = gf[k] * cb[k], ic = gi[k] * gc[k];
+                cb[k] = fc + ic;
+            }
+            if (peep) {
+                for (long k = 0; k < H; k++) {
+                    float po = peep[H + k] * cb[k];
+                    go[k] = go[k] + po;
+                }
+            }
+            if (cl)
+                clip_n(go, H, clip);
+            apply_n(go, H, &f);
+            for (long k = 0; k < H; k++) gc[k] = cb[k];  /* h(c) in gc's place */
+            apply_n(gc, H, &hf);
+            int live = t < lens[b], ending = t + 1 == lens[b];
+            for (long k = 0; k < H; k++) {
+                float h = go[k] * gc[k];
+                hb[k] = live ? h : 0.0f;
+                prev[b * H + k] = hb[k];
+                if (ending) {
+                    yh[b * H + k] = h;
+                    yc[b * H + k] = cb[k];
+                }
+            }
+        }
+    }
+    free(prev); free(q); free(c); free(acc); free(m);
+    return 0;
+}
+
 /* A native program's record of a recurrent node (kiln/engine/program_rnn.py):
  * kind, fparam, kiln_rnn's long array (the constants' pointers in place), then (buf off) for
  * xw x h0 c0 y yh yc (buf -1: absent), resolved against the program's buffers here. */

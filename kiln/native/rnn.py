@@ -38,6 +38,9 @@ _lib = native._lib
 if _lib is not None:
     _lib.kiln_rnn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     _lib.kiln_rnn.restype = ctypes.c_int
+    _lib.kiln_dq_lstm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float] + \
+        [ctypes.c_void_p] * 11
+    _lib.kiln_dq_lstm.restype = ctypes.c_int
 
 
 def available() -> bool:
@@ -208,3 +211,25 @@ class RecurrentCall:
         if _lib.kiln_rnn(ctypes.addressof(p), ctypes.addressof(self.f)) != 0:
             raise MemoryError(f"{pw.kind}: the kernel could not allocate its scratch memory")
         return y, yh, yc
+
+
+def dq_lstm(g: tuple, acts: tuple, clip: float, xw, rq, rs, bias, peep, h0, c0, lens):
+    """One forward direction of DynamicQuantizeLSTM's recurrence (rnn.c's kiln_dq_lstm):
+    ``g`` = (T, B, H, flags), ``acts`` = (codes, alphas, betas) of f, g, h; every tensor a
+    contiguous float32 CPU one (``lens`` int64), ``peep``/``h0``/``c0`` may be None. Returns
+    (Y [T, B, H], Y_h [B, H], Y_c [B, H])."""
+    t, b, h = g[:3]
+    y, yh, yc = torch.empty((t, b, h)), torch.empty((b, h)), torch.empty((b, h))
+    codes, alphas, betas = acts
+    ci = (ctypes.c_int * 3)(*codes)
+    fa = (ctypes.c_float * 6)(*alphas, *betas)
+    gl = (ctypes.c_long * 4)(*g)
+
+    def ptr(v):
+        return None if v is None else v.data_ptr()
+
+    if _lib.kiln_dq_lstm(ctypes.addressof(gl), ctypes.addressof(ci), ctypes.addressof(fa),
+                         clip, *map(ptr, (xw, rq, rs, bias, peep, h0, c0, lens, y, yh,
+                                         yc))) != 0:
+        raise MemoryError("DynamicQuantizeLSTM: no scratch memory")
+    return y, yh, yc

@@ -23,6 +23,15 @@ Int8MatMul = kiln_op(
     doc="act(X @ (Wq * w_scale) + bias + R) with X quantized by x_scale/x_zero; inputs X "
         "(float, N-D), Wq (int8 [K, N]), w_scale (float32 [N]), bias (optional), R (optional)")
 
+Int8MatMulQDQ = kiln_op(
+    "Int8MatMulQDQ", {**_QUANT, "y_scale": Attr("float", REQUIRED), "y_zero": Attr("int", 0),
+                      "y_signed": Attr("int", 1)}, _matmul_rule,
+    doc="Int8MatMul (no bias, residual or activation) whose output is quantized and "
+        "dequantized again as onnxruntime's QLinearMatMul requantizes it: codes "
+        "round(acc * (x_scale * w_scale / y_scale)) + y_zero from the int32 products acc, "
+        "saturated to int8 (y_signed) or uint8, back in float32 by y_scale; inputs X, Wq, "
+        "w_scale")
+
 Int8Conv = kiln_op(
     "Int8Conv", {**_QUANT, **_CONV_ATTRS, **_EPILOGUE}, _conv_rule,
     doc="act(Conv(X, Wq * w_scale) + bias + R) with X quantized by x_scale/x_zero; inputs X, "

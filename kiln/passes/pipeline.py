@@ -19,6 +19,7 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     from kiln.passes.fusion import (
         activation,
         attention,
+        conv_bias,
         conv_bias_act,
         conv_bn,
         gelu,
@@ -38,9 +39,9 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     # block; the CUDA backend tunes FusedMatMul's Triton kernels, its own norm kernels and its
     # attention on separate q, k, v instead
     cpu_only = [matmul_norm, packed_qkv] if device == "cpu" else []
-    order = [refine, fold, eliminate, pad_conv, conv_bn, layernorm, rmsnorm, gelu, activation,
-             attention, qkv, matmul_add, squeeze_excite, conv_bias_act, *cpu_only, pointwise,
-             layout, eliminate]
+    order = [refine, fold, eliminate, pad_conv, conv_bn, conv_bias, layernorm, rmsnorm, gelu,
+             activation, attention, qkv, matmul_add, squeeze_excite, conv_bias_act, *cpu_only,
+             pointwise, layout, eliminate]
     # refine, fold and eliminate walk subgraphs themselves; a fusion sees one graph, so it is
     # run again on every subgraph (an If branch or Loop body of Conv + Relu fuses as the outer
     # graph does, and its layers run as the outer graph's would)

@@ -409,3 +409,96 @@ def test_autotune_pruning_keeps_the_fastest_plan_free_candidate():
     assert _key("TritonFake", {"B": 3}) in clock.full
     assert _key("TritonFake", {"B": 4}) not in clock.full
     assert sel.tactic == {"B": 3} and sel.plan_free  # 0.4 ms is within 300% of 0.1 ms
+
+
+def test_no_tune_skips_timing_and_picks_the_pytorch_kernels(monkeypatch):
+    """``tune=False`` (``kiln build --no-tune``) on CUDA times nothing and gives every layer
+    the PyTorch kernel, never an untimed Triton one."""
+    import torch
+    from onnx import TensorProto, helper
+
+    from kiln.builder import Builder, BuilderConfig
+    from kiln.frontend import import_onnx
+    from kiln.kernels.registry import kernels_for
+
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="relu")], "m",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    graph = import_onnx(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    lines: list[str] = []
+    builder = Builder(BuilderConfig(device="cuda", tune=False), log=lines.append)
+    assert builder._autotune(graph) is None
+    assert any("autotune: off" in ln for ln in lines)
+    choices, tactics = builder._choose_kernels(graph, None)
+    node = next(iter(graph.nodes))
+    assert choices == {"relu": kernels_for(node.op, "cpu")[0].name} and tactics == {}
+
+
+def _two_softmax_model():
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Softmax", ["x"], ["p"], name="softmax_a"),
+             helper.make_node("Relu", ["p"], ["r"], name="relu"),
+             helper.make_node("Softmax", ["r"], ["q"], name="softmax_b")]
+    g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                     [2, 6])],
+                          [helper.make_tensor_value_info("q", TensorProto.FLOAT, None)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_tuning_run_tunes_only_the_nodes_it_is_given():
+    """``only`` (the parallel compile's workers): the other layers run untimed."""
+    from kiln.frontend import import_onnx
+
+    graph = import_onnx(_two_softmax_model())
+    every = autotune.tune_graph(graph, None, None, timer=lambda fn: 1.0, device="cpu")
+    assert set(every) == {"softmax_a", "softmax_b"}
+    timed: list = []
+    picks = autotune.tune_graph(graph, None, None, timer=lambda fn: timed.append(fn) or 1.0,
+                                device="cpu", only={"softmax_b"})
+    assert set(picks) == {"softmax_b"} and len(timed) == picks["softmax_b"].timed
+
+
+def test_precompile_shares_partition_the_tuned_layers():
+    """Workers' shares: every layer with CUDA candidates in exactly one share, none other."""
+    from kiln.builder import precompile
+    from kiln.frontend import import_onnx
+
+    graph = import_onnx(_two_softmax_model())
+    shares = [precompile.share(graph, k, 2) for k in range(2)]
+    assert shares == [{"softmax_a"}, {"softmax_b"}]
+    assert precompile.share(graph, 0, 1) == {"softmax_a", "softmax_b"}
+    assert precompile.share(graph, 2, 3) == set()
+
+
+def test_builder_config_checks_compile_workers():
+    from kiln.builder import BuilderConfig
+
+    with pytest.raises(ValueError, match="compile_workers"):
+        BuilderConfig(device="cuda", compile_workers=-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_precompiled_build_picks_what_a_serial_build_picks(tmp_path, monkeypatch):
+    """A CUDA build whose candidates two worker processes compiled first tunes the same
+    layers and keeps valid outputs (the timing itself differs run to run)."""
+    from kiln.builder import Builder, BuilderConfig
+
+    path = tmp_path / "m.onnx"
+    path.write_bytes(_two_softmax_model().SerializeToString())
+    from kiln.builder import precompile
+
+    monkeypatch.setattr(precompile, "MIN_LAYERS", 0)  # two layers: as a rule, too few
+    b = Builder(BuilderConfig(device="cuda", compile_workers=2))
+    engine = b.build(str(path))
+    assert b.report["precompile"]["failed"] == []
+    serial = Builder(BuilderConfig(device="cuda", compile_workers=0,
+                                   timing_cache=str(tmp_path / "c.json")))
+    serial.build(str(path))
+    assert set(b.report["autotune"]) == set(serial.report["autotune"])
+    x = np.random.default_rng(0).standard_normal((2, 6)).astype(np.float32)
+    want = torch.softmax(torch.relu(torch.softmax(torch.from_numpy(x), -1)), -1).numpy()
+    got = engine.create_context().run({"x": x})["q"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -3,7 +3,9 @@ steps a CPU engine chains, their outputs against onnxruntime (BERT-style post-no
 with a padding mask, GPT-2-style causal decoder with Slices), the step-by-step fallback for
 inputs the program cannot take, concurrent contexts, KILN_CPU_CHAINS=0, and the attention
 kernel against a float64 reference (masks, causal offsets, grouped heads, a fully masked row,
-sizes off the register tile)."""
+sizes off the register tile). Native programs are off here: inside a program these layers are
+records of its own (kiln.engine.program_gemm, tested in test_program_gemm.py), and the chains
+run where a signature gets no program."""
 
 from __future__ import annotations
 
@@ -25,6 +27,14 @@ pytestmark = pytest.mark.skipif(not native.available, reason=native.why_not or "
 
 BERT = {"layers": 2, "hidden": 64, "heads": 2, "intermediate": 128, "vocab": 1000}
 GPT2 = {"layers": 2, "hidden": 64, "heads": 2, "vocab": 1000}
+
+
+@pytest.fixture(autouse=True)
+def _no_programs(monkeypatch):
+    import kiln.settings
+
+    monkeypatch.setattr(kiln.settings, "SETTINGS",
+                        Settings.from_env({"KILN_CPU_PROGRAM": "0"}))
 
 
 def _engine(model, cfg):

@@ -43,7 +43,8 @@ def test_engine_torch_in_torch_out(model):
     assert isinstance(out, torch.Tensor) and tuple(out.shape) == (2, 4)
     out_np = ctx.run({"x": np.ones((2, 8), np.float32)})["y"]
     assert isinstance(out_np, np.ndarray)
-    np.testing.assert_allclose(out.numpy(), out_np, rtol=1e-6)
+    # the first run is the traced one (PyTorch's GEMM), the second the native program's
+    np.testing.assert_allclose(out.numpy(), out_np, rtol=1e-5, atol=1e-6)
 
 
 def test_engine_concurrent_contexts_agree(model, tmp_path):

@@ -256,3 +256,18 @@ def test_shape_arithmetic_is_folded_per_signature(tmp_path):
         assert "Concat" not in torch_ops and "Gather" not in torch_ops, torch_ops
         assert torch_ops["NonZero"] == 1 and torch_ops["Shape"] == 1, torch_ops  # of NonZero's
         assert plan.folded
+
+
+def test_pointwise_records_walk_the_output_contiguous_dim_innermost():
+    """A channels-last [N, C, H, W] value is walked as [N, H, W, C] rows (whole vectors of
+    channels), a broadcast [N, C, 1, 1] gate along them; a contiguous one keeps its order."""
+    from kiln.engine.program import channels_last_strides, contiguous_strides
+    from kiln.engine.program_ops import _collapse
+
+    shape = (1, 24, 3, 5)
+    cl = list(channels_last_strides(shape))
+    gate = [24, 1, 0, 0]  # [1, 24, 1, 1] broadcast over H and W
+    dims, strides = _collapse(shape, [cl, cl, gate])
+    assert dims == [15, 24] and strides == [[24, 1], [24, 1], [0, 1]]
+    dims, strides = _collapse(shape, [list(contiguous_strides(shape))] * 2)
+    assert dims == [360] and strides == [[1], [1]]

@@ -192,3 +192,72 @@ def test_branch_capturing_an_outer_constant_runs_as_a_program(tmp_path):
         got, want = ctx.run({"x": x})["y"], sess.run(None, {"x": x})[0]
         assert got.shape == (3, 4)
         np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def _reshape_by_float_input() -> onnx.ModelProto:
+    """y = Reshape(Relu(x), Cast<int64>(s * 1)): a float input's values, through arithmetic and
+    a Cast, set the output shape."""
+    nodes = [mk("Mul", ["s", "onef"], ["s1"]), mk("Cast", ["s1"], ["shape"], to=TensorProto.INT64),
+             mk("Relu", ["x"], ["r"]), mk("Reshape", ["r", "shape"], ["y"])]
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6]),
+                          helper.make_tensor_value_info("s", TensorProto.FLOAT, [2])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                  [_arr("onef", np.float32(1))])
+
+
+def _range_by_float_input() -> onnx.ModelProto:
+    """y = Range(0, n, 1) * 2: a float input is Range's limit."""
+    nodes = [mk("Range", ["zero", "n", "one"], ["r"]), mk("Mul", ["r", "two"], ["y"])]
+    return _model(nodes, [helper.make_tensor_value_info("n", TensorProto.FLOAT, [])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                  [_arr("zero", np.float32(0)), _arr("one", np.float32(1)),
+                   _arr("two", np.float32(2))])
+
+
+@pytest.mark.parametrize("case", ["reshape", "range"])
+def test_float_input_setting_a_shape_keeps_the_python_loop(case, tmp_path):
+    engine, sess = _build(_reshape_by_float_input() if case == "reshape"
+                          else _range_by_float_input(), tmp_path)
+    ex = engine._executor
+    assert ex.program is None
+    assert ("(Reshape) input 1, from 's'" if case == "reshape" else
+            "(Range) input 1, from 'n'") in ex.program_blocked
+    x = np.random.default_rng(0).standard_normal((2, 6)).astype(np.float32)
+    feeds = ([{"x": x, "s": np.array(v, np.float32)} for v in ([3, 4], [4, 3], [12, 1])]
+             if case == "reshape" else [{"n": np.array(v, np.float32)} for v in (3, 5, 3)])
+    ctx, shapes = engine.create_context(), set()
+    for f in feeds:
+        got, want = ctx.run(f)["y"], sess.run(None, f)[0]
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        shapes.add(got.shape)
+    assert len(shapes) == 2 if case == "range" else 3
+
+
+def _argmax_gather() -> onnx.ModelProto:
+    """y = table[argmax(x, 1)] + x[:, :4]: float data turned into indices that reach plain data
+    only (Gather indices), a Cast of a float in the arithmetic."""
+    rng = np.random.default_rng(1)
+    nodes = [mk("ArgMax", ["x"], ["i"], axis=1, keepdims=0), mk("Gather", ["table", "i"], ["e"]),
+             mk("Cast", ["x"], ["xi"], to=TensorProto.INT64),
+             mk("Cast", ["xi"], ["xf"], to=TensorProto.FLOAT),
+             mk("Slice", ["xf", "zero", "four", "ax"], ["xs"]), mk("Add", ["e", "xs"], ["y"])]
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+                  [_arr("table", rng.standard_normal((6, 4)).astype(np.float32)),
+                   _arr("zero", np.array([0], np.int64)), _arr("four", np.array([4], np.int64)),
+                   _arr("ax", np.array([1], np.int64))])
+
+
+def test_float_input_cast_to_indices_runs_as_a_program(tmp_path):
+    engine, sess = _build(_argmax_gather(), tmp_path)
+    program = engine._executor.program
+    assert program is not None, engine._executor.program_blocked
+    ctx, rng, outs = engine.create_context(), np.random.default_rng(2), []
+    for _ in range(4):
+        f = {"x": (3 * rng.standard_normal((2, 6))).astype(np.float32)}
+        got, want = ctx.run(f)["y"], sess.run(None, f)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        outs.append(got)
+    assert not np.allclose(outs[0], outs[1])
+    assert program.traced == 1 and not program.disabled

@@ -47,6 +47,11 @@ CASES = [  # N, C, H, W, k, pads (t, l, b, r), stride, dilation, bias, residual,
     (1, 8, 9, 9, 3, (2, 2, 2, 2), 1, 2, True, False, "LeakyRelu"),  # dilation 2
     (1, 5, 4, 3, 7, (3, 3, 3, 3), 1, 1, True, False, "Sigmoid"),    # kernel wider than input
     (3, 32, 6, 6, 3, (0, 0, 0, 0), 1, 1, True, False, ""),          # no padding
+    # wide rows: the interior in blocks of 8 and 4 pixels and single ones, beside the borders
+    (1, 16, 3, 31, 5, (2, 2, 2, 2), 1, 1, True, True, "HardSwish"),
+    (1, 13, 4, 29, 3, (1, 1, 1, 1), 1, 1, True, True, "Relu"),      # tail channels, blocked
+    (2, 24, 5, 40, 3, (0, 1, 1, 0), 2, 1, False, False, "Clip"),   # stride 2, "same"
+    (1, 8, 4, 30, 3, (1, 2, 1, 2), 1, 2, True, False, ""),         # dilation 2, blocked
 ]
 
 

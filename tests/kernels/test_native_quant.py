@@ -54,3 +54,13 @@ def test_native_dynamic_quantize_matches_torch_steps(k):
 def test_native_dynamic_quantize_refuses_strided():
     with pytest.raises(ValueError, match="contiguous float32"):
         native.dynamic_quantize(torch.zeros(4, 6).t())
+
+
+@needs_native
+@pytest.mark.parametrize("k", range(5))
+def test_native_dynamic_qdq_is_the_codes_dequantized(k):
+    x = torch.from_numpy(list(_cases())[k])
+    y, s, z = native.dynamic_qdq(x)
+    codes, scale, zp = _torch_steps(x)
+    assert s == float(scale) and z == int(zp)
+    assert torch.equal(y, (codes.float() - float(zp)) * scale)

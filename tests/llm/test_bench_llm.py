@@ -17,3 +17,53 @@ def test_rows_written_as_each_finishes(tmp_path):
     got = json.loads(path.read_text())
     assert [r["row"] for r in got] == ["kiln", "transformers eager"]
     assert got[0]["throughput_256_tok_s"] == 2.0
+
+
+def test_agreement_counts_prefixes():
+    from bench.llm import agreement
+
+    got = agreement([[1, 2, 3], [1, 9, 3], [7, 2, 3]], [[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    assert got == {"equal_sequences": "1/3", "agreeing_prefix_tokens": "4/9",
+                   "first_token_equal": "2/3"}
+
+
+def test_kiln_greedy_is_per_prompt_in_order(tiny_dir):
+    from bench.llm import kiln_greedy
+    from kiln.llm import LLM, SamplingParams
+
+    llm = LLM(tiny_dir, num_blocks=64)
+    prompts = [[5, 6, 7, 8], [100, 200], [9] * 11]
+    got = kiln_greedy(llm.engine, prompts, 4)
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+
+
+def test_throughput_row_splits_the_time(tiny_dir, monkeypatch):
+    import random
+
+    import torch
+
+    from bench.llm import throughput_256
+    from kiln.llm import LLM
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    eng = LLM(tiny_dir, num_blocks=64, max_num_batched_tokens=64).engine
+    row = throughput_256(eng, random.Random(0), n=6, in_len=20, out_len=5)
+    assert row["throughput_256_tok_s"] > 0 and row["steps"] >= 5
+    assert 0 < row["runner_s"] and row["host_s"] > 0
+    assert 1 <= row["prefill_phase_steps"] < row["steps"]
+    assert "execute" not in vars(eng.runner)  # the runner's own method again
+
+
+def test_token_times_streamer_sees_prompt_then_each_token():
+    # the compiled peer's timing: transformers hands the prompt, then every new token
+    import torch
+
+    from bench.llm import _TokenTimes, hf_generate, hf_model
+    from kiln.llm.config import ModelConfig
+    from tests.llm.helpers import TINY, tiny_state_dict
+
+    hf = hf_model(ModelConfig.from_hf(TINY), tiny_state_dict(TINY))
+    st = _TokenTimes()
+    hf_generate(hf, torch.tensor([[5, 6, 7]]), 4, streamer=st)
+    assert len(st.times) == 1 + 4 and st.times == sorted(st.times)

@@ -4,6 +4,7 @@ against torch references."""
 import pytest
 import torch
 
+from kiln import native
 from kiln.errors import KilnError
 from kiln.llm import LLM, SamplingParams, quant
 from kiln.llm.attention import TorchPagedAttention, build_meta
@@ -51,10 +52,24 @@ def test_quantize_refuses_bad_shapes():
         quant.quantize(torch.full((4, 32), 1e6), "int4", "layer 3 down")
 
 
+def _best_isa() -> int:
+    return native._lib.kiln_llm_set_isa(0) if quant.native_ok() else 0
+
+
+@pytest.fixture(params=[1, 2], ids=["avx2", "avx512"])
+def isa(request):
+    """Each int GEMV instruction set the CPU has (kiln_llm_set_isa), the best one restored."""
+    if request.param > _best_isa():
+        pytest.skip("this CPU has no AVX-512 (F, BW, VL)")
+    assert native._lib.kiln_llm_set_isa(request.param) == request.param
+    yield request.param
+    native._lib.kiln_llm_set_isa(0)
+
+
 @needs_native
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 40])
-def test_quantized_linear_matches_dequantized_gemm(fmt, rows):
+def test_quantized_linear_matches_dequantized_gemm(fmt, rows, isa):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(70, 96, generator=g)
     qw = quant.quantize(w, fmt)
@@ -65,6 +80,25 @@ def test_quantized_linear_matches_dequantized_gemm(fmt, rows):
     x3 = torch.randn(2, rows, 96, generator=g)  # leading dims kept
     torch.testing.assert_close(quant.linear(x3, qw), x3 @ ref_w.T, rtol=1e-5, atol=1e-4)
 
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_quantized_gemv_uses_the_dequantized_weights_exactly(fmt, rows, isa):
+    """x = rows of the identity: each output is one weight times 1 plus zeros, so it must be
+    the dequantized weight bit for bit, on every path (4 weight rows at a time at batch 1, the
+    rows past a multiple of 4, several rows of x)."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 70, 1088  # 34 groups: two scale blocks of 16 and a partial one
+    qw = quant.quantize(torch.randn(n, k, generator=g), fmt)
+    ref_w = quant.dequantize_reference(qw)
+    for start in range(0, k, 97):
+        x = torch.zeros(rows, k)
+        for r in range(rows):
+            x[r, (start + 31 * r) % k] = 1.0
+        got = quant.linear(x, qw)
+        assert torch.equal(got, x @ ref_w.T), (fmt, start)
 
 def _tiny_model(weights):
     cfg = ModelConfig.from_hf(TINY)

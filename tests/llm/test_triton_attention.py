@@ -70,3 +70,13 @@ def test_cuda_runner_decode_path_matches_torch_path(tiny_dir):
                                  max_model_len=256)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
     assert got == want
+
+
+def test_decode_splits_fill_the_gpu_then_stop():
+    from kiln.llm.triton_attention import decode_splits
+
+    assert decode_splits(1, 32) == 8  # Llama-2-7B at batch 1: 32 programs alone
+    assert decode_splits(16, 32) == 2
+    assert decode_splits(256, 32) == 1  # 8192 programs already
+    assert decode_splits(64, 8) == 2  # GQA: fewer KV heads, more splits
+    assert all(1 <= decode_splits(b, kv) <= 8 for b in (1, 3, 1000) for kv in (1, 8, 64))

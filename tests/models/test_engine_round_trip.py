@@ -38,5 +38,7 @@ def test_engine_round_trip_reference_model(name, tmp_path):
         for run in got[k]:
             assert set(run) == set(want[k])
             for out, w in want[k].items():
-                np.testing.assert_allclose(run[out], w, rtol=1e-6, atol=1e-6,
+                # a signature's first run traces (chains, torch kernels); later runs replay the
+                # native program, whose GEMM/LayerNorm/attention records sum in another order
+                np.testing.assert_allclose(run[out], w, rtol=1e-5, atol=2e-5,
                                            err_msg=f"{name} output {out}, context {k}")

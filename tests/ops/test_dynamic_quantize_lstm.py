@@ -95,8 +95,9 @@ def test_dynamic_quantize_lstm_one_step_exact_integers():
     """One forward step from zero state is sigmoid/tanh of x's uint8 quantization times the
     8-bit W in integers, scaled back, plus the biases — evaluated here in NumPy, with weights
     large enough that onnxruntime's AVX2 kernel saturates: its integers (pairs of u8 x s8
-    products summed in int16, saturating) where kiln runs FBGEMM, exact ones elsewhere."""
-    from kiln.kernels.torch.int8 import _HAS_FBGEMM
+    products summed in int16, saturating) where kiln runs FBGEMM on a CPU without VNNI, exact
+    ones elsewhere."""
+    from kiln.kernels.torch.int8 import _HAS_FBGEMM, u8s8_saturates
 
     hid, inp = 4, 6
     model, feeds, vals = _model(seq=1, inp=inp, hid=hid, direction="forward")
@@ -109,7 +110,8 @@ def test_dynamic_quantize_lstm_one_step_exact_integers():
     q = np.clip(np.round(x / scale) + zp, 0, 255).astype(np.int64) - zp
     w0 = vals["W"][0].astype(np.int64)
     acc = q @ w0
-    if _HAS_FBGEMM:  # (k, k + 1) pairs of raw codes, saturated; then the zero point's share
+    # (k, k + 1) pairs of raw codes, saturated; then the zero point's share
+    if _HAS_FBGEMM and u8s8_saturates():
         pairs = ((q + zp)[:, :, None] * w0[None]).reshape(1, inp // 2, 2, -1).sum(2)
         acc = np.clip(pairs, -32768, 32767).sum(1) - zp * w0.sum(0)
     gates = acc.astype(np.float32) * np.float32(scale * vals["W_scale"][0])
@@ -143,3 +145,26 @@ def test_dynamic_quantize_lstm_without_scales_is_refused():
     node.input[8] = ""  # no W_scale
     with pytest.raises(Exception, match="W_scale"):
         run_kiln(model, feeds)
+
+
+@pytest.mark.skipif(not __import__("kiln").native.available, reason="needs kiln.native")
+@pytest.mark.parametrize("case", [
+    {"states": True, "peepholes": True}, {"direction": "reverse", "lens": [3]},
+    {"batch": 3, "hid": 13, "seq": 4, "lens": [4, 0, 2], "states": True},
+], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_dynamic_quantize_lstm_native_recurrence_matches_torch_steps(case, monkeypatch):
+    """kiln_dq_lstm (rnn.c) against the kernel's PyTorch recurrence: the same codes every
+    step (so the same integers), states to the activations' float32 rounding; its odd hidden
+    size takes the vector tails, a zero length the empty row."""
+    from kiln.kernels.torch import dynamic_quantize_lstm as DL
+
+    model, feeds, _ = _model(**case)
+    calls = []
+    native = DL._run_native
+    monkeypatch.setattr(DL, "_run_native", lambda *a: calls.append(1) or native(*a))
+    got = run_kiln(model, feeds)
+    assert calls
+    monkeypatch.setattr(DL, "_native_fits", lambda rq, x: False)
+    want = run_kiln(model, feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

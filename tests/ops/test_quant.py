@@ -262,3 +262,18 @@ def test_matmul_integer_u8_weights_split_exact(monkeypatch):
     bt[:, 1] = 7  # the same tensor written in place (an activation buffer): not the cache's
     again = QL.int_matmul(t(a), bt, None, None, cache).numpy()
     np.testing.assert_array_equal(again, a.astype(np.int64) @ bt.numpy().astype(np.int64))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_matmul_integer_on_cuda_matches_the_cpu():
+    """On CUDA the weight is on the device: no FBGEMM pieces (CPU tensors) are made for it
+    (was 'Unsupported qscheme: per_channel_affine' in ONNX's test_matmulinteger on CUDA)."""
+    from kiln.kernels.torch.quant_linear import int_matmul
+
+    rng = np.random.default_rng(0)
+    a = torch.from_numpy(rng.integers(0, 256, (4, 16), dtype=np.uint8))
+    b = torch.from_numpy(rng.integers(0, 256, (16, 8), dtype=np.uint8))
+    za, zb = torch.tensor(12, dtype=torch.uint8), torch.tensor(200, dtype=torch.uint8)
+    want = int_matmul(a, b, za, zb, {})
+    got = int_matmul(a.cuda(), b.cuda(), za.cuda(), zb.cuda(), {})
+    assert torch.equal(got.cpu(), want)

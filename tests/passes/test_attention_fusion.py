@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from kiln.ops import fused_transformer as FT
 from kiln.passes.fusion.attention import fuse_attention
@@ -93,4 +94,41 @@ def test_no_fuse_attention_softmax_other_axis():
     ns[9] = node("Softmax", ["s2"], "p", axis=2)
     m = model(ns, dict(QKV, mask=["b", 1, 1, S]), ["y"], INITS)
     _, before, after, n, _ = apply(m, fuse_attention, qkv_feeds(mask=(B, 1, 1, S)))
+    assert n == 0 and before == after
+
+
+def _decode_step(mask_shape):
+    """One query against S keys, the mask Expanded to a shape computed from an input, so that
+    inference does not know its dims (as transformers' decode steps export it)."""
+    shapes = {"q3": [1, 1, E], "k3": [1, S, E], "v3": [1, S, E], "m0": mask_shape, "shp": [4]}
+    ns = [node("Cast", ["shp"], "shpi", to=7), node("Expand", ["m0", "shpi"], "mask")]
+    return model(ns + attention_nodes(), shapes, ["y"], INITS)
+
+
+def _decode_feeds(mask_shape):
+    f = feeds(q3=(1, 1, E), k3=(1, S, E), v3=(1, S, E), m0=mask_shape)
+    f["m0"] = np.where(f["m0"] > 0, 0, -10000).astype(np.float32)
+    f["shp"] = np.array(mask_shape, np.float32)
+    return f
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_attention_mask_of_unknown_dims_decode_step(rows):
+    """Fused although inference does not know the mask's dims; a mask that turns out to widen
+    the scores at run time (``rows`` 4 against one query) still gives ONNX's result."""
+    mask = (1, 1, rows, S)
+    g, before, after, n, _ = apply(_decode_step(list(mask)), fuse_attention, _decode_feeds(mask))
+    assert n == 1 and after["Attention"] == 1
+    assert before["Softmax"] == 1 and "Softmax" not in after and "MatMul" not in after
+    (at,) = [x for x in g.nodes if x.op is FT.Attention]
+    assert at.inputs[3].producer.op.name == "Expand"
+    assert at.inputs[3].type.shape[2] is None  # what the rule is about
+
+
+def test_no_fuse_attention_mask_wider_than_the_scores():
+    # the mask's known query dim (4) widens the scores' (1): the Add is not a masked score
+    m = model(attention_nodes(), {"q3": [1, 1, E], "k3": [1, S, E], "v3": [1, S, E],
+                                  "mask": [1, 1, 4, S]}, ["y"], INITS)
+    f = feeds(q3=(1, 1, E), k3=(1, S, E), v3=(1, S, E), mask=(1, 1, 4, S))
+    _, before, after, n, logs = apply(m, fuse_attention, f)
     assert n == 0 and before == after

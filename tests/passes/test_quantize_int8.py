@@ -335,7 +335,8 @@ def _pair_saturated(codes_u8, wq):
 @pytest.mark.skipif(not K._HAS_FBGEMM, reason="needs PyTorch's FBGEMM")
 def test_int8_matmul_fbgemm_full_range_weights_saturate_as_mlas():
     """Full-range (+-127) weights: FBGEMM's integers are the pairwise-saturated sums, the ones
-    onnxruntime computes on AVX2; on kiln's 7-bit weights nothing saturates (exact)."""
+    onnxruntime computes on AVX2 without VNNI, and the exact ones with VNNI (both there); on
+    kiln's 7-bit weights nothing saturates (exact)."""
     x = (RNG.standard_normal((16, 64)) * 3).astype(np.float32)
     wq = RNG.integers(-127, 128, (64, 32)).astype(np.int8)
     ws = np.full(32, 0.01, np.float32)
@@ -343,7 +344,9 @@ def test_int8_matmul_fbgemm_full_range_weights_saturate_as_mlas():
     call = _call(I8.Int8MatMul, x_scale=s, x_zero=z)
     got = K.int8_matmul(call, *map(torch.from_numpy, (x, wq, ws))).numpy()
     codes = np.clip(np.rint(x / s) + z, 0, 255)
-    want = (_pair_saturated(codes, wq) - z * wq.astype(np.int64).sum(0)) * (s * ws)
+    acc = _pair_saturated(codes, wq) if K.u8s8_saturates() else \
+        codes.astype(np.int64) @ wq.astype(np.int64)
+    want = (acc - z * wq.astype(np.int64).sum(0)) * (s * ws)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
@@ -382,10 +385,9 @@ class _QOpNet(torch.nn.Module):
 def test_qoperator_model_runs_int8_layers(tmp_path):
     """onnxruntime's quantize_static in QOperator format (QLinearConv, QLinearMatMul between
     QuantizeLinear/DequantizeLinear): every QLinear layer becomes a kiln INT8 layer on the
-    model's own weight codes. Their outputs differ where kiln folds a Q -> DQ pair between a
-    layer and a float op (the bias Add) and computes that tensor in float, and in the int16
-    saturation of u8 x s8 pairs on AVX2 (onnxruntime's MLAS and oneDNN's convolutions
-    saturate differently; on this net most of both runtimes' error to FP32 is saturation):
+    model's own weight codes. Their outputs differ in the int16 saturation of u8 x s8 pairs
+    on AVX2 (onnxruntime's MLAS and oneDNN's convolutions saturate differently; on this net
+    most of both runtimes' error to FP32 is saturation):
     kiln stays about as close to FP32 as onnxruntime."""
     ort = pytest.importorskip("onnxruntime")
     from onnxruntime.quantization import (
@@ -416,7 +418,8 @@ def test_qoperator_model_runs_int8_layers(tmp_path):
     e = Builder(BuilderConfig(), log=logs.append).build(qop)
     assert any("4 QLinearMatMul/QLinearConv layer(s) in QDQ form" in m for m in logs)
     kinds = list(e.choices.values())
-    assert kinds.count("TorchInt8Conv") == 2 and kinds.count("TorchInt8MatMul") == 2
+    # the MatMuls requantize their output before the bias Add, as QLinearMatMul does
+    assert kinds.count("TorchInt8Conv") == 2 and kinds.count("TorchInt8MatMulQDQ") == 2
     assert not any("QLinear" in k for k in kinds)
     x = {"x": np.random.default_rng(9).standard_normal((2, 3, 8, 8)).astype(np.float32)}
     got = e.create_context().run(x)["y"]
@@ -525,3 +528,116 @@ def test_dynamic_uint8_weights_exact(tmp_path, span, folds):
     got = e.create_context().run({"x": x})["y"]
     want = _dynamic_reference(x, wq, 119)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def _fma_ties(s: float, z: int, n: int) -> np.ndarray:
+    """``n`` float32 values whose code ``round(x / s) + z`` (DynamicQuantizeLinear's) differs
+    from ``round(x * (1 / s) + z)`` computed as one fused multiply-add (FBGEMM's quantizer)."""
+    rng = np.random.default_rng(5)
+    s32, inv = np.float32(s), np.float32(1) / np.float32(s)
+    cand = ((rng.integers(-z, 255 - z, 400000) + 0.5) * s32).astype(np.float32)
+    cand = np.nextafter(cand, cand + rng.choice([-1, 1], cand.size).astype(np.float32))
+    exact = np.rint(cand / s32) + z
+    fused = np.rint((cand.astype(np.float64) * np.float64(inv) + z).astype(np.float32))
+    picked = cand[exact != fused]
+    assert picked.size >= n
+    return picked[:n]
+
+
+def test_dynamic_int8_matmul_codes_as_dynamic_quantize_linear(tmp_path):
+    """A dynamic INT8 layer (folded from quantize_dynamic's pattern, int8 weights) sees the
+    codes DynamicQuantizeLinear computes, ``round(x / scale) + zero``, also on the values where
+    FBGEMM's own ``x * (1 / scale) + zero`` rounds the other way: onnxruntime's integers."""
+    rng = np.random.default_rng(4)
+    wq = rng.integers(-127, 128, (256, 32)).astype(np.int8)
+    x = rng.uniform(-1.0, 3.0, (16, 256)).astype(np.float32)
+    x[0, :2] = (-1.0, 3.0)  # the range: scale 4 / 255, zero point 64
+    s = np.float32(np.float32(4.0) / np.float32(255))
+    x[1:, 7] = _fma_ties(float(s), 64, 15)
+    path = tmp_path / "dyn.onnx"
+    onnx.save(_dynamic_matmul_model(wq, 0), path)
+    e = Builder(BuilderConfig()).build(path)
+    assert "TorchInt8MatMul" in e.choices.values()
+    got = e.create_context().run({"x": x})["y"]
+    want = _dynamic_reference(x, wq, 0)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def _requant_model(wq, sx, sw, sy, k, n):
+    """x -> Q/DQ(u8) -> MatMul(DQ(Wq)) -> Q/DQ(s8): onnxruntime's QLinearMatMul."""
+    inits = [numpy_helper.from_array(np.array(sx, np.float32), "sx"),
+             numpy_helper.from_array(np.array(128, np.uint8), "zx"),
+             numpy_helper.from_array(wq, "wq"),
+             numpy_helper.from_array(np.array(sw, np.float32), "sw"),
+             numpy_helper.from_array(np.array(sy, np.float32), "sy"),
+             numpy_helper.from_array(np.array(3, np.int8), "zy")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "sw"], ["w"]),
+             helper.make_node("MatMul", ["xd", "w"], ["m"]),
+             helper.make_node("QuantizeLinear", ["m", "sy", "zy"], ["yq"]),
+             helper.make_node("DequantizeLinear", ["yq", "sy", "zy"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                     [64, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, n])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_int8_matmul_requantizes_as_qlinear_matmul(tmp_path):
+    """DQ -> MatMul -> Q/DQ becomes one Int8MatMulQDQ whose codes are onnxruntime's
+    QLinearMatMul ones, ``round(acc * (sx * sw / sy))``, to the bit, on data where rounding
+    the float product ``acc * (sx * sw)`` again by ``sy`` gives other codes."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(8)
+    k, n = 64, 48
+    wq = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    wq[:, 0] = 0
+    wq[:2, 0] = (127, 1)  # column 0: acc = 127 * c0 + c1, any integer within +-16000
+    sx, sw = np.float32(1 / 127), np.float32(0.003)
+    accs = np.arange(-16000, 16001).astype(np.float32)
+    for sy in np.linspace(0.003, 0.004, 1000, dtype=np.float32):  # where they differ
+        fused = np.rint(accs * (sx * sw / sy))
+        ties = accs[(fused != np.rint((accs * (sx * sw)) / sy)) & (np.abs(fused) < 120)]
+        if ties.size >= 2:
+            break
+    else:
+        pytest.fail("no scale found where the two roundings differ")
+    x = rng.uniform(-1.0, 1.0, (64, k)).astype(np.float32)
+    for row, a in enumerate(ties[:2].astype(np.int64)):
+        c0 = int(np.rint(a / 127))
+        x[row, :2] = np.array([c0, a - 127 * c0], np.float32) * sx  # codes c0, c1 exactly
+    path = tmp_path / "requant.onnx"
+    onnx.save(_requant_model(wq, sx, sw, sy, k, n), path)
+    logs = []
+    e = Builder(BuilderConfig(), log=logs.append).build(path)
+    assert "TorchInt8MatMulQDQ" in e.choices.values()
+    assert any("1 INT8 layer(s) requantize their output" in m for m in logs)
+    got = e.create_context().run({"x": x})["y"]
+    want = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
+    assert np.array_equal(got, want)
+    codes = np.clip(np.rint(x / sx) + 128, 0, 255).astype(np.int64) - 128
+    acc0 = (codes @ wq.astype(np.int64))[:2, 0].astype(np.float32)
+    assert np.array_equal(acc0, ties[:2])
+    q = np.clip(np.rint(acc0 * (sx * sw / sy)) + 3, -128, 127)
+    assert np.array_equal(want[:2, 0], ((q - 3) * sy).astype(np.float32))  # the fused rounding
+
+
+def test_no_fuse_requantize_with_bias():
+    """An Int8MatMul with a bias is not what QLinearMatMul computes: no fusion."""
+    from kiln.passes.quantize.qdq import fuse_requantize
+
+    g = Graph("g")
+    x = Value("x", TensorType(DType.float32, (4, 8)))
+    g.inputs.append(x)
+    wq = g.add_weight("wq", np.ones((8, 8), np.int8), TensorType(DType.int8, (8, 8)))
+    ws = g.add_weight("ws", np.ones(8, np.float32), TensorType(DType.float32, (8,)))
+    b = g.add_weight("b", np.ones(8, np.float32), TensorType(DType.float32, (8,)))
+    m = Value("m", TensorType(DType.float32, (4, 8)))
+    y = Value("y", TensorType(DType.float32, (4, 8)))
+    g.nodes += [Node(I8.Int8MatMul, "mm", [x, wq, ws, b], [m],
+                     I8.Int8MatMul.make_attrs(x_scale=0.1, x_zero=128)),
+                Node(I8.QuantizeDequantize, "qdq", [m], [y],
+                     I8.QuantizeDequantize.make_attrs(scale=0.2, zero=0, signed=1))]
+    g.outputs.append(y)
+    assert fuse_requantize(g) == 0
+    assert [nd.op for nd in g.nodes] == [I8.Int8MatMul, I8.QuantizeDequantize]

@@ -53,3 +53,27 @@ def test_no_fuse_rmsnorm_not_last_axis():
     m = model(ns, {"x": [D, D]}, ["y"], INITS)
     _, before, after, n, _ = apply(m, fuse_rmsnorm, feeds(x=(D, D)))
     assert n == 0 and before == after
+
+
+def rsqrt_nodes(numerator="one"):
+    """transformers' LlamaRMSNorm as torch.onnx writes it: x * Div(1, Sqrt(mean(x²) + eps))."""
+    ns = rms_nodes()[:4]
+    return ns + [node("Div", [numerator, "rms"], "inv"), node("Mul", ["x", "inv"], "n"),
+                 node("Mul", ["g", "n"], "y")]
+
+
+def test_rmsnorm_one_over_sigma():
+    inits = dict(INITS, one=c(1.0))
+    m = model(rsqrt_nodes(), {"x": ["n", 4, D]}, ["y"], inits)
+    g, before, after, n, _ = apply(m, fuse_rmsnorm, feeds(x=(2, 4, D)))
+    assert n == 1 and after == {"RMSNormalization": 1}
+    assert before == {"Add": 1, "Div": 1, "Mul": 2, "Pow": 1, "ReduceMean": 1, "Sqrt": 1}
+    (rn,) = g.nodes
+    assert rn.inputs[0] is g.inputs[0] and abs(rn.attrs.epsilon - 1e-6) < 1e-12
+
+
+def test_no_fuse_rmsnorm_two_over_sigma():
+    inits = dict(INITS, two_n=c(2.0))  # 2 / σ scales the result: not RMSNorm's 1 / σ
+    m = model(rsqrt_nodes("two_n"), {"x": [3, D]}, ["y"], inits)
+    _, before, after, n, _ = apply(m, fuse_rmsnorm, feeds(x=(3, D)))
+    assert n == 0 and before == after

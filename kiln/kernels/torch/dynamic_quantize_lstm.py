@@ -113,6 +113,7 @@ def dynamic_quantize_lstm(n, x, w, r, b=None, seq_lens=None, h0=None, c0=None, p
     bias = (torch.zeros(dirs, 4 * hid) if b is None
             else b.float()[:, :4 * hid] + b.float()[:, 4 * hid:])
     acts = _activations(n.a, "LSTM", dirs)
+    native_acts = _native_acts(n.a, dirs)
     y = x.new_zeros((seq, dirs, batch, hid))
     yh, yc = x.new_zeros((dirs, batch, hid)), x.new_zeros((dirs, batch, hid))
     for d in range(dirs):
@@ -123,11 +124,55 @@ def dynamic_quantize_lstm(n, x, w, r, b=None, seq_lens=None, h0=None, c0=None, p
         pd = None if p is None else p[d].float()
         xw = _qmatmul(xd[:steps].reshape(-1, xd.shape[2]), wq[d], ws[d])
         xw = xw.reshape(steps, batch, 4 * hid)
-        yd, hd, cd = _run(n, acts[d], xw, rq[d], rs[d], bias[d], pd, h, c, lens, steps)
+        yd = None
+        if native_acts is not None and _native_fits(rq[d], x):
+            yd, hd, cd = _run_native(n, native_acts[d], xw, rq[d], rs[d], bias[d], pd, h, c,
+                                     lens, steps)
+        if yd is None:
+            yd, hd, cd = _run(n, acts[d], xw, rq[d], rs[d], bias[d], pd, h, c, lens, steps)
         y[:steps, d] = _reverse_within(yd, lens) if rev else yd
         yh[d], yc[d] = hd, cd
     outs = (y, yh, yc)
     return outs[:max(n.n_out, 1)] if n.n_out > 1 else y
+
+
+def _native_acts(a, dirs: int):
+    """rnn.c's activation codes per direction, or None (no C library, an activation it
+    lacks)."""
+    from kiln import native
+    from kiln.native import rnn as NR
+
+    if not native.available:
+        return None
+    return NR.activation_codes(a, "LSTM", dirs)
+
+
+def _native_fits(rq, x: torch.Tensor) -> bool:
+    """Whether kiln_dq_lstm computes this R product's integers: one exact float32 chunk (see
+    :func:`_exact_f32`), and no int16 pair saturation to reproduce (uint8 codes, or a CPU
+    whose u8 x s8 GEMMs are exact, or codes too small to saturate)."""
+    from kiln.kernels.torch import int8 as K
+
+    w, chunks, packed = rq
+    if x.device.type != "cpu" or chunks is None or len(chunks) != 1 or \
+            w.dtype != torch.float32:
+        return False
+    return packed is None or not K.u8s8_saturates() or float(w.abs().max()) <= 64
+
+
+def _run_native(n, acts, xw, rq, rs, bias, p, h, c, lens, steps):
+    """:func:`_run` in one C call (kiln/native/rnn.c's kiln_dq_lstm)."""
+    from kiln.native import rnn as NR
+
+    batch, hid = h.shape
+    flags = (NR.INPUT_FORGET if n.a.input_forget else 0) | (NR.CLIP if n.a.clip else 0)
+    w = rq[0]
+    y, y_h, y_c = NR.dq_lstm(
+        (steps, batch, hid, flags), acts, float(n.a.clip or 0.0), xw.contiguous(),
+        w.contiguous(), rs.contiguous(), bias.contiguous(),
+        None if p is None else p.contiguous(), h.contiguous(), c.contiguous(),
+        lens.to(torch.int64).contiguous())
+    return y, y_h, y_c
 
 
 def _run(n, acts, xw, rq, rs, bias, p, h, c, lens, steps):

@@ -37,9 +37,28 @@ def attention(n, q, k=None, v=None, mask=None):
     if causal and mask is not None:  # SDPA takes one or the other: fold causality in
         mask = mask + _causal_mask(q.shape[-2], k.shape[-2], q)
         causal = False
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                       scale=float(a.scale))
+    if mask is not None and _widens(mask, q, k):
+        y = _widened(q, k, v, mask, float(a.scale))
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           scale=float(a.scale))
     return y.transpose(-3, -2).flatten(-2) if a.num_heads else y
+
+
+def _widens(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Does ``mask`` broadcast the scores [..., Sq, Sk] up (a dim of the scores that is 1 where
+    the mask's is not)? The fusion takes a mask whose dims inference did not know; ONNX's Add
+    then widens the scores, which SDPA refuses."""
+    scores = (*q.shape[:-1], k.shape[-2])
+    if mask.dim() > len(scores):
+        return True
+    return any(m != 1 and m != d for m, d in zip(mask.shape[::-1], scores[::-1]))
+
+
+def _widened(q, k, v, mask, scale: float) -> torch.Tensor:
+    """softmax(q k^T scale + mask) v with ONNX broadcasting, a fully masked row zeros."""
+    p = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale + mask, dim=-1)
+    return torch.matmul(torch.where(p.isnan(), 0.0, p), v)
 
 
 # elementwise ops a FusedPointwise program may hold -> the torch function computing each

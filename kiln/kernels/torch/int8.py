@@ -32,6 +32,25 @@ _LOCK = threading.Lock()
 _FORCED = os.environ.get("KILN_CPU_INT8", "")  # fbgemm | onednn: no timing (benchmarks)
 
 
+def u8s8_saturates() -> bool:
+    """Whether this CPU's u8 x s8 GEMMs (onnxruntime's MLAS and FBGEMM alike) add pairs of
+    products in int16 with saturation: x86 with AVX2 but without AVX512-VNNI (vpmaddubsw).
+    With VNNI (vpdpbusd) both accumulate in int32 exactly. (A CPU with AVX-VNNI alone, where
+    MLAS is exact and FBGEMM is not, reads as saturating.)"""
+    global _SATURATES
+    if _SATURATES is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line for line in f if line.startswith("flags")), "").split()
+        except OSError:
+            flags = []
+        _SATURATES = "avx512_vnni" not in flags
+    return _SATURATES
+
+
+_SATURATES: bool | None = None
+
+
 def quantize_u8(x: torch.Tensor, scale: float, zero: int) -> torch.Tensor:
     """uint8 codes ``clamp(round(x / scale) + zero, 0, 255)`` (round half to even)."""
     y = torch.div(x, scale)
@@ -90,6 +109,22 @@ def dynamic_range(x: torch.Tensor) -> tuple[float, int]:
     scale = _f32(_f32(hi - lo) / 255.0)
     zero = min(max(-_f32(lo / scale), 0.0), 255.0)
     return scale, int(round(zero))  # Python rounds half to even, as std::nearbyint
+
+
+def _dynamic_input(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+    """(x as its dynamic codes dequantize it, scale, zero). FBGEMM quantizes its float input
+    itself as ``x * (1 / scale) + zero`` (a fused multiply-add), whose rounding differs from
+    DynamicQuantizeLinear's ``round(x / scale) + zero`` at a few codes per tensor, each of
+    which moves a row of the output (by 1e-4 of BERT's hidden state) and every later dynamic
+    range: given ``(codes - zero) * scale`` it gets back exactly the codes onnxruntime
+    computes (within 3e-5 of an integer, never near a half)."""
+    from kiln import native
+
+    if native.available and x.dtype == torch.float32 and x.device.type == "cpu" and \
+            x.is_contiguous() and x.numel():
+        return native.dynamic_qdq(x)
+    s, z = dynamic_range(x)
+    return x, s, z
 
 
 def _f32(v: float) -> float:
@@ -164,7 +199,7 @@ def _native_epilogue(y, a, r):
 def int8_matmul(n, x, wq, w_scale, b=None, r=None):
     a = n.a
     if a.x_scale == 0.0:  # dynamic: this call's own range
-        s, z = dynamic_range(x)
+        x, s, z = _dynamic_input(x)
         a = _Over(a, x_scale=s, x_zero=z)
         n = _WithAttrs(n, a)
     if _cpu_half(x):
@@ -220,6 +255,33 @@ def _int8_matmul_onednn(n, a, x, wq, w_scale, b, r):
         1.0, 0, torch.float32, attr, scalars, algo)
     y = y.reshape(*x.shape[:-1], m)
     return epilogue(y, a, r) if after else y
+
+
+@register(I8.Int8MatMulQDQ)
+def int8_matmul_qdq(n, x, wq, w_scale):
+    """The int32 products ``acc`` of x's codes (minus x_zero) and the weight codes, requantized
+    in onnxruntime's float32 steps (QLinearMatMul's MlasRequantizeOutput): ``round(acc *
+    mult) + y_zero`` saturated, ``mult = x_scale * w_scale / y_scale`` per column; then
+    dequantized by y_scale. FBGEMM computes ``acc`` (given the shifted codes with scale 1,
+    which it quantizes back to the codes exactly, and a weight packed with scale 1; its float
+    ``acc`` is the int32 one converted, as onnxruntime converts it), a float32 matmul of the
+    codes elsewhere (exact below 2**24)."""
+    a = n.a
+    k, m = wq.shape
+    xf = x.float().reshape(-1, k)
+    codes = torch.div(xf, a.x_scale).round_().add_(a.x_zero).clamp_(0, 255).sub_(a.x_zero)
+    if _fbgemm_ok(xf):
+        packed = _cached(n, "w_fbgemm_unit", lambda: _fbgemm_pack(wq, torch.ones(m), None))
+        acc = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            codes.contiguous(), 1.0, a.x_zero, packed)
+    else:
+        acc = torch.matmul(codes, wq.float())
+    mult = _cached(n, ("mult", w_scale.device), lambda: (
+        torch.tensor(a.x_scale, dtype=torch.float32) * w_scale.float().reshape(-1)) /
+        torch.tensor(a.y_scale, dtype=torch.float32))
+    lo, hi = (-128, 127) if a.y_signed else (0, 255)
+    y = acc.mul_(mult).round_().add_(a.y_zero).clamp_(lo, hi).sub_(a.y_zero).mul_(a.y_scale)
+    return y.reshape(*x.shape[:-1], m).to(x.dtype)
 
 
 class _WithAttrs:

@@ -187,7 +187,9 @@ def _matmul_weight(b, b_zp):
     :func:`_u8_split`'s packed pieces or None)."""
     bf = shifted(b, b_zp).to(torch.float32)
     chunks = exact_chunks(bf.abs().movedim(-2, 0).reshape(bf.shape[-2], -1))
-    return bf, chunks, _u8_split(bf) if bf.dim() == 2 and len(chunks) == 1 else None
+    # FBGEMM's pieces are CPU tensors: on CUDA (the weight on the device) the float chunks
+    split = bf.dim() == 2 and len(chunks) == 1 and bf.device.type == "cpu"
+    return bf, chunks, _u8_split(bf) if split else None
 
 
 def _u8_split(bf: torch.Tensor):

@@ -165,12 +165,24 @@ def _step(p: Node, nxt: Value, core: Core, users: Users, after_scale: bool) -> C
     return _walk(nxt, core, users, after_scale)
 
 
+def _is_scores_side(ss, out, ms) -> bool:
+    """Is an operand of shape ``ss`` the scores of an Add of result ``out`` with ``ms``? Its
+    dims must be the result's: the mask may broadcast, never the other way. A result dim that
+    inference left unknown (a mask Expanded to a computed shape, as transformers' decode steps
+    export it) counts where the scores' dim is known and the mask's is unknown, 1 or the same:
+    a mask that did widen the scores would change the attention's result shape, which no
+    exporter writes, and the fused kernels refuse such a mask at run time."""
+    if ss is None or out is None or len(ss) != len(out):
+        return False
+    ms = [None] * (len(out) - len(ms or ())) + list(ms or ())
+    return all(same_dim(a, b) or (b is None and a is not None and (
+        m is None or str(m) == "1" or same_dim(m, a))) for a, b, m in zip(ss, out, ms))
+
+
 def _walk_add(p: Node, core: Core, users: Users, after_scale: bool) -> Core | None:
     out = shape_of(p.outputs[0])
     for s, m in (p.inputs, p.inputs[::-1]):
-        ss = shape_of(s)
-        if ss is None or out is None or len(ss) != len(out) or not all(
-                same_dim(a, b) for a, b in zip(ss, out)):
+        if not _is_scores_side(shape_of(s), out, shape_of(m)):
             continue  # s must be the scores: the mask may broadcast, never the other way
         factor = core.scale if after_scale else 1.0
         if not core.causal and _causal_operand(m, p.outputs[0], False, factor) is not None:

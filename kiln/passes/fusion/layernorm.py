@@ -37,7 +37,8 @@ from kiln.passes.fusion.match import (
 
 
 def normalized(node: Node):
-    """Div(d, σ) or Mul(d, Reciprocal(σ)) -> (d, σ)."""
+    """Div(d, σ), Mul(d, Reciprocal(σ)) or Mul(d, Div(1, σ)) (transformers' LlamaRMSNorm as
+    torch.onnx writes rsqrt) -> (d, σ)."""
     if node.op is M.Div:
         return node.inputs[0], node.inputs[1], []
     if node.op is M.Mul:
@@ -45,6 +46,9 @@ def normalized(node: Node):
             rec = made_by(r, M.Reciprocal)
             if rec is not None:
                 return d, rec.inputs[0], [rec]
+            div = made_by(r, M.Div)
+            if div is not None and scalar_of(div.inputs[0]) == 1.0:
+                return d, div.inputs[1], [div]
     return None
 
 

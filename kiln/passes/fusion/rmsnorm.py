@@ -3,7 +3,8 @@
 LLaMA-style exports write RMSNorm as::
 
     x ──Pow(x, 2) | Mul(x, x)──▶ ReduceMean(last axes) ──Add(eps)──▶ Sqrt ──▶ σ
-    x ──Div(x, σ) | Mul(x, Reciprocal(σ))──▶ n ──Mul(γ)──▶ y        (γ constant, optional)
+    x ──Div(x, σ) | Mul(x, Reciprocal(σ)) | Mul(x, Div(1, σ))──▶ n ──Mul(γ)──▶ y
+                                                                   (γ constant, optional)
 
 which becomes ``RMSNormalization(x, γ, axis, epsilon)``.
 """

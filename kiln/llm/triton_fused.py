@@ -1,0 +1,106 @@
+"""Triton kernels that fuse a decode layer's small ops (one launch each instead of several)::
+
+    add_rms_norm   x, r -> s = x + r; y = s * rsqrt(mean(s^2) + eps) * w        grid (T,)
+    silu_mul       [g | u] -> silu(g) * u                                         grid (T, I / B)
+    rope_kv        qkv -> q rotated to q_out; k rotated and v written to their    grid (T, H + KV)
+                   cache slots (rotate-half RoPE, cos/sin rows gathered by position)
+
+Each computes in float32 and rounds once to the activations' dtype. ``fused.py`` picks these
+or the torch ops they replace; tested under ``TRITON_INTERPRET=1`` against those torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, H, eps, HAS_R: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    mask = c < H
+    x = tl.load(x_ptr + t * H + c, mask=mask, other=0.0)
+    if HAS_R:
+        x = x + tl.load(r_ptr + t * H + c, mask=mask, other=0.0)  # rounded as torch's add
+        tl.store(s_ptr + t * H + c, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / H + eps)
+    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * H + c, (xf * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + r, RMSNorm(x + r) * w) for x, r [T, H] contiguous; r None: (x, RMSNorm(x) * w)."""
+    t, h = x.shape
+    s = x if r is None else torch.empty_like(x)
+    y = torch.empty_like(x)
+    block = triton.next_power_of_2(h)
+    _add_rms_norm[(t,)](x, x if r is None else r, w, s, y, h, eps, HAS_R=r is not None,
+                        BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    return s, y
+
+
+@triton.jit
+def _silu_mul(gu_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < n
+    g = tl.load(gu_ptr + t * 2 * n + c, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * 2 * n + n + c, mask=mask, other=0.0).to(tl.float32)
+    out = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + t * n + c, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gu: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """silu(gu[:, :I]) * gu[:, I:] for gu [T, 2I] contiguous."""
+    t, i2 = gu.shape
+    i = i2 // 2
+    out = torch.empty(t, i, dtype=gu.dtype, device=gu.device)
+    _silu_mul[(t, triton.cdiv(i, block))](gu, out, i, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, stride_t,
+             stride_slot, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)  # heads 0..H-1 are q, H..H+KV-1 are k (with their v)
+    d = tl.arange(0, D)
+    partner = (d + D // 2) % D
+    sign = tl.where(d < D // 2, -1.0, 1.0)  # rotate_half([a, b]) = [-b, a]
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cos_ptr + p * D + d).to(tl.float32)
+    sin = tl.load(sin_ptr + p * D + d).to(tl.float32)
+    src = qkv_ptr + t * stride_t + j * D
+    x = tl.load(src + d).to(tl.float32)
+    xr = tl.load(src + partner).to(tl.float32) * sign
+    out = x * cos + xr * sin
+    if j < H:
+        tl.store(q_ptr + (t * H + j) * D + d, out.to(q_ptr.dtype.element_ty))
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        dst = slot * stride_slot + (j - H) * D + d
+        tl.store(k_ptr + dst, out.to(k_ptr.dtype.element_ty))
+        v = tl.load(src + KV * D + d)
+        tl.store(v_ptr + dst, v)
+
+
+def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+            slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
+            kv_heads: int, head_dim: int) -> torch.Tensor:
+    """q [T, heads, head_dim] rotated; k rotated and v written at ``slots`` of the caches.
+
+    qkv [T, (heads + 2 kv_heads) * head_dim] (rows may be strided, each row contiguous);
+    cos, sin [max_position, head_dim] contiguous; positions, slots [T]; k_cache, v_cache
+    [slots, kv_heads, head_dim] with contiguous (kv_heads, head_dim).
+    """
+    t = qkv.shape[0]
+    q = torch.empty(t, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _rope_kv[(t, heads + kv_heads)](qkv, cos, sin, positions, slots, q, k_cache, v_cache,
+                                    qkv.stride(0), k_cache.stride(0), H=heads, KV=kv_heads,
+                                    D=head_dim)
+    return q

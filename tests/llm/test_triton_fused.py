@@ -1,0 +1,115 @@
+"""The fused decode kernels (add + RMSNorm, SiLU * up, RoPE + KV write) against the torch ops
+they replace, their fallback, and the CUDA runner with them on (interpreter on the CPU)."""
+
+import logging
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
+
+from kiln.llm import fused, triton_fused
+from kiln.llm.fused import FusedOps
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+def _randn(*shape, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEV, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("residual", [True, False])
+def test_add_rms_norm_matches_torch(dtype, residual):
+    x, w = _randn(5, 96, seed=1, dtype=dtype), _randn(96, seed=2, dtype=dtype)
+    r = _randn(5, 96, seed=3, dtype=dtype) if residual else None
+    s, y = triton_fused.add_rms_norm(x, r, w, 1e-5)
+    s_ref, y_ref = fused.add_rms_norm(x, r, w, 1e-5)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)  # the same rounded sum
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul_matches_torch(dtype):
+    gu = _randn(3, 200, seed=4, dtype=dtype) * 3
+    got = triton_fused.silu_mul(gu, block=64)  # 100 columns: a ragged last block
+    torch.testing.assert_close(got, fused.silu_mul(gu), **TOL[dtype])
+
+
+def _rope_case(dtype, t=3, heads=4, kv=2, d=16, seed=5):
+    from kiln.llm.config import ModelConfig, rope_inv_freq
+
+    cfg = ModelConfig(vocab_size=10, hidden_size=heads * d, intermediate_size=8, num_layers=1,
+                      num_heads=heads, num_kv_heads=kv, head_dim=d, max_position=64)
+    inv, mscale = rope_inv_freq(cfg)
+    freqs = torch.outer(torch.arange(64, dtype=torch.float32), inv)
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = (emb.cos() * mscale).to(DEV, dtype), (emb.sin() * mscale).to(DEV, dtype)
+    wide = _randn(t, (heads + 2 * kv) * d + 8, seed=seed, dtype=dtype)
+    qkv = wide[:, 4:4 + (heads + 2 * kv) * d]  # rows strided, as a slice of a wider output
+    positions = torch.tensor([7, 0, 63][:t], device=DEV)
+    slots = torch.tensor([5, 30, 11][:t], device=DEV)
+    caches = [_randn(40, kv, d, seed=seed + i, dtype=dtype) for i in (1, 2)]
+    return qkv, cos, sin, positions, slots, caches, (heads, kv, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_kv_matches_torch(dtype):
+    qkv, cos, sin, positions, slots, (kc, vc), dims = _rope_case(dtype)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q = triton_fused.rope_kv(qkv, cos, sin, positions, slots, kc, vc, *dims)
+    q_ref = fused.rope_kv(qkv, cos, sin, positions, slots, kc_ref, vc_ref, *dims)
+    torch.testing.assert_close(q, q_ref, **TOL[dtype])
+    torch.testing.assert_close(kc, kc_ref, **TOL[dtype])  # the rotated k in its slots
+    torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)  # v copied as it is
+    untouched = [i for i in range(40) if i not in slots.tolist()]
+    assert torch.equal(kc[untouched], kc_ref[untouched])
+
+
+def test_fused_op_falls_back_to_torch_for_good(monkeypatch, caplog):
+    ops = FusedOps()
+    x, w = _randn(2, 32, seed=6), _randn(32, seed=7)
+    ops.add_rms_norm(x, x, w, 1e-5)  # loads the kernel table
+    calls = []
+
+    def broken(*a):
+        calls.append(1)
+        raise RuntimeError("out of resources (simulated)")
+
+    monkeypatch.setitem(ops._kernels, "add_rms_norm", broken)
+    with caplog.at_level(logging.WARNING, logger="kiln.llm"):
+        got = ops.add_rms_norm(x, x, w, 1e-5)
+        again = ops.add_rms_norm(x, x, w, 1e-5)
+    want = fused.add_rms_norm(x, x, w, 1e-5)
+    for g in (got, again):
+        torch.testing.assert_close(g[1], want[1])
+    assert calls == [1]  # off after the first failure
+    assert ops.paths == {"add_rms_norm": "torch", "silu_mul": "triton", "rope_kv": "triton"}
+    assert "torch ops instead" in caplog.text
+
+
+def test_runner_with_fused_kernels_matches_torch_path(tiny_dir, monkeypatch):
+    from kiln.llm import LLM, SamplingParams
+    from kiln.llm.cuda_runner import CudaModelRunner
+
+    prompts = ["Hello there", "The capital of France is", "1, 2, 3"]
+    p = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_dir, num_blocks=32).generate(prompts, p)]
+    llm = LLM(tiny_dir, num_blocks=32)
+    eng = llm.engine
+    eng.runner = CudaModelRunner(eng.model, 32, eng.config.block_size, cuda_graphs=False,
+                                 max_model_len=256, fused_ops=True)
+    ran = []
+    for op in fused.OPS:
+        orig = getattr(triton_fused, op)
+        monkeypatch.setattr(triton_fused, op,
+                            lambda *a, _o=orig, _n=op: ran.append(_n) or _o(*a))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+    assert got == want
+    assert set(ran) == set(fused.OPS)  # every fused kernel ran (rope_kv in decode steps)
+    assert eng.runner.describe()["fused"] == {op: "triton" for op in fused.OPS}
