@@ -1,7 +1,8 @@
 """If nodes whose condition the input signature fixes, inlined into a native program's plan
 (kiln.engine.program_inline): a branch on a dim of a dynamic input (and, nested in it, one on
 the rank), and one on a constant; outputs match onnxruntime for each shape, each shape gets
-its own plan, and no If is left as a torch record. A condition the data sets keeps the If."""
+its own plan, and no If is left as a torch record. A condition the data sets keeps the If
+(on the Python loop)."""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ def test_if_on_a_constant_is_inlined(tmp_path):
 
 
 def test_no_inline_of_an_if_on_data(tmp_path):
-    """The condition is sum(x) > 0: the If stays a torch record, both ways right."""
+    """The condition is sum(x) > 0: float data turned into a branch, which kiln.engine.value_flow
+    keeps from programs (the Python loop runs the If), both ways right."""
     m = _model()
     g = m.graph
     del g.node[:3]
@@ -110,4 +112,5 @@ def test_no_inline_of_an_if_on_data(tmp_path):
         for _ in range(2):
             np.testing.assert_allclose(ctx.run({"x": x})["y"], sess.run(None, {"x": x})[0],
                                        rtol=1e-6)
-    assert _torch_ops(engine._executor.program, 1)["If"] == 1
+    ex = engine._executor
+    assert ex.program is None and "If" in ex.program_blocked
