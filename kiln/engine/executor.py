@@ -13,6 +13,7 @@ the step remembers that (constants are then kept on the device too).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -36,6 +37,13 @@ def default_choice(node: Node, backend: str):
 
 
 HOST_CONST_MAX = 64  # integer constants up to this many elements stay on the host
+# torch.inference_mode() without its Python wrapper (1.6 us a run, against 0.5)
+_inference_mode = getattr(torch._C, "_InferenceMode", None)
+if _inference_mode is None:  # pragma: no cover  (a torch without it)
+    def _inference_mode():
+        return torch.inference_mode()
+else:
+    _inference_mode = functools.partial(_inference_mode, True)
 
 
 class Executor:
@@ -129,7 +137,7 @@ class Executor:
         if timer is not None:
             return self._run_timed(args, timer)
         if self.program is not None:
-            with torch.inference_mode():
+            with _inference_mode():
                 outs = self.program.run(args, self._trace_call)
             if outs is not None:
                 return outs

@@ -82,6 +82,24 @@ def test_engine_refuses_bad_inputs(model, feeds, message):
         ctx.run(feeds)
 
 
+@pytest.mark.parametrize("feeds, message", [
+    ({"x": np.ones((1, 8), np.float64)}, "dtype float64"),
+    ({"x": np.ones((1, 9), np.float32)}, "dim 1 must be 8"),
+    ({"x": torch.ones(1, 8, dtype=torch.float16)}, "dtype float16"),
+    ({"x": np.ones((1, 8), np.float32), "z": np.ones(1, np.float32)}, "unknown input"),
+])
+def test_engine_refuses_bad_inputs_after_good_ones(model, feeds, message):
+    """The checks a context remembers (per names, types, dtypes and shapes of the feeds) do
+    not let another feed through."""
+    ctx = kiln.Builder().build(model).create_context()
+    good = {"x": np.ones((1, 8), np.float32)}
+    for _ in range(2):
+        ctx.run(good)
+        with pytest.raises(ShapeError, match=message):
+            ctx.run(feeds)
+    assert ctx.run(good)["y"].shape == (1, 4)
+
+
 def test_engine_refuses_shape_outside_profiles(model):
     cfg = kiln.BuilderConfig(profiles=[Profile({"x": (1, 8)}, {"x": (4, 8)}, {"x": (8, 8)}),
                                        Profile.fixed({"x": (32, 8)})])

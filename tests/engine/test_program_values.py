@@ -1,7 +1,8 @@
 """Native programs and integer inputs: a program is planned per input signature, so it runs a
 graph whose integer inputs only reach plain data (ids gathered from a table, a mask in the
-arithmetic), and is kept off one where their values could set a shape or a branch
-(kiln.engine.value_flow). Either way the outputs match onnxruntime for several values."""
+arithmetic) as one plan, and one whose values could set a shape or a branch
+(kiln.engine.value_flow) with a plan per value of those inputs. Either way the outputs match
+onnxruntime for several values."""
 
 from __future__ import annotations
 

@@ -50,3 +50,29 @@ def test_broadcast_shapes_symbolic_dims_without_printing(monkeypatch):
     assert broadcast_shapes((1, 8, h, 1), (8, 1, 5)) == (1, 8, h, 5)
     assert broadcast_shapes((h,), (4,)) == (4,)  # a fixed size wins over an expression
     assert broadcast_shapes((None,), (1,)) == (None,)
+
+
+def _sympify_parse(s):
+    """What dim_from_str gave before its own parser: sympify, the symbols made kiln's."""
+    e = sympy.sympify(s, locals={})
+    e = e.subs({n: sym(n.name) for n in e.free_symbols})
+    return int(e) if e.is_Integer else e
+
+
+def test_dim_parse_matches_sympify_on_what_kiln_writes():
+    h, w, b = sym("h"), sym("w"), sym("batch")
+    r = sympy.Rational(191, 128)
+    dims = [h + 64, h / 128 - r, sympy.ceiling(h / 128 - r),
+            sympy.floor((w - 1) / 2) + 1, 2 * h * w, sympy.Max(h, 4) - sympy.Min(w, 2), -h + 3,
+            sympy.ceiling(sympy.ceiling(h / 2) / 2), sympy.Mod(h, 8) + b, h ** 2, b * (h + 1)]
+    for d in dims:
+        s = T.dim_str(d)
+        got = T._parse_fast(s)
+        assert got == _sympify_parse(s) == d, s
+        assert got.free_symbols <= {h, w, b} and all(x.is_integer for x in got.free_symbols)
+
+
+def test_dim_parse_leaves_the_rest_to_sympify():
+    for s in ("h.x", "lambda: 1", "f(h)", "h[0]", "1.5*h", "h if w else 1"):
+        assert T._parse_fast(s) is None, s
+    assert T.dim_from_str("1.5*h") == sympy.Float(1.5) * sym("h")

@@ -13,13 +13,15 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 def fresh(monkeypatch):
     """The CPU linear's and convolution's clean process-wide choice table, the tactics on,
     nothing pinned (a test pins one by setting ``_FORCED`` or ``_FORCED_CONV`` on the returned
-    monkeypatch)."""
+    monkeypatch), and every GEMM timed (the small ones the tests use included: KILN_BELOW 0;
+    test_cpu_linear.py tests the untimed pick itself)."""
     from kiln.kernels.torch import fused_conv as FCK
 
     monkeypatch.setattr(FCK, "_choices", {})
     monkeypatch.setattr(FCK, "PACKED_LINEAR", True)
     monkeypatch.setattr(FCK, "_FORCED", "")
     monkeypatch.setattr(FCK, "_FORCED_CONV", "")
+    monkeypatch.setattr(FCK, "KILN_BELOW", 0)
     return monkeypatch
 
 

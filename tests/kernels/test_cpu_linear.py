@@ -215,3 +215,20 @@ def test_cuda_gemm_uses_weight_view(monkeypatch, dtype):
                                atol=1e-2 if dtype != torch.float32 else 1e-5)
     torch.testing.assert_close(got_gemm, want_gemm, rtol=1e-2 if dtype != torch.float32 else 1e-5,
                                atol=1e-2 if dtype != torch.float32 else 1e-5)
+
+
+def test_small_product_takes_kiln_untimed(fresh):
+    """At most KILN_BELOW multiply-adds: kiln's GEMM, nothing timed, the pick shared by the
+    signature; one more row and the tactics are timed."""
+    fresh.setattr(FCK, "KILN_BELOW", 8 * 32 * 64)
+    calls = []
+    real = FCK._select
+    fresh.setattr(FCK, "_select", lambda fns, x, r: calls.append(1) or real(fns, x, r))
+    w = torch.randn(32, 64)
+    for rows in (8, 8, 9):
+        n = _call(FC.FusedMatMul)
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(FCK.fused_matmul(n, x, w), x @ w, rtol=1e-5, atol=1e-5)
+        tactic = n.cache["lin_tactics"][((rows, 32), None)]
+        assert tactic == "kiln" if rows == 8 else True
+    assert len(calls) == 1  # the 9-row product only

@@ -290,3 +290,39 @@ def test_no_fold_capture_of_graph_input():
     x = rng.standard_normal((2, 2)).astype(np.float32)
     w = rng.standard_normal((4, 3)).astype(np.float32)
     assert_same_outputs(model, ALL, {"x": x, "cond": np.array(True), "w": w})
+
+
+# ---------------------------------------------------------------- x * 0 of integers
+
+
+def _zero_product_model(dtype=I64, zero=0):
+    """y = x + Cast(n * 0): silero-vad's way of adding nothing to its state."""
+    zero = np.asarray(zero, np.int64 if dtype == I64 else np.float32)
+    nodes = [const("zero", zero), helper.make_node("Mul", ["n", "zero"], ["z"], name="mul"),
+             helper.make_node("Cast", ["z"], ["zf"], name="cast", to=F32),
+             helper.make_node("Add", ["x", "zf"], ["y"], name="add")]
+    return make_model(nodes, [("x", F32, [2, 3]), ("n", dtype, [])], ["y"])
+
+
+def test_fold_int_times_zero_structure_and_numerics():
+    model = _zero_product_model()
+    g = import_onnx(model)
+    run_passes(g, ALL)
+    assert g.op_counts() == {"Add": 1}
+    assert g.nodes[0].inputs[1].const == 0.0
+    feeds = {"x": rng.standard_normal((2, 3)).astype(np.float32), "n": np.int64(16000)}
+    assert_same_outputs(model, ALL, feeds)
+
+
+def test_no_fold_float_times_zero():
+    """(NaN * 0 is NaN: a float product by zero stays a node)"""
+    model = _zero_product_model(F32)
+    g = import_onnx(model)
+    run_passes(g, ALL)
+    assert g.op_counts()["Mul"] == 1
+
+
+def test_no_fold_int_times_nonzero():
+    g = import_onnx(_zero_product_model(zero=[0, 2, 1]))
+    run_passes(g, ALL)
+    assert g.op_counts()["Mul"] == 1

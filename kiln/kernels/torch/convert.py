@@ -32,6 +32,9 @@ def to_torch(a):
     """numpy array -> torch tensor; arrays of dtypes torch lacks stay numpy."""
     if isinstance(a, torch.Tensor) or a is None:
         return a
+    if type(a) is np.ndarray and a.dtype in _PLAIN_NP and a.flags.c_contiguous \
+            and a.flags.writeable:  # the common case, without the lookups below (~3 us)
+        return torch.from_numpy(a)
     if isinstance(a, list):
         return [to_torch(x) for x in a]
     a = np.asarray(a)
@@ -54,6 +57,9 @@ def to_numpy(t):
     """torch tensor -> numpy array with the matching (ml_dtypes) dtype."""
     if isinstance(t, np.ndarray) or t is None:
         return t
+    if type(t) is torch.Tensor and t.dtype in _PLAIN_TORCH and t.is_cpu \
+            and not t.requires_grad and t.is_contiguous():
+        return t.numpy()
     if isinstance(t, list):
         return [to_numpy(x) for x in t]
     if not isinstance(t, torch.Tensor):
@@ -63,6 +69,12 @@ def to_numpy(t):
         npv, tv = _VIA[t.dtype]
         return t.view(tv).numpy().view(DTYPE_OF_TORCH[t.dtype].np)
     return t.numpy()
+
+
+# dtypes numpy and torch share bit for bit (from_numpy / .numpy() take them as they are)
+_PLAIN_TORCH = frozenset(t for t in TORCH_DTYPE.values() if t not in _VIA)
+_PLAIN_NP = frozenset(np.dtype(d.np) for d, t in TORCH_DTYPE.items() if t in _PLAIN_TORCH
+                      and np.dtype(d.np).kind in "biuf")
 
 
 def dtype_of(x) -> DType:
