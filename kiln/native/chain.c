@@ -1,12 +1,13 @@
 /* Native chains and programs:
  * A straight run of ops, encoded as longs by kiln/engine/chains.py (GEMM, LayerNorm, attention)
- * or kiln/engine/program.py (also elementwise ops, pooling, depthwise and Winograd convs),
- * executed in one call so that no Python or PyTorch code runs between them. A record whose kind
- * it does not know (the program's torch steps) stops the run there. An operand is a buffer index
+ * or kiln/engine/program.py (also elementwise ops, pooling, depthwise, Winograd and direct
+ * convs), executed in one call so that no Python or PyTorch code runs between them. A record
+ * whose kind it does not know (the program's torch steps) stops the run there. An operand is a buffer index
  * (into bufs; -1: none), an element offset and a row stride; float parameters are in fp. */
 #include "kernels.h"
 
-enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, OP_WINO = 7 };
+enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, OP_WINO = 7,
+       OP_CONV = 8 };
 #define GEMM_LEN 17 /* kind M N K a aoff lda w bias r roff ldr c coff ldc act fparam */
 #define LN_LEN 12   /* kind M N x xoff ldx y yoff ldy gamma beta fparam */
 #define ATTN_LEN 36 /* kind B H Hkv Sq Skv D Dv, (buf off b h s) for q k v, (buf off b h q k) for
@@ -16,6 +17,7 @@ enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, O
 #define POOL_LEN 28 /* kind pool-kind g[14], (buf off strides[4]) for x y */
 #define DW_LEN 25   /* kind g[14] x xoff w bias r roff y yoff act fparam */
 #define WINO_LEN 20 /* kind N H W C K Ho Wo pt pl x xoff w bias r roff y yoff act fparam */
+#define CONV_LEN 26 /* kind g[15] x xoff w bias r roff y yoff act fparam */
 
 /* Returns n, or the position of the first op it does not know or could not run (nothing
  * from there on ran). */
@@ -67,6 +69,11 @@ long kiln_chain_run(const long *prog, long n, const float *fp, float *const *buf
                              nthreads) != 0)
                 return i;  /* out of memory */
             i += WINO_LEN;
+        } else if (p[0] == OP_CONV && i + CONV_LEN <= n) {
+            const long *q = p + 16;
+            kiln_conv(p + 1, PTR(q[0], q[1]), PTR(q[2], 0), PTR(q[3], 0), PTR(q[4], q[5]),
+                      PTR(q[6], q[7]), (int)q[8], fp[q[9]], fp[q[9] + 1], nthreads);
+            i += CONV_LEN;
         } else {
             return i;
         }

@@ -1,8 +1,8 @@
 /* Shared by kiln's C kernels (one file per concept: gemm.c, layernorm.c, attention.c,
- * winograd.c, pointwise.c, pool.c, depthwise.c, chain.c, rnn.c, llm.c, quant.c, team.c; linked
- * into one library, kiln/native/_kernels*.so): the register tile's
- * geometry, the AVX2 + FMA target attribute, the vector math the epilogues apply, scratch memory,
- * and the entry points the kernels call each other through. */
+ * winograd.c, pointwise.c, pool.c, depthwise.c, conv.c, chain.c, rnn.c, llm.c, quant.c,
+ * team.c; linked into one library, kiln/native/_kernels*.so): the register tile's geometry,
+ * the AVX2 + FMA target attribute, the vector math the epilogues apply, scratch memory, and the
+ * entry points the kernels call each other through. */
 #ifndef KILN_KERNELS_H
 #define KILN_KERNELS_H
 #include <immintrin.h>
@@ -164,6 +164,8 @@ void kiln_pointwise(int op, int rank, const long *shape, float *y, const long *s
                     float p1, int nthreads);
 TGT void kiln_pool2d(int kind, const long *g, const float *x, const long *xs, float *y,
                      const long *ys, int nthreads);
+TGT void kiln_conv(const long *g, const float *x, const float *wp, const float *bias,
+                   const float *r, float *y, int act, float p0, float p1, int nthreads);
 TGT void kiln_depthwise(const long *g, const float *x, const float *wp, const float *bias,
                         const float *r, float *y, int act, float p0, float p1, int nthreads);
 
