@@ -223,3 +223,22 @@ def test_conv_plan_fill_is_thread_safe(fresh, concurrently):
     for xi, y in zip(xs, outs, strict=True):
         _close(y, _reference(xi, w, b, None, 1, "Relu"))
     assert len(call.cache["conv_plans"]) == 2  # two input shapes
+
+
+def test_select_credit_counts_against_the_measured_time():
+    """_select's credit: a candidate credited more than it is slower wins (a kiln conv in a
+    native program costs less than its timed Python call); without it the faster one does."""
+    import time
+
+    def slow(x, r):
+        time.sleep(0.003)
+        return x
+
+    def fast(x, r):
+        time.sleep(0.001)
+        return x
+
+    x = torch.ones(4)
+    fns = {"onednn": fast, "kiln": slow}
+    assert FCK._select(fns, x, None, FCK.CONV_TACTICS)[0] == "onednn"
+    assert FCK._select(fns, x, None, FCK.CONV_TACTICS, {"kiln": 0.01})[0] == "kiln"

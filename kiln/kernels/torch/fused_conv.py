@@ -164,6 +164,11 @@ def _conv_onednn(n, x, w, b, r, geo):
 # ---------------------------------------------------------------- CPU conv tactics
 
 CONV_TACTICS = ("onednn", "kiln")
+# What a kiln conv's timed call costs in Python (its wrapper's checks, the output tensor, the
+# ctypes call: 6-7 us against 1.3 us for the kernel alone, a 4x4 depthwise conv on this VM)
+# and a native program's record of it does not: the pick compares what a program would run
+# (oneDNN's conv runs there as a torch record, its Python included)
+PROGRAM_CREDIT_S = 5e-6
 _FORCED_CONV = SETTINGS.cpu_conv  # a forced conv tactic, for repeatable measurements
 
 
@@ -338,7 +343,8 @@ def _plan_conv(n, x, w, b, r, geo):
         with _choices_lock:
             name = _choices.get(sig)
             if name is None:
-                name, y = _select({"onednn": onednn, "kiln": kiln}, x, r, CONV_TACTICS)
+                credit = {"kiln": PROGRAM_CREDIT_S} if SETTINGS.cpu_program else None
+                name, y = _select({"onednn": onednn, "kiln": kiln}, x, r, CONV_TACTICS, credit)
                 _choices[sig] = name
             _note(sig, name)
     fn = onednn if name == "onednn" else kiln
@@ -557,10 +563,11 @@ def _signature(x, wt, b, a, r):
             None if r is None else tuple(r.shape), torch.get_num_threads())
 
 
-def _select(fns: dict, x, r, order=TACTICS):
+def _select(fns: dict, x, r, order=TACTICS, credit: dict | None = None):
     """The fastest of ``fns`` (name -> fn, "linear" first) on these inputs, and its output.
     Each runs once to warm up and is checked against F.linear's result, then all run
-    interleaved for a few rounds; the fastest run of each counts (contention only adds time)."""
+    interleaved for a few rounds; the fastest run of each counts (contention only adds time),
+    less its ``credit`` (name -> seconds) where given."""
     best, ref, ref_name, scale = {}, None, None, 0.0
     for name, fn in fns.items():
         t0 = time.perf_counter()
@@ -580,7 +587,8 @@ def _select(fns: dict, x, r, order=TACTICS):
             t0 = time.perf_counter()
             fns[name](x, r)
             best[name] = min(best[name], time.perf_counter() - t0)
-    name = min(best, key=lambda k: (best[k], order.index(k)))
+    credit = credit or {}
+    name = min(best, key=lambda k: (best[k] - credit.get(k, 0.0), order.index(k)))
     return name, ref if name == ref_name else fns[name](x, r)
 
 
