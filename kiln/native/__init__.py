@@ -82,6 +82,8 @@ def _load():
     lib.kiln_conv_pack.restype = None
     lib.kiln_conv.argtypes = [_P, _P, _P, _P, _P, _P, _I, _F, _F, _I]
     lib.kiln_conv.restype = None
+    lib.kiln_team_rest.argtypes = []
+    lib.kiln_team_rest.restype = None
     lib.kiln_qgemv.argtypes = [_I, _L, _L, _L, _P, _L, _P, _P, _P, _L, _I, _I]
     lib.kiln_qgemv.restype = None
     lib.kiln_qrow_bytes.argtypes = [_I, _L]
@@ -292,6 +294,12 @@ POINTWISE = {**{k: v for k, v in ACTIVATIONS.items() if k}, "Copy": 0, "Exp": 10
              "Mul": 34, "Div": 35, "Max": 36, "Min": 37, "PRelu": 38}
 BINARY = frozenset(k for k, v in POINTWISE.items() if v >= 32)
 POOLS = {"max": 0, "avg_pad": 1, "avg": 2}
+
+
+def team_rest() -> None:
+    """Send kiln's spinning team workers to sleep now (team.c): before threaded work of
+    another pool (torch's OpenMP threads), which they would otherwise hold a core from."""
+    _lib.kiln_team_rest()
 
 
 def _strides_arg(t: torch.Tensor, shape) -> ctypes.Array:

@@ -2,8 +2,9 @@
  * A straight run of ops, encoded as longs by kiln/engine/chains.py (GEMM, LayerNorm, attention)
  * or kiln/engine/program.py (also elementwise ops, pooling, depthwise, Winograd and direct
  * convs), executed in one call so that no Python or PyTorch code runs between them. A record
- * whose kind it does not know (the program's torch steps) stops the run there. An operand is a buffer index
- * (into bufs; -1: none), an element offset and a row stride; float parameters are in fp. */
+ * whose kind it does not know (the program's torch steps) stops the run there. An operand is
+ * a buffer index (into bufs; -1: none), an element offset and a row stride; float parameters
+ * are in fp. */
 #include "kernels.h"
 
 enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, OP_WINO = 7,

@@ -158,6 +158,7 @@ int kiln_wino3x3(long N, long H, long W, long C, long K, long Ho, long Wo, long 
  * them (kiln's own team: see team.c for why not an OpenMP region). */
 typedef void (*kiln_range_fn)(void *ctx, long i0, long i1);
 void kiln_parallel(long n, kiln_range_fn fn, void *ctx, int nthreads);
+void kiln_team_rest(void);
 #define PW_RANK 6 /* dims of an elementwise op's index space */
 void kiln_pointwise(int op, int rank, const long *shape, float *y, const long *sy,
                     const float *a, const long *sa, const float *b, const long *sb, float p0,
