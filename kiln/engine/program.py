@@ -377,6 +377,8 @@ class Program:
         threads = torch.get_num_threads() if fb.single else 1
         if threads > 1:
             torch.set_num_threads(1)
+        elif torch.get_num_threads() > 1:  # torch's threads will want the cores kiln's hold
+            native.team_rest()
         try:
             out = st.fn(st.call, *xs)
         except KilnError:

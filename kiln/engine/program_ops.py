@@ -26,7 +26,7 @@ from kiln.ops import math as M
 from kiln.ops import nn as N
 from kiln.ops import tensor as T
 
-OP_PW, OP_POOL, OP_DW, OP_WINO, OP_GEMM = 4, 5, 6, 7, 1
+OP_PW, OP_POOL, OP_DW, OP_WINO, OP_GEMM, OP_CONV = 4, 5, 6, 7, 1, 10  # chain.c's kinds
 RANK = 6
 
 
@@ -425,13 +425,16 @@ def fused_conv(pc, st, ins, outs):
             emit_copy(pc, xs, g)
             xs = g
         return _emit_gemm_conv(pc, params, xs, rs, y)
-    rec = [OP_DW if kind == "depthwise" else OP_WINO]
+    rec = [{"depthwise": OP_DW, "direct": OP_CONV}.get(kind, OP_WINO)]
     n, c, h, w = x.shape
     ho, wo = shape[2:]
     pt, pl = params["pad"]
     if kind == "depthwise":
         rec += [n, h, w, c, ho, wo, *params["kernel"], *params["stride"], *params["dilation"],
                 pt, pl]
+    elif kind == "direct":
+        rec += [n, h, w, c, shape[1], ho, wo, *params["kernel"], *params["stride"],
+                *params["dilation"], pt, pl]
     else:
         rec += [n, h, w, c, shape[1], ho, wo, pt, pl]
     pc.put(rec, xs)

@@ -76,6 +76,14 @@ def _load():
     lib.kiln_dw_pack.restype = None
     lib.kiln_depthwise.argtypes = [_P, _P, _P, _P, _P, _P, _I, _F, _F, _I]
     lib.kiln_depthwise.restype = None
+    lib.kiln_conv_packed_size.argtypes = [_L, _L, _L, _L]
+    lib.kiln_conv_packed_size.restype = _L
+    lib.kiln_conv_pack.argtypes = [_L, _L, _L, _L, _P, _P]
+    lib.kiln_conv_pack.restype = None
+    lib.kiln_conv.argtypes = [_P, _P, _P, _P, _P, _P, _I, _F, _F, _I]
+    lib.kiln_conv.restype = None
+    lib.kiln_team_rest.argtypes = []
+    lib.kiln_team_rest.restype = None
     lib.kiln_qgemv.argtypes = [_I, _L, _L, _L, _P, _L, _P, _P, _P, _L, _I, _I]
     lib.kiln_qgemv.restype = None
     lib.kiln_qrow_bytes.argtypes = [_I, _L]
@@ -296,6 +304,12 @@ BINARY = frozenset(k for k, v in POINTWISE.items() if v >= 32)
 POOLS = {"max": 0, "avg_pad": 1, "avg": 2}
 
 
+def team_rest() -> None:
+    """Send kiln's spinning team workers to sleep now (team.c): before threaded work of
+    another pool (torch's OpenMP threads), which they would otherwise hold a core from."""
+    _lib.kiln_team_rest()
+
+
 def _strides_arg(t: torch.Tensor, shape) -> ctypes.Array:
     """``t``'s strides over ``shape`` (broadcast dims 0), as the kernel takes them."""
     return (_L * max(1, len(shape)))(*t.expand(shape).stride())
@@ -437,6 +451,51 @@ def depthwise_fn(w: DepthwiseWeight, stride, dilation, bias: torch.Tensor | None
     run.keep = (w, bias)
     run.params = {"weight": w.data, "bias": bias, "act": code, "lo": lo, "hi": hi,
                   "geometry": geometry}
+    return run
+
+
+class ConvWeight:
+    """A [K, C, kh, kw] float32 conv weight (one group) packed [kh, kw, C, K rounded up to 8]
+    for :func:`conv_fn`."""
+
+    def __init__(self, w: torch.Tensor):
+        if w.dim() != 4 or w.dtype != torch.float32 or w.device.type != "cpu":
+            raise ValueError(f"ConvWeight: expected a float32 CPU [K, C, kh, kw] weight, got "
+                             f"{tuple(w.shape)} {w.dtype} on {w.device}")
+        self.k, self.c, self.kh, self.kw = w.shape
+        w = w.contiguous()
+        self.data = _aligned(_lib.kiln_conv_packed_size(self.c, self.k, self.kh, self.kw))
+        _lib.kiln_conv_pack(self.c, self.k, self.kh, self.kw, w.data_ptr(), self.data.data_ptr())
+
+
+def conv_fn(w: ConvWeight, stride, dilation, bias: torch.Tensor | None = None,
+            activation: str = "", alpha: float | None = None, beta: float | None = None):
+    """A direct convolution (one group), its weight, geometry and epilogue bound once: a
+    function ``(x, pad, residual, out) -> out`` computing ``out = act(conv(x, W) + bias +
+    residual)`` on contiguous float32 NHWC tensors ``x`` [N, H, W, C] and ``out`` (and
+    ``residual``, or None) [N, Ho, Wo, K]; ``pad`` = (top, left), the bottom and right pads
+    being what Ho and Wo imply."""
+    code, lo, hi, bp = _epilogue("conv", w.k, bias, activation, alpha, beta)
+    k, c, kh, kw, wp = w.k, w.c, w.kh, w.kw, w.data.data_ptr()
+    (sh, sw), (dh, dw) = stride, dilation
+
+    def run(x: torch.Tensor, pad, residual: torch.Tensor | None, out: torch.Tensor):
+        if (x.dim() != 4 or x.shape[3] != c or out.dim() != 4 or out.shape[0] != x.shape[0]
+                or out.shape[3] != k or not x.is_contiguous() or not out.is_contiguous()
+                or x.dtype != torch.float32 or out.dtype != torch.float32 or min(pad) < 0
+                or (residual is not None and (residual.shape != out.shape
+                                              or not residual.is_contiguous()))):
+            raise ValueError(f"conv: x {tuple(x.shape)}, pad {pad}, out {tuple(out.shape)} "
+                             f"do not fit a [{k}, {c}, {kh}, {kw}] weight (contiguous NHWC "
+                             f"float32)")
+        n, h, wd, _ = x.shape
+        g = (_L * 15)(n, h, wd, c, k, out.shape[1], out.shape[2], kh, kw, sh, sw, dh, dw,
+                      pad[0], pad[1])
+        _lib.kiln_conv(g, x.data_ptr(), wp, bp,
+                       None if residual is None else residual.data_ptr(), out.data_ptr(), code,
+                       lo, hi, torch.get_num_threads())
+        return out
+    run.keep = (w, bias)
     return run
 
 

@@ -1,14 +1,15 @@
 /* Native chains and programs:
  * A straight run of ops, encoded as longs by kiln/engine/chains.py (GEMM, LayerNorm, attention)
- * or kiln/engine/program.py (also elementwise ops, pooling, depthwise and Winograd convs,
- * recurrent nodes),
- * executed in one call so that no Python or PyTorch code runs between them. A record whose kind
- * it does not know (the program's torch steps) stops the run there. An operand is a buffer index
- * (into bufs; -1: none), an element offset and a row stride; float parameters are in fp. */
+ * or kiln/engine/program.py (also elementwise ops, pooling, depthwise, Winograd and direct
+ * convs, recurrent nodes), executed in one call so that no Python or PyTorch code runs between
+ * them. A record whose kind it does not know (the program's torch steps) stops the run there.
+ * An operand is a buffer index (into bufs; -1: none), an element offset and a row stride; float
+ * parameters are in fp. */
 #include "kernels.h"
 
+/* record kinds: kiln/engine/program_ops.py, program_gemm.py and program_rnn.py name the same */
 enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, OP_WINO = 7,
-       OP_RNN = 8, OP_RMS = 9 };
+       OP_RNN = 8, OP_RMS = 9, OP_CONV = 10 };
 #define GEMM_LEN 17 /* kind M N K a aoff lda w bias r roff ldr c coff ldc act fparam */
 #define LN_LEN 12   /* kind M N x xoff ldx y yoff ldy gamma beta fparam (OP_RMS too, no beta) */
 #define ATTN_LEN 36 /* kind B H Hkv Sq Skv D Dv, (buf off b h s) for q k v, (buf off b h q k) for
@@ -19,6 +20,7 @@ enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, O
 #define DW_LEN 25   /* kind g[14] x xoff w bias r roff y yoff act fparam */
 #define WINO_LEN 20 /* kind N H W C K Ho Wo pt pl x xoff w bias r roff y yoff act fparam */
 #define RNN_LEN (2 + RNN_FIELDS + 2 * RNN_RECORD_BUFS) /* see kiln_rnn_record (rnn.c) */
+#define CONV_LEN 26 /* kind g[15] x xoff w bias r roff y yoff act fparam */
 
 /* Returns n, or the position of the first op it does not know or could not run (nothing
  * from there on ran). */
@@ -78,6 +80,11 @@ long kiln_chain_run(const long *prog, long n, const float *fp, float *const *buf
             if (kiln_rnn_record(p, fp, bufs, nthreads) != 0)
                 return i;  /* out of memory */
             i += RNN_LEN;
+        } else if (p[0] == OP_CONV && i + CONV_LEN <= n) {
+            const long *q = p + 16;
+            kiln_conv(p + 1, PTR(q[0], q[1]), PTR(q[2], 0), PTR(q[3], 0), PTR(q[4], q[5]),
+                      PTR(q[6], q[7]), (int)q[8], fp[q[9]], fp[q[9] + 1], nthreads);
+            i += CONV_LEN;
         } else {
             return i;
         }

@@ -5,10 +5,11 @@
  * one load.
  *
  * Work is split into (image, output row, 8-channel block) items, so that a map of few rows
- * (a text line's 3 x 96) still spreads over the threads (kiln's team, team.c). Inside an item, output pixels whose
- * window lies wholly inside the row's width run PX at a time: each tap's weight vector is
- * loaded once for PX accumulators (one load per FMA was the old kernel's bound); the pixels
- * at the left and right borders, whose windows stick out, run one at a time. */
+ * (a text line's 3 x 96) still spreads over the threads (kiln's team, team.c). Inside an
+ * item, output pixels whose window lies wholly inside the row's width run PX at a time: each
+ * tap's weight vector is loaded once for PX accumulators (one load per FMA was the old
+ * kernel's bound); the pixels at the left and right borders, whose windows stick out, run one
+ * at a time. */
 #include "kernels.h"
 
 #define PX 8 /* output pixels per block of the interior */

@@ -1,8 +1,8 @@
 /* Shared by kiln's C kernels (one file per concept: gemm.c, layernorm.c, attention.c,
- * winograd.c, pointwise.c, pool.c, depthwise.c, chain.c, rnn.c, llm.c, quant.c, team.c; linked
- * into one library, kiln/native/_kernels*.so): the register tile's
- * geometry, the AVX2 + FMA target attribute, the vector math the epilogues apply, scratch memory,
- * and the entry points the kernels call each other through. */
+ * winograd.c, pointwise.c, pool.c, depthwise.c, conv.c, chain.c, rnn.c, llm.c, quant.c,
+ * team.c; linked into one library, kiln/native/_kernels*.so): the register tile's geometry,
+ * the AVX2 + FMA target attribute, the vector math the epilogues apply, scratch memory, and the
+ * entry points the kernels call each other through. */
 #ifndef KILN_KERNELS_H
 #define KILN_KERNELS_H
 #include <immintrin.h>
@@ -160,12 +160,15 @@ int kiln_wino3x3(long N, long H, long W, long C, long K, long Ho, long Wo, long 
  * them (kiln's own team: see team.c for why not an OpenMP region). */
 typedef void (*kiln_range_fn)(void *ctx, long i0, long i1);
 void kiln_parallel(long n, kiln_range_fn fn, void *ctx, int nthreads);
+void kiln_team_rest(void);
 #define PW_RANK 6 /* dims of an elementwise op's index space */
 void kiln_pointwise(int op, int rank, const long *shape, float *y, const long *sy,
                     const float *a, const long *sa, const float *b, const long *sb, float p0,
                     float p1, int nthreads);
 TGT void kiln_pool2d(int kind, const long *g, const float *x, const long *xs, float *y,
                      const long *ys, int nthreads);
+TGT void kiln_conv(const long *g, const float *x, const float *wp, const float *bias,
+                   const float *r, float *y, int act, float p0, float p1, int nthreads);
 TGT void kiln_depthwise(const long *g, const float *x, const float *wp, const float *bias,
                         const float *r, float *y, int act, float p0, float p1, int nthreads);
 

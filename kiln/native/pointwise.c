@@ -153,11 +153,53 @@ static void pw_rows(void *arg, long o0, long o1)
                   j->p1);
 }
 
+/* The index space reordered so that y's smallest stride is innermost (a channels-last
+ * [N, C, H, W] walked as [N, H, W, C]: whole vectors of channels, not a strided row per
+ * channel), size-1 dims dropped, and neighbours merged where every operand steps evenly
+ * across them. Returns the new rank (0: a single element). */
+static int order_dims(int rank, const long *shape, const long *sy, const long *sa,
+                      const long *sb, long *osh, long *oy, long *oa, long *ob)
+{
+    int d[PW_RANK], n = 0;
+    for (int i = 0; i < rank; i++)
+        if (shape[i] != 1)
+            d[n++] = i;
+    for (int i = 1; i < n; i++)  /* insertion sort, y's strides descending (stable) */
+        for (int j = i; j > 0 && labs(sy[d[j]]) > labs(sy[d[j - 1]]); j--) {
+            int t = d[j];
+            d[j] = d[j - 1];
+            d[j - 1] = t;
+        }
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        long e = shape[d[i]], ya = sy[d[i]], aa = sa[d[i]], ba = sb ? sb[d[i]] : 0;
+        if (m > 0 && oy[m - 1] == ya * e && oa[m - 1] == aa * e && (!sb || ob[m - 1] == ba * e)) {
+            osh[m - 1] *= e;  /* the dim before steps evenly over this one: one dim */
+            oy[m - 1] = ya;
+            oa[m - 1] = aa;
+            ob[m - 1] = ba;
+            continue;
+        }
+        osh[m] = e;
+        oy[m] = ya;
+        oa[m] = aa;
+        ob[m] = ba;
+        m++;
+    }
+    return m;
+}
+
 /* shape[rank] and the strides (in elements) of y, a and b (b NULL for a unary op) over it. */
-void kiln_pointwise(int op, int rank, const long *shape, float *y, const long *sy,
-                    const float *a, const long *sa, const float *b, const long *sb, float p0,
+void kiln_pointwise(int op, int rank, const long *shape0, float *y, const long *sy0,
+                    const float *a, const long *sa0, const float *b, const long *sb0, float p0,
                     float p1, int nthreads)
 {
+    long shape[PW_RANK], sy[PW_RANK], sa[PW_RANK], sbv[PW_RANK];
+    for (int i = 0; i < rank; i++)
+        if (shape0[i] == 0)
+            return;
+    rank = order_dims(rank, shape0, sy0, sa0, b ? sb0 : NULL, shape, sy, sa, sbv);
+    const long *sb = b ? sbv : NULL;
     if (rank < 1) {  /* a scalar */
         row(op, 1, y, 1, a, 1, b, 1, p0, p1);
         return;

@@ -10,7 +10,8 @@
  *   chunks a worker has actually started (never slower than one thread by more than a chunk);
  * - a worker spins for SPIN_NS after its last chunk before it sleeps on a futex, so the
  *   layers of one run, microseconds apart, find it awake (onnxruntime's pool spins likewise),
- *   and a process that stops running kiln's kernels has no spinning thread after 0.1 ms.
+ *   and a process that stops running kiln's kernels has no spinning thread after 0.1 ms;
+ *   kiln_team_rest sends them to sleep at once (before threaded torch work in a program).
  *
  * One job at a time: a second caller (another thread, or a kernel inside an item) runs its
  * loop alone. After a fork the child has no workers; its callers do every chunk themselves
@@ -37,6 +38,7 @@ static struct {
     _Atomic(void *) ctx;
     _Atomic long n, chunk, chunks;
     _Atomic int sleepers;
+    _Atomic unsigned int rest;  /* bumped by kiln_team_rest: spinning workers sleep now */
     int workers;               /* started (the lock holder reads and writes it) */
 } T;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -81,15 +83,17 @@ static void *worker(void *arg)
     unsigned int seen = atomic_load(&T.gen);
     for (;;) {
         long t0 = now_ns(), spins = 0;
-        unsigned int g;
+        unsigned int g, rest = atomic_load(&T.rest);
         while ((g = atomic_load(&T.gen)) == seen) {
             _mm_pause();
-            if ((++spins & 63) == 0 && now_ns() - t0 > SPIN_NS) {
+            if ((++spins & 63) == 0
+                && (now_ns() - t0 > SPIN_NS || atomic_load(&T.rest) != rest)) {
                 atomic_fetch_add(&T.sleepers, 1);
                 if (atomic_load(&T.gen) == seen)
                     syscall(SYS_futex, &T.gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
                 atomic_fetch_sub(&T.sleepers, 1);
                 t0 = now_ns();
+                rest = atomic_load(&T.rest);
             }
         }
         seen = g;
@@ -127,6 +131,14 @@ static void start_workers(int want)
             break;
         T.workers++;
     }
+}
+
+/* Spinning workers go to sleep at once (a caller about to run other threaded work: a native
+ * program's torch record on torch's OpenMP threads, which a spinning worker would hold a core
+ * from). The next kiln_parallel wakes them. */
+void kiln_team_rest(void)
+{
+    atomic_fetch_add(&T.rest, 1);
 }
 
 /* fn(ctx, i0, i1) over [0, n) in chunks, on up to nthreads threads (the caller one of them). */

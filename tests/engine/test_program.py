@@ -271,3 +271,35 @@ def test_pointwise_records_walk_the_output_contiguous_dim_innermost():
     assert dims == [15, 24] and strides == [[24, 1], [24, 1], [0, 1]]
     dims, strides = _collapse(shape, [list(contiguous_strides(shape))] * 2)
     assert dims == [360] and strides == [[1], [1]]
+
+
+def _stem(pads) -> onnx.ModelProto:
+    """A network's stem: conv 3x3 stride 2 on 3 channels (pads per side) -> HardSwish."""
+    rng = np.random.default_rng(3)
+    mk = helper.make_node
+    nodes = [mk("Conv", ["x", "w", "b"], ["c"], pads=pads, strides=[2, 2], name="stem"),
+             mk("HardSwish", ["c"], ["y"], name="hs")]
+    g = helper.make_graph(nodes, "stem", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, 3, 17, 18])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, None)], [_init(rng, "w", 16, 3, 3, 3), _init(rng, "b", 16)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("pads", [[1, 1, 1, 1], [0, 0, 1, 1]], ids=["symmetric", "tf_same"])
+def test_stem_conv_is_a_native_record(pads, tmp_path, monkeypatch):
+    from kiln.kernels.torch import fused_conv as FCK
+
+    monkeypatch.setattr(FCK, "_FORCED_CONV", "kiln")  # (asymmetric pads: kiln's alone anyway)
+    engine, sess = _build(_stem(pads), tmp_path)
+    x = np.random.default_rng(4).standard_normal((1, 3, 17, 18)).astype(np.float32)
+    ctx = engine.create_context()
+    ctx.run({"x": x})  # traced
+    got = ctx.run({"x": x})["y"]
+    assert _err(got, sess.run(None, {"x": x})[0]) <= 1e-5
+    plan = _plan(engine._executor.program)
+    # the input copied channels-last (a pointwise record), kiln's direct conv, the output
+    # copied out of the arena
+    from kiln.engine.program_ops import OP_CONV, OP_PW
+
+    assert not plan.fallbacks and plan.n == 34 + 26 + 34
+    assert (plan.prog[0], plan.prog[34], plan.prog[60]) == (OP_PW, OP_CONV, OP_PW)

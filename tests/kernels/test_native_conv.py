@@ -141,13 +141,14 @@ CONV_CASES = [  # N, C, K, H, kernel, pad, stride, groups, residual, activation;
     ((1, 16, 32, 8, 3, 1, 1, 1, False, "Clip"), True),   # 3x3: Winograd
     ((2, 8, 16, 7, 3, 1, 1, 1, True, ""), True),         # 3x3 + residual, odd size
     ((1, 8, 8, 6, 3, 0, 1, 1, False, "Relu"), True),     # 3x3 without padding
-    ((1, 16, 16, 8, 3, 1, 2, 1, False, "Relu"), False),  # stride 2: oneDNN
+    ((1, 16, 16, 8, 3, 1, 2, 1, False, "Relu"), True),   # stride 2: the direct conv
     ((1, 16, 16, 8, 1, 0, 2, 1, False, ""), True),       # 1x1 stride 2: gathered, the GEMM
     ((2, 16, 24, 7, 1, 0, 2, 1, True, "Relu"), True),    # ... odd size, residual
-    ((1, 16, 16, 8, 1, 1, 1, 1, False, ""), False),      # 1x1 with padding: oneDNN
-    ((1, 12, 16, 6, 3, 1, 1, 1, False, "Relu"), False),  # 12 channels: not for Winograd
+    ((1, 16, 16, 8, 1, 1, 1, 1, False, ""), True),       # 1x1 with padding: direct
+    ((1, 12, 16, 6, 3, 1, 1, 1, False, "Relu"), True),   # 12 channels: direct, not Winograd
     ((1, 16, 16, 6, 3, 1, 1, 2, False, ""), False),      # grouped: oneDNN
-    ((1, 3, 8, 9, 5, 2, 1, 1, False, "Relu"), False),    # 5x5: oneDNN
+    ((1, 3, 8, 9, 5, 2, 1, 1, False, "Relu"), True),     # 5x5: direct
+    ((2, 3, 16, 9, 3, 1, 2, 1, True, "HardSwish"), True),  # a stem + residual: direct
 ]
 
 
@@ -222,3 +223,22 @@ def test_conv_plan_fill_is_thread_safe(fresh, concurrently):
     for xi, y in zip(xs, outs, strict=True):
         _close(y, _reference(xi, w, b, None, 1, "Relu"))
     assert len(call.cache["conv_plans"]) == 2  # two input shapes
+
+
+def test_select_credit_counts_against_the_measured_time():
+    """_select's credit: a candidate credited more than it is slower wins (a kiln conv in a
+    native program costs less than its timed Python call); without it the faster one does."""
+    import time
+
+    def slow(x, r):
+        time.sleep(0.003)
+        return x
+
+    def fast(x, r):
+        time.sleep(0.001)
+        return x
+
+    x = torch.ones(4)
+    fns = {"onednn": fast, "kiln": slow}
+    assert FCK._select(fns, x, None, FCK.CONV_TACTICS)[0] == "onednn"
+    assert FCK._select(fns, x, None, FCK.CONV_TACTICS, {"kiln": 0.01})[0] == "kiln"

@@ -70,6 +70,26 @@ def test_strided_operands_and_output():
 
 
 @needs_native
+@pytest.mark.parametrize("perm", [(0, 2, 3, 1), (0, 3, 1, 2), (3, 2, 1, 0), (1, 0, 2, 3)])
+def test_output_layout_sets_the_walk(perm):
+    """Outputs of every memory order (the kernel walks y's contiguous dim innermost, merging
+    dims where the operands allow): a channels-last SE product with its [N, C, 1, 1] gate, a
+    transposed output, size-1 dims and an operand broadcast along several dims."""
+    g = torch.Generator().manual_seed(5)
+    shape = (2, 24, 5, 7)
+    x = torch.randn(shape, generator=g)
+    gate = torch.rand(2, 24, 1, 1, generator=g)
+    base = torch.empty([shape[p] for p in perm])
+    out = base.permute([perm.index(d) for d in range(4)])  # y of `shape`, laid out by perm
+    assert out.shape == shape
+    native.pointwise("Mul", x.contiguous(memory_format=torch.channels_last), gate, out=out)
+    _close(out, x.double() * gate.double())
+    one = torch.randn(1, 24, 1, 7, generator=g)
+    row = torch.randn(7, generator=g)
+    _close(native.pointwise("Add", one, row), one.double() + row.double())
+
+
+@needs_native
 def test_pointwise_large_runs_threaded():
     x = torch.randn(64, 4096, generator=torch.Generator().manual_seed(3))
     _close(native.pointwise("Sigmoid", x), torch.sigmoid(x.double()))

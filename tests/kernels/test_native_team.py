@@ -48,9 +48,11 @@ def test_team_results_do_not_depend_on_threads(threads, n):
     big = torch.randn(300, 257)
     want_pw = native.pointwise("Sigmoid", big)
     threads(n)
-    for _ in range(3):  # the first call starts the workers, the others find them awake
+    for k in range(4):  # the first call starts the workers, the others find them awake
         assert torch.equal(native.gemm(x, w, b, activation="Relu"), want_gemm)
         assert torch.equal(dw(), want_dw)
+        if k == 2:
+            native.team_rest()  # asleep at once: the next call wakes them
         assert torch.equal(native.pointwise("Sigmoid", big), want_pw)
 
 

@@ -57,6 +57,52 @@ def test_resize_scales(mode, coord):
     _check_loose(m, {"X": x})
 
 
+INTERPOLATED = [  # mode, coord, (sizes | scales): one F.interpolate pass, as ONNX computes it
+    ("linear", "half_pixel", {"sizes": [1, 3, 40, 24]}),          # up, odd factors
+    ("linear", "half_pixel", {"sizes": [1, 3, 4, 3]}),            # down
+    ("linear", "pytorch_half_pixel", {"scales": [1, 1, 8.0, 8.0]}),
+    ("linear", "align_corners", {"sizes": [1, 3, 17, 9]}),
+    ("nearest", "asymmetric", {"scales": [1, 1, 2.0, 4.0]}),      # FPN's x2, an x4
+]
+
+
+@pytest.mark.parametrize("mode,coord,size", INTERPOLATED,
+                         ids=[f"{m}-{c}-{i}" for i, (m, c, _) in enumerate(INTERPOLATED)])
+def test_resize_interpolate_fast_path(mode, coord, size, monkeypatch):
+    from kiln.kernels.torch import vision as KV
+
+    def no_separable(*a):
+        raise AssertionError("the separable path ran")
+
+    monkeypatch.setattr(KV, "_resize_axis", no_separable)
+    x = RNG.standard_normal((1, 3, 5, 6)).astype(np.float32)
+    arrays = {k: np.array(v, np.int64 if k == "sizes" else np.float32) for k, v in size.items()}
+    m = _resize_model(x, **arrays, mode=mode, coordinate_transformation_mode=coord,
+                      nearest_mode="floor")
+    _check_loose(m, {"X": x})
+
+
+@pytest.mark.parametrize("mode,coord,scales", [
+    ("nearest", "asymmetric", [1, 1, 3.0, 3.0]),   # x3: torch's float32 1/3 could floor apart
+    ("linear", "half_pixel", [1, 1, 1.6, 0.7]),    # out / in is not the scale
+    ("linear", "half_pixel_symmetric", [1, 1, 2.0, 2.0]),
+])
+def test_resize_separable_where_interpolate_differs(mode, coord, scales):
+    import torch
+
+    from kiln.kernels.torch import vision as KV
+
+    x = RNG.standard_normal((1, 3, 5, 6)).astype(np.float32)
+    shape = list(x.shape)
+    out = [int(np.floor(s * d)) for s, d in zip(scales, shape)]
+    opts = {"mode": mode, "coord": coord, "nearest_mode": "floor", "antialias": False,
+            "exclude_outside": False}
+    assert KV._interpolate(torch.from_numpy(x), shape, out, scales, {}, opts) is None
+    m = _resize_model(x, scales=np.array(scales, np.float32), mode=mode,
+                      coordinate_transformation_mode=coord, nearest_mode="floor")
+    _check_loose(m, {"X": x})
+
+
 @pytest.mark.parametrize("mode", ["linear", "cubic"])
 def test_resize_antialias_sizes(mode):
     x = RNG.standard_normal((1, 2, 9, 11)).astype(np.float32)

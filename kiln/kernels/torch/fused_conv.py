@@ -113,11 +113,13 @@ def symmetric_geometry(n, x, w):
     return n.cache[key]
 
 
-def _asymmetric_depthwise(n, x, w):
-    """(begin pads, strides, dilations, end pads) of a 2-D depthwise conv with asymmetric pads
-    (kiln's depthwise kernel takes them; oneDNN here does not), else None."""
-    if not native.available or (n.a.group or 1) != x.shape[1] or w.shape[1] != 1 \
-            or w.shape[0] != x.shape[1]:
+def _asymmetric(n, x, w):
+    """(begin pads, strides, dilations, end pads) of a 2-D depthwise or one-group conv with
+    asymmetric pads (kiln's depthwise and direct kernels take them; oneDNN here does not),
+    else None."""
+    depthwise = (n.a.group or 1) == x.shape[1] and w.shape[1] == 1 and w.shape[0] == x.shape[1]
+    if not native.available or not (depthwise or ((n.a.group or 1) == 1
+                                                  and w.shape[1] == x.shape[1])):
         return None
     k, s, d, p = N.spatial_attrs(n.a, 2, list(w.shape[2:]))
     _, pb, pe = N.window_geometry(list(x.shape[2:]), k, s, d, p, n.a.auto_pad)
@@ -162,6 +164,11 @@ def _conv_onednn(n, x, w, b, r, geo):
 # ---------------------------------------------------------------- CPU conv tactics
 
 CONV_TACTICS = ("onednn", "kiln")
+# What a kiln conv's timed call costs in Python (its wrapper's checks, the output tensor, the
+# ctypes call: 6-7 us against 1.3 us for the kernel alone, a 4x4 depthwise conv on this VM)
+# and a native program's record of it does not: the pick compares what a program would run
+# (oneDNN's conv runs there as a torch record, its Python included)
+PROGRAM_CREDIT_S = 5e-6
 _FORCED_CONV = SETTINGS.cpu_conv  # a forced conv tactic, for repeatable measurements
 
 
@@ -181,8 +188,10 @@ def _kiln_conv(a, x, w, b, r, geo):
     b = None if b is None else b.contiguous()
     if (a.group or 1) == x.shape[1] == k_out and c == 1:
         return _kiln_depthwise(a, x, w, b, pad, end, stride, dil)
-    if (a.group or 1) != 1 or x.shape[1] != c or list(end) != list(pad):
+    if (a.group or 1) != 1 or x.shape[1] != c:
         return None
+    if list(end) != list(pad):
+        return _kiln_direct(a, x, w, b, pad, end, stride, dil)
 
     if (kh, kw) == (1, 1) and list(pad) == [0, 0]:
         gemm = native.gemm_fn(native.PackedWeight(w.reshape(k_out, c).t()), b, a.activation,
@@ -215,7 +224,31 @@ def _kiln_conv(a, x, w, b, r, geo):
         winograd.native = dict(_native_epilogue(a, b), kind="winograd",
                                weight=conv.keep[0].data, pad=(pt, pl))
         return winograd
-    return None
+    return _kiln_direct(a, x, w, b, pad, end, stride, dil)
+
+
+def _kiln_direct(a, x, w, b, pad, end, stride, dil):
+    """kiln's direct convolution (:func:`kiln.native.conv_fn`) for any other one-group conv:
+    NHWC, pads per side, bias, residual and activation in registers; its register block
+    wants few input channels per tap (a network's 3-channel stem), and oneDNN competes."""
+    k_out, c, kh, kw = w.shape
+    h, wd = x.shape[2:]
+    ho = (h + pad[0] + end[0] - dil[0] * (kh - 1) - 1) // stride[0] + 1
+    wo = (wd + pad[1] + end[1] - dil[1] * (kw - 1) - 1) // stride[1] + 1
+    if min(ho, wo) < 1:
+        return None
+    conv = native.conv_fn(native.ConvWeight(w), tuple(stride), tuple(dil), b, a.activation,
+                          a.alpha, a.beta)
+    pt, pl = pad
+
+    def direct(x, r):
+        y = torch.empty((x.shape[0], ho, wo, k_out), dtype=torch.float32)
+        conv(nhwc(x), (pt, pl), None if r is None else nhwc(r), y)
+        return y.permute(0, 3, 1, 2)
+    direct.native = dict(_native_epilogue(a, b), kind="direct", weight=conv.keep[0].data,
+                         kernel=(kh, kw), stride=tuple(stride), dilation=tuple(dil),
+                         pad=(pt, pl))
+    return direct
 
 
 def nhwc(t):
@@ -310,7 +343,8 @@ def _plan_conv(n, x, w, b, r, geo):
         with _choices_lock:
             name = _choices.get(sig)
             if name is None:
-                name, y = _select({"onednn": onednn, "kiln": kiln}, x, r, CONV_TACTICS)
+                credit = {"kiln": PROGRAM_CREDIT_S} if SETTINGS.cpu_program else None
+                name, y = _select({"onednn": onednn, "kiln": kiln}, x, r, CONV_TACTICS, credit)
                 _choices[sig] = name
             _note(sig, name)
     fn = onednn if name == "onednn" else kiln
@@ -368,7 +402,7 @@ def fused_conv(n, x, w, b=None, r=None):
         geo = symmetric_geometry(n, x, w)
         if geo is not None:  # the pass fuses only residuals of the output's own shape
             return _conv_cpu(n, x, w, b, r, geo[:3])
-        asym = _asymmetric_depthwise(n, x, w)
+        asym = _asymmetric(n, x, w)
         if asym is not None:
             return _conv_cpu(n, x, w, b, r, asym)
     return epilogue(conv_reference(n, x, w, b), n.a, r)
@@ -534,10 +568,11 @@ def _signature(x, wt, b, a, r):
             None if r is None else tuple(r.shape), torch.get_num_threads())
 
 
-def _select(fns: dict, x, r, order=TACTICS):
+def _select(fns: dict, x, r, order=TACTICS, credit: dict | None = None):
     """The fastest of ``fns`` (name -> fn, "linear" first) on these inputs, and its output.
     Each runs once to warm up and is checked against F.linear's result, then all run
-    interleaved for a few rounds; the fastest run of each counts (contention only adds time)."""
+    interleaved for a few rounds; the fastest run of each counts (contention only adds time),
+    less its ``credit`` (name -> seconds) where given."""
     best, ref, ref_name, scale = {}, None, None, 0.0
     for name, fn in fns.items():
         t0 = time.perf_counter()
@@ -557,7 +592,8 @@ def _select(fns: dict, x, r, order=TACTICS):
             t0 = time.perf_counter()
             fns[name](x, r)
             best[name] = min(best[name], time.perf_counter() - t0)
-    name = min(best, key=lambda k: (best[k], order.index(k)))
+    credit = credit or {}
+    name = min(best, key=lambda k: (best[k] - credit.get(k, 0.0), order.index(k)))
     return name, ref if name == ref_name else fns[name](x, r)
 
 

@@ -156,6 +156,9 @@ def resize(x, scales, sizes, roi, axes, opts: dict):
         roi_axes = axes if k == len(axes) else list(range(r))
         for j, a in enumerate(roi_axes):
             rois[a] = (roi[j], roi[k + j])
+    fast = _interpolate(x, shape, out, full, rois, opts)
+    if fast is not None:
+        return fast
     work = x if x.is_floating_point() else x.to(torch.float32)
     for a in axes:
         lohi = rois.get(a, (0.0, 1.0))
@@ -169,6 +172,37 @@ def resize(x, scales, sizes, roi, axes, opts: dict):
             work = work.clamp(info.min, info.max)
         work = work.to(x.dtype)
     return work
+
+
+# (mode, coordinate_transformation_mode) -> F.interpolate's mode and align_corners, where its
+# source coordinates are ONNX's: bilinear half_pixel (torch clamps a negative source to 0,
+# which is what ONNX's clamped taps give), align_corners, and nearest asymmetric floor
+_INTERPOLATE = {("linear", "half_pixel"): ("bilinear", False),
+                ("linear", "pytorch_half_pixel"): ("bilinear", False),
+                ("linear", "align_corners"): ("bilinear", True),
+                ("nearest", "asymmetric"): ("nearest", None)}
+
+
+def _interpolate(x, shape, out, full, rois, opts):
+    """The resize of H and W of a 4-D float tensor by ``F.interpolate`` (one pass, ~20x faster
+    than the separable gather on a [1, 21, 40, 40] -> 320 x 320 upsample) where its
+    arithmetic is ONNX's: the modes of :data:`_INTERPOLATE`, sizes whose ratio is the scale
+    (so torch's in/out is ONNX's 1/scale), no antialias or exclude_outside; else None."""
+    key = (opts["mode"], opts["coord"])
+    if key not in _INTERPOLATE or x.dim() != 4 or not x.is_floating_point() or rois \
+            or opts["antialias"] or opts["exclude_outside"] or out[:2] != shape[:2] \
+            or (opts["mode"] == "nearest" and opts["nearest_mode"] != "floor") \
+            or min(shape[2:]) < 1 or min(out[2:]) < 2:  # (pytorch_half_pixel's size-1 rule)
+        return None
+    if any(full[a] != out[a] / shape[a] for a in (2, 3)):
+        return None
+    if opts["mode"] == "nearest" and any(  # torch's float32 in/out is exact: factors 2^k
+            out[a] % shape[a] or (out[a] // shape[a]) & (out[a] // shape[a] - 1)
+            for a in (2, 3)):
+        return None
+    mode, corners = _INTERPOLATE[key]
+    return torch.nn.functional.interpolate(x, size=tuple(out[2:]), mode=mode,
+                                           align_corners=corners)
 
 
 def _floats(t) -> list[float]:

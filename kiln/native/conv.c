@@ -1,0 +1,190 @@
+/* Direct convolution on NHWC tensors (one group), the bias, the residual and the activation
+ * applied in registers: what a network's stem (3 input channels, 3x3, stride 2) and other
+ * convolutions that are neither 1x1 (kiln's GEMM), 3x3 stride 1 (Winograd) nor depthwise
+ * need. Any kernel size, stride, dilation and pads per side.
+ *
+ * The weight is packed [kh][kw][C][Kp] (kiln_conv_pack; Kp = K rounded up to whole vectors,
+ * zeros past K), so a tap's weights for 8 output channels are one load. A register block is PX
+ * output pixels x KV vectors of output channels: per (tap, input channel), KV weight loads and
+ * PX broadcasts of the input feed PX * KV FMAs. Pixels whose window sticks out at the left or
+ * right run one at a time with the taps checked. Work items are (image, output row, group of
+ * KV output-channel vectors) on kiln's team (team.c). */
+#include "kernels.h"
+
+#define PX 4
+#define KV 3
+
+long kiln_conv_packed_size(long C, long K, long kh, long kw)
+{
+    return kh * kw * C * ((K + 7) / 8 * 8);
+}
+
+/* w [K, C, kh, kw] -> out [kh][kw][C][Kp]. */
+void kiln_conv_pack(long C, long K, long kh, long kw, const float *w, float *out)
+{
+    long kp = (K + 7) / 8 * 8;
+    for (long t = 0; t < kh * kw; t++)
+        for (long c = 0; c < C; c++)
+            for (long k = 0; k < kp; k++)
+                out[(t * C + c) * kp + k] = k < K ? w[(k * C + c) * kh * kw + t] : 0.0f;
+}
+
+struct conv_job {
+    const long *g;
+    const float *x, *wp, *bias, *r;
+    float *y;
+    int act;
+    float p0, p1;
+};
+
+TGT static inline __m256i kmask(long m)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6,
+                                                                           7));
+}
+
+/* The epilogue and store of one pixel's nv vectors (output channels k0 .. k0 + 8 nv, the
+ * last one cut at K). */
+TGT static inline void put(const struct conv_job *j, long o, long k0, long K, int nv,
+                           const __m256 *acc)
+{
+    for (int v = 0; v < nv; v++) {
+        long k = k0 + 8 * v, m = K - k < 8 ? K - k : 8;
+        __m256i mask = kmask(m);
+        __m256 a = acc[v];
+        if (j->bias)
+            a = _mm256_add_ps(a, _mm256_maskload_ps(j->bias + k, mask));
+        if (j->r)
+            a = _mm256_add_ps(a, _mm256_maskload_ps(j->r + o + k, mask));
+        a = act256(a, j->act, j->p0, j->p1);
+        if (m == 8)
+            _mm256_storeu_ps(j->y + o + k, a);
+        else
+            _mm256_maskstore_ps(j->y + o + k, mask, a);
+    }
+}
+
+/* n pixels ow0 .. ow0 + n - 1 of row oh, all inside the width (n <= PX, nv <= KV: constants
+ * after inlining); xrow: the input at (n, ih0, 0, 0). */
+TGT static inline __attribute__((always_inline)) void conv_block(
+    const struct conv_job *j, const float *xrow, long ih0, long ky0, long ky1, long ow0, long k0,
+    int n, int nv)
+{
+    const long *g = j->g;
+    long W = g[2], C = g[3], K = g[4], kw = g[8], sw = g[10], dh = g[11], dw = g[12];
+    long pl = g[14], kp = (K + 7) / 8 * 8;
+    __m256 acc[PX][KV];
+    for (int p = 0; p < n; p++)
+        for (int v = 0; v < nv; v++)
+            acc[p][v] = _mm256_setzero_ps();
+    /* with dilation 1 a row's taps and channels are kw * C consecutive floats of x and of the
+     * packed weight: one loop (a stem's 3 x 3 channels is 9 steps, not 3 of 3) */
+    long runs = dw == 1 ? 1 : kw, len = dw == 1 ? kw * C : C;
+    for (long ky = ky0; ky < ky1; ky++) {
+        const float *xr = xrow + (ih0 + ky * dh) * W * C;
+        for (long kx = 0; kx < runs; kx++) {
+            const float *xp = xr + (ow0 * sw - pl + kx * dw) * C;
+            const float *wt = j->wp + (ky * kw + kx) * C * kp + k0;
+            for (long c = 0; c < len; c++) {
+                __m256 wv[KV];
+                for (int v = 0; v < nv; v++)
+                    wv[v] = _mm256_loadu_ps(wt + c * kp + 8 * v);
+                for (int p = 0; p < n; p++) {
+                    __m256 xv = _mm256_broadcast_ss(xp + p * sw * C + c);
+                    for (int v = 0; v < nv; v++)
+                        acc[p][v] = _mm256_fmadd_ps(xv, wv[v], acc[p][v]);
+                }
+            }
+        }
+    }
+    for (int p = 0; p < n; p++)
+        put(j, (ow0 + p) * K, k0, K, nv, acc[p]);
+}
+
+/* One pixel whose window may stick out left or right. */
+TGT static void conv_edge(const struct conv_job *j, const float *xrow, long ih0, long ky0,
+                          long ky1, long ow, long k0, int nv)
+{
+    const long *g = j->g;
+    long W = g[2], C = g[3], K = g[4], kw = g[8], sw = g[10], dh = g[11], dw = g[12];
+    long pl = g[14], kp = (K + 7) / 8 * 8;
+    __m256 acc[KV] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (long ky = ky0; ky < ky1; ky++) {
+        const float *xr = xrow + (ih0 + ky * dh) * W * C;
+        for (long kx = 0; kx < kw; kx++) {
+            long iw = ow * sw - pl + kx * dw;
+            if (iw < 0 || iw >= W)
+                continue;
+            const float *wt = j->wp + (ky * kw + kx) * C * kp + k0;
+            for (long c = 0; c < C; c++) {
+                __m256 xv = _mm256_broadcast_ss(xr + iw * C + c);
+                for (int v = 0; v < nv; v++)
+                    acc[v] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wt + c * kp + 8 * v), acc[v]);
+            }
+        }
+    }
+    put(j, ow * K, k0, K, nv, acc);
+}
+
+#define BLOCKS(NV)                                                                 \
+    do {                                                                           \
+        for (; ow < lo; ow++)                                                      \
+            conv_edge(j, xrow, ih0, ky0, ky1, ow, k0, NV);                         \
+        for (; ow + PX <= hi; ow += PX)                                            \
+            conv_block(j, xrow, ih0, ky0, ky1, ow, k0, PX, NV);                    \
+        for (; ow < hi; ow++)                                                      \
+            conv_block(j, xrow, ih0, ky0, ky1, ow, k0, 1, NV);                     \
+        for (; ow < Wo; ow++)                                                      \
+            conv_edge(j, xrow, ih0, ky0, ky1, ow, k0, NV);                         \
+    } while (0)
+
+/* Items [i0, i1) of (image, output row, group of KV output-channel vectors). */
+TGT static void conv_items(void *arg, long i0, long i1)
+{
+    const struct conv_job *job = arg;
+    const long *g = job->g;
+    long H = g[1], W = g[2], C = g[3], K = g[4], Ho = g[5], Wo = g[6], kh = g[7], kw = g[8];
+    long sh = g[9], sw = g[10], dh = g[11], dw = g[12], pt = g[13], pl = g[14];
+    long groups = ((K + 7) / 8 + KV - 1) / KV;
+    /* interior: ow * sw - pl >= 0 and ow * sw - pl + (kw - 1) dw <= W - 1 */
+    long lo = (pl + sw - 1) / sw, last = W - 1 + pl - (kw - 1) * dw;
+    long hi = last < 0 ? 0 : last / sw + 1;
+    if (hi > Wo)
+        hi = Wo;
+    if (lo > hi)
+        lo = hi;
+    for (long it = i0; it < i1; it++) {
+        long n = it / (Ho * groups), oh = it / groups % Ho, k0 = it % groups * 8 * KV;
+        long nv = ((K - k0) + 7) / 8 < KV ? ((K - k0) + 7) / 8 : KV;
+        long ih0 = oh * sh - pt, ky0 = 0, ky1 = kh;
+        while (ky0 < kh && ih0 + ky0 * dh < 0)
+            ky0++;
+        while (ky1 > ky0 && ih0 + (ky1 - 1) * dh >= H)
+            ky1--;
+        const float *xrow = job->x + n * H * W * C;
+        struct conv_job row = *job;  /* y and r from this output row on */
+        row.y = job->y + (n * Ho + oh) * Wo * K;
+        row.r = job->r ? job->r + (n * Ho + oh) * Wo * K : NULL;
+        const struct conv_job *j = &row;
+        long ow = 0;
+        if (nv == 3)
+            BLOCKS(3);
+        else if (nv == 2)
+            BLOCKS(2);
+        else
+            BLOCKS(1);
+    }
+}
+
+/* g: N H W C K Ho Wo kh kw sh sw dh dw pt pl (bottom and right pads: what Ho, Wo imply).
+ * x [N, H, W, C], r and y [N, Ho, Wo, K], contiguous; wp packed by kiln_conv_pack; bias [K]
+ * or NULL, r or NULL. */
+TGT void kiln_conv(const long *g, const float *x, const float *wp, const float *bias,
+                   const float *r, float *y, int act, float p0, float p1, int nthreads)
+{
+    long N = g[0], C = g[3], K = g[4], Ho = g[5], Wo = g[6], kh = g[7], kw = g[8];
+    long groups = ((K + 7) / 8 + KV - 1) / KV;
+    struct conv_job j = {g, x, wp, bias, r, y, act, p0, p1};
+    int nt = N * Ho * Wo * K * C * kh * kw >= (1L << 16) ? nthreads : 1;
+    kiln_parallel(N * Ho * groups, conv_items, &j, nt);
+}

@@ -1,0 +1,83 @@
+"""kiln.native's direct convolution (``kiln_conv`` in kiln/native/conv.c) against torch's conv2d
+in float64: stems (3 input channels, stride 2), pads per side, dilation, output channels that
+are not whole vectors or groups of three, bias, residual, activations; and FusedConv's tactic
+that runs it (timed against oneDNN)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln import native
+from kiln.kernels.registry import Call
+from kiln.kernels.torch import fused_conv as FCK
+from kiln.ops import fused_conv as FC
+
+needs_native = pytest.mark.skipif(not native.available, reason=native.why_not or "no kiln.native")
+RTOL = 1e-5
+ACTS = {"": lambda y: y, "Relu": F.relu, "HardSwish": F.hardswish, "Silu": F.silu,
+        "Clip": lambda y: y.clamp(-0.5, 0.5)}
+
+CASES = [  # N, C, K, H, W, kernel, pads (t, l, b, r), stride, dilation, bias, residual, act
+    (1, 3, 16, 33, 35, 3, (1, 1, 1, 1), 2, 1, True, False, "HardSwish"),  # a stem
+    (2, 3, 24, 16, 20, 3, (0, 0, 1, 1), 2, 1, True, False, "Relu"),       # TF "same" stem
+    (1, 8, 13, 9, 23, 3, (1, 1, 1, 1), 1, 1, False, True, ""),            # 13 out: a tail
+    (1, 5, 40, 11, 14, 5, (2, 1, 2, 3), 1, 1, True, True, "Silu"),        # 5 vectors
+    (1, 4, 8, 10, 12, 3, (2, 2, 2, 2), 1, 2, True, False, "Clip"),        # dilation 2
+    (1, 16, 32, 7, 9, (1, 7), (0, 3, 0, 3), 1, 1, True, False, "Relu"),   # 1 x 7
+    (1, 2, 8, 4, 3, 7, (3, 3, 3, 3), 1, 1, True, False, ""),              # wider than input
+]
+
+
+def _reference(x, w, b, r, pads, stride, dil, act):
+    t, left, bot, right = pads
+    y = F.conv2d(F.pad(x.double(), (left, right, t, bot)), w.double(),
+                 None if b is None else b.double(), stride=stride, dilation=dil)
+    return ACTS[act](y if r is None else y + r.double())
+
+
+@needs_native
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:9])))
+def test_direct_conv_matches_torch(case):
+    n, c, k, h, w, ks, pads, s, d, has_b, has_r, act = case
+    kh, kw = (ks, ks) if isinstance(ks, int) else ks
+    g = torch.Generator().manual_seed(0)
+    x, wt = torch.randn(n, c, h, w, generator=g), torch.randn(k, c, kh, kw, generator=g)
+    b = torch.randn(k, generator=g) if has_b else None
+    ho = (h + pads[0] + pads[2] - d * (kh - 1) - 1) // s + 1
+    wo = (w + pads[1] + pads[3] - d * (kw - 1) - 1) // s + 1
+    r = torch.randn(n, k, ho, wo, generator=g) if has_r else None
+    alpha, beta = (-0.5, 0.5) if act == "Clip" else (None, None)
+    run = native.conv_fn(native.ConvWeight(wt), (s, s), (d, d), b, act, alpha, beta)
+    out = torch.empty(n, ho, wo, k)
+    rn = None if r is None else r.permute(0, 2, 3, 1).contiguous()
+    run(x.permute(0, 2, 3, 1).contiguous(), pads[:2], rn, out)
+    want = _reference(x, wt, b, r, pads, s, d, act)
+    got = out.permute(0, 3, 1, 2).double()
+    assert got.shape == want.shape
+    assert float((got - want).abs().max()) <= RTOL * float(want.abs().max())
+
+
+@needs_native
+def test_direct_conv_checks_its_operands():
+    run = native.conv_fn(native.ConvWeight(torch.zeros(8, 3, 3, 3)), (1, 1), (1, 1))
+    with pytest.raises(ValueError, match="do not fit"):
+        run(torch.zeros(1, 5, 5, 4), (1, 1), None, torch.zeros(1, 5, 5, 8))
+
+
+@needs_native
+def test_fused_conv_stem_runs_kilns_direct_conv_where_it_wins(monkeypatch):
+    """FusedConv's tactic for a stem conv: kiln's direct conv when forced (and when it is the
+    faster), with the same output as oneDNN's."""
+    monkeypatch.setattr(FCK, "_FORCED_CONV", "kiln")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 3, 30, 31, generator=g).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(16, 3, 3, 3, generator=g), torch.randn(16, generator=g)
+    attrs = FC.FusedConv.make_attrs(kernel_shape=(3, 3), pads=(1, 1, 1, 1), strides=(2, 2),
+                                    layout="nhwc", activation="HardSwish")
+    call = Call(attrs, n_out=1, n_in=3)
+    y = FCK.fused_conv(call, x, w, b)
+    assert set(call.cache["conv_tactics"].values()) == {"kiln"}
+    want = F.hardswish(F.conv2d(x, w, b, stride=2, padding=1))
+    assert float((y - want).abs().max()) <= 1e-5 * float(want.abs().max())
