@@ -42,11 +42,14 @@ def shape_note(outs: dict[str, np.ndarray], refs: dict[str, np.ndarray]) -> str:
 
 def interleaved(fns: dict[str, Callable[[], object]], min_s: float, min_iters: int,
                 warmup_s: float, block_s: float = 0.1, max_s: float = 10.0,
-                clock: Callable[[], float] = time.perf_counter) -> dict[str, dict]:
+                clock: Callable[[], float] = time.perf_counter,
+                gap_s: float = 0.005) -> dict[str, dict]:
     """Median latency (ms) of each function, timed in alternating blocks of about ``block_s``,
     so that the machine's slow and fast stretches fall on every peer alike (the machine is
     shared). Each runs at least ``min_iters`` times and ``min_s`` seconds, except that one that
-    has taken ``max_s`` seconds stops after 3 runs (a model of seconds per call)."""
+    has taken ``max_s`` seconds stops after 3 runs (a model of seconds per call). ``gap_s``:
+    a pause before each block, so that the threads one system leaves spinning after its block
+    (onnxruntime's spin before they sleep) do not run into the next system's block."""
     for fn in fns.values():
         t0 = clock()
         while clock() - t0 < warmup_s:
@@ -62,6 +65,8 @@ def interleaved(fns: dict[str, Callable[[], object]], min_s: float, min_iters: i
         for k, fn in fns.items():
             if not more(k):
                 continue
+            if gap_s:
+                time.sleep(gap_s)
             t_block = clock()
             while True:
                 a = clock()
