@@ -35,14 +35,13 @@ def build_meta(entries, block_size: int, device) -> AttnMeta:
     ctx = [s + n for s, n, _ in entries]
     b, max_q, max_ctx = len(entries), max(qlens), max(ctx)
     nb = -(-max_ctx // block_size)
-    tables = torch.zeros(b, nb, dtype=torch.long)
-    slots = []
-    for i, (start, n, table) in enumerate(entries):
-        tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-        pos = torch.arange(start, start + n)
-        t = torch.tensor(table, dtype=torch.long)
-        slots.append(t[pos // block_size] * block_size + pos % block_size)
-    slots = torch.cat(slots)
+    # slots and padded tables in Python lists, one tensor each (a decode step has one token
+    # per sequence: per-sequence tensor ops cost more than the step's attention)
+    slots = [table[p // block_size] * block_size + p % block_size
+             for start, n, table in entries for p in range(start, start + n)]
+    slots = torch.tensor(slots, dtype=torch.long)
+    tables = torch.tensor([list(table) + [0] * (nb - len(table)) for _, _, table in entries],
+                          dtype=torch.long)
     mask = pad = unpad = None
     # one sequence, decoding or prefilling from position 0: slicing its keys + is_causal will do
     single = b == 1 and (max_q == 1 or qlens[0] == ctx[0])

@@ -107,22 +107,24 @@ def _tiny_model(weights):
 
 @needs_native
 @pytest.mark.parametrize("weights", ["dtype", "int8", "int4"])
-def test_native_decode_matches_torch_step(weights):
-    """Three sequences of different lengths over scattered blocks: one kiln_llm_decode call gives
-    the torch path's logits and writes the same K/V into the cache."""
+@pytest.mark.parametrize("seqs", [1, 3])
+def test_native_decode_matches_torch_step(weights, seqs, isa):
+    """Sequences of different lengths over scattered blocks (one: the batch-1 GEMVs): one
+    kiln_llm_decode call gives the torch path's logits and writes the same K/V into the
+    cache."""
     model = _tiny_model(weights)
     c, bs = model.cfg, 4
     cache_a = torch.randn(c.num_layers, 2, 32, bs, c.num_kv_heads, c.head_dim)
     cache_b = cache_a.clone()
-    starts = [5, 0, 13]  # tokens already cached per sequence
-    tables = [[7, 3], [20], [1, 30, 9, 4]]
+    starts = [5, 0, 13][:seqs]  # tokens already cached per sequence
+    tables = [[7, 3], [20], [1, 30, 9, 4]][:seqs]
     entries = [(s, 1, t) for s, t in zip(starts, tables)]
-    ids = torch.tensor([11, 2000, 42])
+    ids = torch.tensor([11, 2000, 42][:seqs])
     pos = torch.tensor(starts)
     meta = build_meta(entries, bs, "cpu")
     with torch.inference_mode():
         ref = model.forward(ids, pos, TorchPagedAttention(cache_a, c.num_heads), meta,
-                            torch.arange(3))
+                            torch.arange(seqs))
         got = model.decode_native(ids, pos, cache_b, meta)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cache_b, cache_a, rtol=1e-5, atol=1e-5)
