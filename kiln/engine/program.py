@@ -36,10 +36,12 @@ _MAX_PLANS = 4
 # (the second thread waits for a core: torch.tanh of 1,024 floats took 26 ms on 2 threads of a
 # loaded 2-core VM, 9 us on one; a [1, 128] x [128, 512] matmul 134 us against 14 us)
 SMALL_WORK = 1 << 17
-# A plan whose steps touch more than this many elements on average runs on the Python loop:
-# per-layer dispatch is then a small part of each layer's time, and on this 2-core VM the
-# program's layout copies and parallel C regions did not pay there (PaddleOCR det v4 at
-# 640x640: 5.3 s against 2.4 s on the loop, a busy machine)
+# A plan whose steps touch more than this many activation elements on average (weights not
+# counted: a transformer's GEMMs read more weight than activation, and the program runs them
+# with kiln's GEMM either way) runs on the Python loop: per-layer dispatch is then a small
+# part of each layer's time, and on this 2-core VM the program's layout copies and parallel C
+# regions did not pay there (PaddleOCR det v4 at 640x640: 5.3 s against 2.4 s on the loop, a
+# busy machine)
 MAX_MEAN_WORK = 1 << 17
 # integer results up to this many elements are kept from the traced run, for _foldable
 FOLD_MAX = 64
@@ -206,7 +208,7 @@ class Program:
         from kiln.engine import program_ops
 
         work = sum(math.prod(m.shape) for st in self.steps for i in st.ins + st.outs
-                   if i >= 0 for m in [metas.get(i)] if m is not None)
+                   if i >= 0 and i not in self.consts for m in [metas.get(i)] if m is not None)
         if work > MAX_MEAN_WORK * max(1, len(self.steps)):
             raise _Decline
 
