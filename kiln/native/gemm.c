@@ -257,6 +257,53 @@ TGT static void tile_1(long kc, const float *A, long lda, const float *Bp, float
     store_tile(acc, C, ldc, mr, nr, first, last, bias, R, ldr, act, alpha, beta);
 }
 
+/* One row against a full panel (a decode step's GEMMs, M = 1; and the last row where M = 4q + 1,
+ * which is alone in its tile however the rows are split over threads, so a thread count never
+ * changes an element's bits): four partial sums over k (k mod 4) of three vectors each, twelve
+ * independent FMA chains; the 4-row tile given one row has four copies of three chains (3
+ * useful FMAs of 12). 1 x 256 x 1024 on one core: 23 -> 14 us (torch.mm 14). */
+TGT static void tile_row(long kc, const float *a, const float *Bp, float *C, int first,
+                         int last, const float *bias, const float *R, int act, float alpha,
+                         float beta)
+{
+    __m256 z = _mm256_setzero_ps();
+    __m256 c0 = z, c1 = z, c2 = z, d0 = z, d1 = z, d2 = z, e0 = z, e1 = z, e2 = z, f0 = z,
+           f1 = z, f2 = z, x;
+    long k = 0;
+    for (; k + 4 <= kc; k += 4) {
+        const float *b = Bp + k * NR;
+        _mm_prefetch((const char *)(b + 4 * NR * 4), _MM_HINT_T0);
+        x = _mm256_broadcast_ss(a + k);
+        c0 = _mm256_fmadd_ps(x, _mm256_load_ps(b), c0);
+        c1 = _mm256_fmadd_ps(x, _mm256_load_ps(b + 8), c1);
+        c2 = _mm256_fmadd_ps(x, _mm256_load_ps(b + 16), c2);
+        x = _mm256_broadcast_ss(a + k + 1);
+        d0 = _mm256_fmadd_ps(x, _mm256_load_ps(b + NR), d0);
+        d1 = _mm256_fmadd_ps(x, _mm256_load_ps(b + NR + 8), d1);
+        d2 = _mm256_fmadd_ps(x, _mm256_load_ps(b + NR + 16), d2);
+        x = _mm256_broadcast_ss(a + k + 2);
+        e0 = _mm256_fmadd_ps(x, _mm256_load_ps(b + 2 * NR), e0);
+        e1 = _mm256_fmadd_ps(x, _mm256_load_ps(b + 2 * NR + 8), e1);
+        e2 = _mm256_fmadd_ps(x, _mm256_load_ps(b + 2 * NR + 16), e2);
+        x = _mm256_broadcast_ss(a + k + 3);
+        f0 = _mm256_fmadd_ps(x, _mm256_load_ps(b + 3 * NR), f0);
+        f1 = _mm256_fmadd_ps(x, _mm256_load_ps(b + 3 * NR + 8), f1);
+        f2 = _mm256_fmadd_ps(x, _mm256_load_ps(b + 3 * NR + 16), f2);
+    }
+    for (; k < kc; k++) {
+        const float *b = Bp + k * NR;
+        x = _mm256_broadcast_ss(a + k);
+        c0 = _mm256_fmadd_ps(x, _mm256_load_ps(b), c0);
+        c1 = _mm256_fmadd_ps(x, _mm256_load_ps(b + 8), c1);
+        c2 = _mm256_fmadd_ps(x, _mm256_load_ps(b + 16), c2);
+    }
+    __m256 acc[MR][NV] = {{_mm256_add_ps(_mm256_add_ps(c0, d0), _mm256_add_ps(e0, f0)),
+                           _mm256_add_ps(_mm256_add_ps(c1, d1), _mm256_add_ps(e1, f1)),
+                           _mm256_add_ps(_mm256_add_ps(c2, d2), _mm256_add_ps(e2, f2))},
+                          {z, z, z}, {z, z, z}, {z, z, z}};
+    store_tile(acc, C, 0, 1, NR, first, last, bias, R, 0, act, alpha, beta);
+}
+
 /* AVX-512 (where the CPU has it): two neighbouring full panels as one 8 x 48 tile, three zmm
  * per row (the first panel's 16 columns, its last 8 with the second's first 8, the second's
  * last 16), 24 accumulators. On a CPU with 512-bit FMA units this does twice the work of an
@@ -358,9 +405,14 @@ TGT void kiln_gemm_block(long m0, long m1, long p0, long p1, long N, long K, con
                     for (int q = 0; q < 2; q++, n0 += NR, bp += kc * NR)
                         for (long j = i; j < i1; j += MR) {
                             int mr = i1 - j < MR ? (int)(i1 - j) : MR;
-                            tile(kc, A + j * lda + k0, lda, bp, C + j * ldc + n0, ldc, mr, NR,
-                                 first, last, bias ? bias + n0 : NULL,
-                                 R ? R + j * ldr + n0 : NULL, ldr, act, alpha, beta);
+                            if (mr == 1)  /* as below: a lone row is always tile_row's */
+                                tile_row(kc, A + j * lda + k0, bp, C + j * ldc + n0, first,
+                                         last, bias ? bias + n0 : NULL,
+                                         R ? R + j * ldr + n0 : NULL, act, alpha, beta);
+                            else
+                                tile(kc, A + j * lda + k0, lda, bp, C + j * ldc + n0, ldc, mr,
+                                     NR, first, last, bias ? bias + n0 : NULL,
+                                     R ? R + j * ldr + n0 : NULL, ldr, act, alpha, beta);
                         }
                     p++;
                     continue;
@@ -370,6 +422,11 @@ TGT void kiln_gemm_block(long m0, long m1, long p0, long p1, long N, long K, con
                     nr <= 8 ? tile_1 : nr <= 16 ? tile_2 : tile;
                 for (; i < i1; i += MR) {
                     int mr = i1 - i < MR ? (int)(i1 - i) : MR;
+                    if (mr == 1 && nr == NR) {
+                        tile_row(kc, A + i * lda + k0, bp, C + i * ldc + n0, first, last, bb,
+                                 R ? R + i * ldr + n0 : NULL, act, alpha, beta);
+                        continue;
+                    }
                     tf(kc, A + i * lda + k0, lda, bp, C + i * ldc + n0, ldc, mr, nr, first,
                          last, bb, R ? R + i * ldr + n0 : NULL, ldr, act, alpha, beta);
                 }
