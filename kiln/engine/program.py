@@ -176,7 +176,11 @@ class Program:
         metas = {s: _meta(x, ()) for s, x in env.items()}
         small: dict = {}  # small integer results, which a plan may fold (_foldable)
         for st in self.steps:
-            ins = [env.get(i) if i >= 0 else None for i in st.ins]
+            # the inputs as a planned run hands them over (broadcast views copied out), so that a
+            # result traced as a view has the layout it will have then (an Expand of an Expand
+            # of a constant was traced as a broadcast view of another one, and stopped the
+            # program at its first planned run)
+            ins = [_unshared(env.get(i)) if i >= 0 else None for i in st.ins]
             store: dict = {}
             store_outputs(st, store, call(st, ins))
             for s, x in store.items():
@@ -360,9 +364,7 @@ class Program:
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != _F32:
                 raise _DataDependent(f"node '{st.node.name}': shape set by input values")
             if tuple(t.stride()) != strides:  # another layout than traced: the planned one
-                if any(st == 0 and n > 1 for st, n in zip(strides, shape)):
-                    raise _DataDependent(f"node '{st.node.name}': traced as a broadcast view")
-                t = env[s] = torch.empty_strided(shape, strides, dtype=_F32).copy_(t)
+                t = env[s] = _in_layout(t, shape, strides, st.node.name)
             table[b] = t.data_ptr()
         for s in fb.drop:
             env.pop(s, None)
@@ -383,6 +385,28 @@ def _foldable(st, pc, folded: dict, small: dict) -> bool:
     if op in (T.Shape, T.Size):
         return len(st.ins) >= 1 and st.ins[0] in pc.vals
     return all(i < 0 or i in folded or i in pc.consts for i in st.ins)
+
+
+def _in_layout(t: torch.Tensor, shape: tuple, strides: tuple, name: str) -> torch.Tensor:
+    """``t`` copied into fresh memory with the traced ``strides``. A stride 0 over a dim of
+    several elements (the traced result was a broadcast view: an Expand) keeps one row of
+    that dim, the rest of the layout as traced: a record that wrote the input in another
+    layout than torch's kernel did (a contiguous elementwise result where torch kept its input's
+    transposed strides) must not stop the program."""
+    if t.numel() == 0:
+        return t
+    reduced = tuple(1 if st == 0 else n for n, st in zip(shape, strides))
+    src = t
+    for d, (n, st) in enumerate(zip(shape, strides)):
+        if st == 0 and n > 1:
+            src = src.narrow(d, 0, 1)
+    span = 1 + sum((n - 1) * st for n, st in zip(reduced, strides))
+    buf = torch.empty(span, dtype=_F32)
+    try:
+        buf.as_strided(reduced, strides).copy_(src)
+    except RuntimeError as e:  # a traced layout whose elements overlap
+        raise _DataDependent(f"node '{name}': traced in a layout no copy can take") from e
+    return buf.as_strided(shape, strides)
 
 
 def _unshared(x):
