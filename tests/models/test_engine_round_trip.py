@@ -38,5 +38,8 @@ def test_engine_round_trip_reference_model(name, tmp_path):
         for run in got[k]:
             assert set(run) == set(want[k])
             for out, w in want[k].items():
-                np.testing.assert_allclose(run[out], w, rtol=1e-6, atol=1e-6,
+                # a signature's first run is the traced one (PyTorch's GEMMs), later ones the
+                # native program's (kiln's): FP32 rounding apart, and which of the two contexts
+                # traces is a race
+                np.testing.assert_allclose(run[out], w, rtol=1e-5, atol=1e-5,
                                            err_msg=f"{name} output {out}, context {k}")
