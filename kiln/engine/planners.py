@@ -38,11 +38,13 @@ def _first(*planners):
 
 
 PLANNERS = dict(program_ops.PLANNERS)
-for _module in (program_conv1d, program_data, program_linear, program_rnn):
-    PLANNERS.update(_module.PLANNERS)
-# program_gemm's records (MatMul, FusedMatMul with a residual or LayerNorm, Gemm, FusedGemm,
-# LayerNorm, RMSNorm, Attention); where program_linear plans the op too (a lone FusedGemm /
-# FusedMatMul, its input copied to rows where it is a strided view), program_linear first
-for _op, _planner in program_gemm.PLANNERS.items():
-    PLANNERS[_op] = _first(PLANNERS[_op], _as_traced(_planner)) if _op in PLANNERS \
-        else _as_traced(_planner)
+# where several modules plan an op, the first in this order that plans the step: program_ops's
+# view of a Gather of one index before program_data's gather; program_linear's lone FusedGemm /
+# FusedMatMul (it copies a strided input to rows) before program_gemm's GEMM records (MatMul,
+# FusedMatMul with a residual or LayerNorm, Gemm, FusedGemm, LayerNorm, RMSNorm, Attention),
+# which apply where the traced run took kiln's GEMM
+for _module in (program_conv1d, program_data, program_linear, program_rnn, program_gemm):
+    for _op, _planner in _module.PLANNERS.items():
+        if _module is program_gemm:
+            _planner = _as_traced(_planner)
+        PLANNERS[_op] = _first(PLANNERS[_op], _planner) if _op in PLANNERS else _planner

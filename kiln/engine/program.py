@@ -36,10 +36,12 @@ _MAX_PLANS = 4
 # (the second thread waits for a core: torch.tanh of 1,024 floats took 26 ms on 2 threads of a
 # loaded 2-core VM, 9 us on one; a [1, 128] x [128, 512] matmul 134 us against 14 us)
 SMALL_WORK = 1 << 17
-# A plan whose steps touch more than this many elements on average runs on the Python loop:
-# per-layer dispatch is then a small part of each layer's time, and on this 2-core VM the
-# program's layout copies and parallel C regions did not pay there (PaddleOCR det v4 at
-# 640x640: 5.3 s against 2.4 s on the loop, a busy machine)
+# A plan whose steps touch more than this many activation elements on average (weights not
+# counted: a transformer's GEMMs read more weight than activation, and the program runs them
+# with kiln's GEMM either way) runs on the Python loop: per-layer dispatch is then a small
+# part of each layer's time, and on this 2-core VM the program's layout copies and parallel C
+# regions did not pay there (PaddleOCR det v4 at 640x640: 5.3 s against 2.4 s on the loop, a
+# busy machine)
 MAX_MEAN_WORK = 1 << 17
 # integer results up to this many elements are kept from the traced run, for _foldable
 FOLD_MAX = 64
@@ -202,7 +204,11 @@ class Program:
                 queue += reversed(branch)
                 continue
             steps.append(st)
-            ins = [env.get(i) if i >= 0 else None for i in st.ins]
+            # the inputs as a planned run hands them over (broadcast views copied out), so that
+            # a result traced as a view has the layout it will have then (an Expand of an
+            # Expand of a constant was traced as a broadcast view of another one, and stopped
+            # the program at its first planned run)
+            ins = [_unshared(env.get(i)) if i >= 0 else None for i in st.ins]
             store: dict = {}
             store_outputs(st, store, call(st, ins))
             for s, x in store.items():
@@ -241,7 +247,7 @@ class Program:
         from kiln.engine import planners, program_ops
 
         work = sum(math.prod(m.shape) for st in steps for i in st.ins + st.outs
-                   if i >= 0 for m in [metas.get(i)] if m is not None)
+                   if i >= 0 and i not in consts for m in [metas.get(i)] if m is not None)
         if work > MAX_MEAN_WORK * max(1, len(steps)):
             raise _Decline
 
@@ -398,9 +404,7 @@ class Program:
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != _F32:
                 raise _DataDependent(f"node '{st.node.name}': shape set by input values")
             if tuple(t.stride()) != strides:  # another layout than traced: the planned one
-                if any(st == 0 and n > 1 for st, n in zip(strides, shape)):
-                    raise _DataDependent(f"node '{st.node.name}': traced as a broadcast view")
-                t = env[s] = torch.empty_strided(shape, strides, dtype=_F32).copy_(t)
+                t = env[s] = _in_layout(t, shape, strides, st.node.name)
             table[b] = t.data_ptr()
         for s in fb.drop:
             env.pop(s, None)
@@ -432,6 +436,28 @@ def _key_values(args: list, keyed: tuple) -> tuple | None:
             return None
         out.append((k, tuple(x.reshape(-1).tolist())))
     return tuple(out)
+
+
+def _in_layout(t: torch.Tensor, shape: tuple, strides: tuple, name: str) -> torch.Tensor:
+    """``t`` copied into fresh memory with the traced ``strides``. A stride 0 over a dim of
+    several elements (the traced result was a broadcast view: an Expand) keeps one row of
+    that dim, the rest of the layout as traced: a record that wrote the input in another
+    layout than torch's kernel did (a contiguous elementwise result where torch kept its input's
+    transposed strides) must not stop the program."""
+    if t.numel() == 0:
+        return t
+    reduced = tuple(1 if st == 0 else n for n, st in zip(shape, strides))
+    src = t
+    for d, (n, st) in enumerate(zip(shape, strides)):
+        if st == 0 and n > 1:
+            src = src.narrow(d, 0, 1)
+    span = 1 + sum((n - 1) * st for n, st in zip(reduced, strides))
+    buf = torch.empty(span, dtype=_F32)
+    try:
+        buf.as_strided(reduced, strides).copy_(src)
+    except RuntimeError as e:  # a traced layout whose elements overlap
+        raise _DataDependent(f"node '{name}': traced in a layout no copy can take") from e
+    return buf.as_strided(shape, strides)
 
 
 def _unshared(x):

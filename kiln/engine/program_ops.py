@@ -271,6 +271,24 @@ def _slice(pc, st, ins, outs):
     return [Val(tuple(shape), tuple(strides), x.buf, off, x.root)]
 
 
+def _gather_one(pc, st, ins, outs):
+    """Gather of one constant index (a scalar: the dim goes) from a program value: a view,
+    no record (BERT's pooler reading the first token, a head picked by index)."""
+    x, idx = ins[0], _const_ints(pc, st, 1)
+    c = pc.consts.get(st.ins[1]) if len(st.ins) > 1 else None
+    if x is None or len(outs) != 1 or not idx or len(idx) != 1 or c.dim() != 0:
+        return None
+    ax = (st.node.attrs.axis or 0) % len(x.shape)
+    i = idx[0] + x.shape[ax] if idx[0] < 0 else idx[0]
+    if not 0 <= i < x.shape[ax]:
+        return None  # out of range: the torch record raises ONNX's error
+    shape = x.shape[:ax] + x.shape[ax + 1:]
+    if shape != tuple(outs[0].shape):
+        return None
+    return [Val(shape, x.strides[:ax] + x.strides[ax + 1:], x.buf, x.off + i * x.strides[ax],
+                x.root)]
+
+
 def _split(pc, st, ins, outs):
     """Split whose sizes are constant (an input, the attribute, or even parts): its outputs
     are views of consecutive ranges along the axis, no record; the sizes are the traced
@@ -543,5 +561,5 @@ PLANNERS.update({
     N.MaxPool: _pool("max"), N.AveragePool: _pool("avg"),
     N.GlobalAveragePool: _global_pool("avg"), N.GlobalMaxPool: _global_pool("max"),
     FC.FusedConv: fused_conv, FC.SqueezeExcite: _squeeze_excite, T.Slice: _slice,
-    T.Split: _split,
+    T.Split: _split, T.Gather: _gather_one,
 })

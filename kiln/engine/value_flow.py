@@ -103,7 +103,9 @@ def shape_setting_use(graph: Graph, fixed: frozenset = frozenset()) -> str | Non
 
 
 def _is_float(v) -> bool:
-    return isinstance(v.type, TensorType) and v.type.dtype is not None and v.type.dtype.is_float
+    """(A value of unknown dtype is not: followed as an integer, the conservative way.)"""
+    t = v.type
+    return isinstance(t, TensorType) and t.dtype is not None and t.dtype.is_float
 
 
 def _blocked_at(n, key, carried: dict, floats: dict) -> str | None:

@@ -149,3 +149,53 @@ def test_gelu_is_a_program_record(approximate, tmp_path):
                                    rtol=1e-5, atol=1e-6)
     assert "Gelu" in {st.node.op.name for st in engine._executor.steps}
     assert not _torch_ops(_plan(engine))
+
+
+@pytest.mark.parametrize("index", [np.array(-5, np.int64), np.array([0, 2], np.int64)])
+def test_gather_of_one_constant_index_is_a_view(index, tmp_path):
+    """y = Relu(x)[:, i] * 2: one scalar index (BERT's pooler's first token, here counted from
+    the end) is a view of the program value; an index vector is program_data's gather record."""
+    mk = helper.make_node
+    nodes = [mk("Relu", ["x"], ["r"]), mk("Gather", ["r", "i"], ["g"], axis=1),
+             mk("Mul", ["g", "two"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                     [2, 5, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(np.array(2, np.float32), "two"),
+                           numpy_helper.from_array(index, "i")])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    engine = kiln.Builder(kiln.BuilderConfig(device="cpu")).build(str(path))
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ctx, rng = engine.create_context(), np.random.default_rng(0)
+    for _ in range(3):
+        x = rng.standard_normal((2, 5, 16)).astype(np.float32)
+        np.testing.assert_array_equal(ctx.run({"x": x})["y"], sess.run(None, {"x": x})[0])
+    assert "Gather" in {st.node.op.name for st in engine._executor.steps}
+    assert _torch_ops(_plan(engine)) == []
+
+
+def test_broadcast_view_of_a_record_in_another_layout_keeps_the_program(tmp_path):
+    """y = Expand(Unsqueeze(Relu(Transpose(x)))) * 2: torch's Relu keeps the transposed strides,
+    the Relu record writes a contiguous result, so the Expand (a torch record, a broadcast view)
+    comes out in another layout than traced; the program copies it into the traced one instead
+    of stopping (transformers' GQA key/value repeat, as the dynamo exporter writes it)."""
+    mk = helper.make_node
+    nodes = [mk("Transpose", ["x"], ["t"], perm=[0, 2, 1, 3]), mk("Relu", ["t"], ["r"]),
+             mk("Unsqueeze", ["r", "ax"], ["u"]), mk("Expand", ["u", "shape"], ["e"]),
+             mk("Mul", ["e", "two"], ["y"])]
+    inits = [numpy_helper.from_array(np.array(2, np.float32), "two"),
+             numpy_helper.from_array(np.array([2], np.int64), "ax"),
+             numpy_helper.from_array(np.array([1, 4, 3, 8, 16], np.int64), "shape")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                     [1, 8, 4, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    engine = kiln.Builder(kiln.BuilderConfig(device="cpu")).build(str(path))
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ctx, rng = engine.create_context(), np.random.default_rng(0)
+    for _ in range(3):
+        x = rng.standard_normal((1, 8, 4, 16)).astype(np.float32)
+        np.testing.assert_array_equal(ctx.run({"x": x})["y"], sess.run(None, {"x": x})[0])
+    assert _torch_ops(_plan(engine)) == ["Expand"]  # (_plan: not disabled)

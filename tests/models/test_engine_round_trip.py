@@ -38,7 +38,8 @@ def test_engine_round_trip_reference_model(name, tmp_path):
         for run in got[k]:
             assert set(run) == set(want[k])
             for out, w in want[k].items():
-                # a signature's first run traces (chains, torch kernels); later runs replay the
-                # native program, whose GEMM/LayerNorm/attention records sum in another order
-                np.testing.assert_allclose(run[out], w, rtol=1e-5, atol=2e-5,
+                # a signature's first run is the traced one (PyTorch's GEMMs), later ones the
+                # native program's (kiln's): FP32 rounding apart, and which of the two contexts
+                # traces is a race
+                np.testing.assert_allclose(run[out], w, rtol=1e-5, atol=1e-5,
                                            err_msg=f"{name} output {out}, context {k}")
