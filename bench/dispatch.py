@@ -71,10 +71,10 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
+    # kiln before torch: kiln sets OpenMP's wait policy, which torch's import fixes
+    import kiln  # noqa: I001
     import onnxruntime as ort
     import torch
-
-    import kiln
 
     torch.set_num_threads(args.threads)
     shape = tuple(int(d) for d in args.shape.split("x"))
