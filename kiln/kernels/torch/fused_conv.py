@@ -231,24 +231,30 @@ def _kiln_direct(a, x, w, b, pad, end, stride, dil):
     """kiln's direct convolution (:func:`kiln.native.conv_fn`) for any other one-group conv:
     NHWC, pads per side, bias, residual and activation in registers; its register block
     wants few input channels per tap (a network's 3-channel stem), and oneDNN competes."""
-    k_out, c, kh, kw = w.shape
+    return _kiln_nhwc_conv("direct", native.conv_fn, native.ConvWeight, a, x, w, b, pad, end,
+                           stride, dil)
+
+
+def _kiln_nhwc_conv(kind, make, weight, a, x, w, b, pad, end, stride, dil):
+    """A kiln NHWC conv kernel (``make``: :func:`kiln.native.conv_fn` or
+    :func:`kiln.native.depthwise_fn`, ``weight`` its packing) as the node's function, with
+    what a native program record of it needs; None where the output would be empty."""
+    k_out, _, kh, kw = w.shape
     h, wd = x.shape[2:]
     ho = (h + pad[0] + end[0] - dil[0] * (kh - 1) - 1) // stride[0] + 1
     wo = (wd + pad[1] + end[1] - dil[1] * (kw - 1) - 1) // stride[1] + 1
     if min(ho, wo) < 1:
         return None
-    conv = native.conv_fn(native.ConvWeight(w), tuple(stride), tuple(dil), b, a.activation,
-                          a.alpha, a.beta)
+    conv = make(weight(w), tuple(stride), tuple(dil), b, a.activation, a.alpha, a.beta)
     pt, pl = pad
 
-    def direct(x, r):
+    def run(x, r):
         y = torch.empty((x.shape[0], ho, wo, k_out), dtype=torch.float32)
         conv(nhwc(x), (pt, pl), None if r is None else nhwc(r), y)
         return y.permute(0, 3, 1, 2)
-    direct.native = dict(_native_epilogue(a, b), kind="direct", weight=conv.keep[0].data,
-                         kernel=(kh, kw), stride=tuple(stride), dilation=tuple(dil),
-                         pad=(pt, pl))
-    return direct
+    run.native = dict(_native_epilogue(a, b), kind=kind, weight=conv.keep[0].data,
+                      kernel=(kh, kw), stride=tuple(stride), dilation=tuple(dil), pad=(pt, pl))
+    return run
 
 
 def nhwc(t):
@@ -265,24 +271,8 @@ def _native_epilogue(a, b) -> dict:
 def _kiln_depthwise(a, x, w, b, pad, end, stride, dil):
     """kiln's depthwise kernel (:func:`kiln.native.depthwise_fn`): NHWC, pads per side (an
     asymmetric "same" pad or a folded Pad), bias, residual and activation in registers."""
-    c, _, kh, kw = w.shape
-    h, wd = x.shape[2:]
-    ho = (h + pad[0] + end[0] - dil[0] * (kh - 1) - 1) // stride[0] + 1
-    wo = (wd + pad[1] + end[1] - dil[1] * (kw - 1) - 1) // stride[1] + 1
-    if min(ho, wo) < 1:
-        return None
-    conv = native.depthwise_fn(native.DepthwiseWeight(w), tuple(stride), tuple(dil), b,
-                               a.activation, a.alpha, a.beta)
-    pt, pl = pad
-
-    def depthwise(x, r):
-        y = torch.empty((x.shape[0], ho, wo, c), dtype=torch.float32)
-        conv(nhwc(x), (pt, pl), None if r is None else nhwc(r), y)
-        return y.permute(0, 3, 1, 2)
-    depthwise.native = dict(_native_epilogue(a, b), kind="depthwise", weight=conv.keep[0].data,
-                            kernel=(kh, kw), stride=tuple(stride), dilation=tuple(dil),
-                            pad=(pt, pl))
-    return depthwise
+    return _kiln_nhwc_conv("depthwise", native.depthwise_fn, native.DepthwiseWeight, a, x, w,
+                           b, pad, end, stride, dil)
 
 
 def _conv_cpu(n, x, w, b, r, geo):
