@@ -20,7 +20,6 @@ import torch
 
 from kiln import native
 from kiln.engine.program import Val, contiguous_strides
-from kiln.kernels.registry import kernels_for
 from kiln.ops import fused_conv as FC
 from kiln.ops import fused_transformer as FT
 from kiln.ops import nn as NN
@@ -107,22 +106,17 @@ def _emit_gemm(pc, x: Val, rows: int, lda: int, pw, bias, res, shape: tuple, act
     return y
 
 
-def _default_kernel(st) -> bool:
-    """Does the step run the op's PyTorch CPU kernel? The records compute what it computes; a
-    step given another kernel (registered for the op and chosen at build) keeps its kernel."""
-    ks = kernels_for(st.node.op, "cpu")
-    return bool(ks) and st.fn is ks[0].fn
-
-
-def _gemm_ok(st) -> bool:
-    return native.available and SETTINGS.cpu_linear in ("", "kiln") and _default_kernel(st)
+def _gemm_ok() -> bool:
+    """(A step that runs another kernel than its op's default is never planned: the program
+    checks that for every planner.)"""
+    return native.available and SETTINGS.cpu_linear in ("", "kiln")
 
 
 def _gemm(pc, st, ins, outs):
     """MatMul / FusedMatMul / FusedMatMulLayerNorm of a value by a constant [K, N] weight:
     ``y = act(x @ w + bias + r)`` (then the LayerNorm) as a GEMM record (and a LayerNorm
     record in place on its result)."""
-    if not _gemm_ok(st) or len(outs) != 1:
+    if not _gemm_ok() or len(outs) != 1:
         return None
     op, x = st.node.op, ins[0]
     fused = op is not NN.MatMul
@@ -157,7 +151,7 @@ def _gemm2d(pc, st, ins, outs):
     """ONNX Gemm and FusedGemm of a [M, K] value (transA 0) by a constant B (either
     transB): ``act(alpha x @ B + beta C + r)`` with C a constant row (or scalar) as a GEMM
     record; alpha and beta (plain Gemm) are folded into the packed weight and the bias."""
-    if not _gemm_ok(st) or len(outs) != 1:
+    if not _gemm_ok() or len(outs) != 1:
         return None
     a, x = st.node.attrs, ins[0]
     fused = st.node.op is FC.FusedGemm
@@ -200,7 +194,7 @@ def _layer_norm(pc, st, ins, outs):
     record."""
     a, x = st.node.attrs, ins[0]
     xr = _rows(x)
-    if not native.available or not _default_kernel(st) or len(outs) != 1 or xr is None or (
+    if not native.available or len(outs) != 1 or xr is None or (
             a.axis is not None and a.axis not in (-1, len(x.shape) - 1)):
         return None
     n = x.shape[-1]
@@ -216,7 +210,7 @@ def _rms_norm(pc, st, ins, outs):
     """RMSNormalization over the last axis with a constant scale: an RMSNorm record."""
     a, x = st.node.attrs, ins[0]
     xr = _rows(x)
-    if not native.available or not _default_kernel(st) or len(outs) != 1 or xr is None or (
+    if not native.available or len(outs) != 1 or xr is None or (
             a.axis is not None and a.axis not in (-1, len(x.shape) - 1)):
         return None
     scale = _const_f32(pc, st, 1, (x.shape[-1],))
@@ -264,7 +258,7 @@ def _attention(pc, st, ins, outs):
     merged projection's output with ``qkv_split``), ``num_heads`` == 0 on [B, H, S, D] q and v
     and k given transposed ([B, Hkv, D, Skv]); a float mask broadcast to [B, H, Sq, Skv]."""
     a = st.node.attrs
-    if not native.available or not _default_kernel(st) or len(outs) != 1 or ins[0] is None:
+    if not native.available or len(outs) != 1 or ins[0] is None:
         return None
     q = ins[0]
     mask = ins[3] if len(ins) > 3 else None
