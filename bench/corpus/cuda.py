@@ -90,8 +90,8 @@ def kiln_system(path: Path, feeds: dict, fp16: bool, tmp: Path, info: dict):
 
     def log(msg: str) -> None:  # the build's log, and the row reported every 5 s meanwhile
         lines.append(msg)
-        if not msg.startswith("autotune "):
-            info["build_log"] = [ln[:300] for ln in lines if not ln.startswith("autotune ")]
+        if not msg.startswith("autotune "):  # (a line per tuned layer: only the tail's)
+            info.setdefault("build_log", []).append(msg[:300])
         if PROGRESS_ROW is not None and time.monotonic() - seen[0] > 5.0:
             seen[0] = time.monotonic()
             info["build_log_tail"] = [ln[:300] for ln in lines[-3:]]
@@ -104,7 +104,7 @@ def kiln_system(path: Path, feeds: dict, fp16: bool, tmp: Path, info: dict):
                            "autotune": builder.report.get("autotune_summary"),
                            "precompile": builder.report.get("precompile"),
                            "binaries": builder.report.get("binaries")}
-    info["build_log"] = [ln[:300] for ln in lines if not ln.startswith("autotune ")][-30:]
+    info["build_log"] = info.get("build_log", [])[-30:]
     info.pop("build_log_tail", None)
     if next(iter(feeds.values())).shape[0] == 1:  # at b1 only: a warm build costs device time
         t0 = time.perf_counter()
