@@ -23,6 +23,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_serve(serve, attempts: int = 4) -> int:
+    """Start Ray Serve's HTTP proxy on a free loopback port and return the port.
+
+    A port free when asked can be taken before the proxy binds it (Ray's own
+    workers open ports as they start), so a failed bind is retried on a new one.
+    """
+    for attempt in range(attempts):
+        port = free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except Exception as e:  # Ray wraps the bind error in a RayTaskError
+            if "Failed to bind" not in str(e) or attempt == attempts - 1:
+                raise
+            serve.shutdown()
+    raise AssertionError("unreachable")
+
+
 def test_ray_serve_two_kiln_replicas(tmp_path):
     import tritonclient.http as th
     from ray import serve
@@ -31,12 +49,11 @@ def test_ray_serve_two_kiln_replicas(tmp_path):
 
     write_model(tmp_path, "matmul", 1, matmul_model(), MATMUL_CONFIG)
     root = str(Path(__file__).resolve().parents[2])
-    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": root + os.pathsep +
                                        os.environ.get("PYTHONPATH", "")}})
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve(serve)
         serve.run(deployment(str(tmp_path), num_replicas=2), name="kiln", route_prefix="/")
         c = th.InferenceServerClient(f"127.0.0.1:{port}")
         assert c.is_server_ready() and c.is_model_ready("matmul")
