@@ -85,11 +85,17 @@ def run_reference(path: Path, feeds: dict, opts: Options, row: dict):
     return sess, ins, outs
 
 
-def build_kiln(path: Path, opts: Options, tmp: Path, row: dict, tune: bool = True) -> Path:
+def build_kiln(path: Path, opts: Options, tmp: Path, row: dict, tune: bool = True,
+               shapes: dict | None = None) -> Path:
+    """The engine file for ``path``; ``shapes`` (input -> shape) fixes the profile, as
+    trtexec's ``--shapes`` does: the builder then times tactics and packs weights at the
+    shapes the model will run at, and folds the shape arithmetic those dims fix."""
     import kiln
 
+    profiles = [kiln.Profile.fixed(shapes)] if shapes else None
     # strict FP32 (TF32 off): the check's 1e-4 bound is an FP32 one; TF32 convs miss it by 10x
-    builder = kiln.Builder(kiln.BuilderConfig(device=opts.device, tf32=False, tune=tune))
+    builder = kiln.Builder(kiln.BuilderConfig(device=opts.device, tf32=False, tune=tune,
+                                              profiles=profiles))
     t0 = time.perf_counter()
     engine = builder.build(str(path))
     row["build_s"] = time.perf_counter() - t0
@@ -124,7 +130,8 @@ def run_model(entry: Entry, corpus: Path, tmp: Path, opts: Options) -> dict:
     except Exception as exc:  # kiln still runs; nothing to check it against
         row.update(status="no reference", error=describe_error("onnxruntime", exc))
     try:
-        engine_file = build_kiln(path, opts, tmp, row)
+        engine_file = build_kiln(path, opts, tmp, row,
+                                 shapes={k: tuple(v.shape) for k, v in feeds.items()})
     except Exception as exc:
         return dict(row, status="build failed", error=describe_error("kiln build", exc))
     try:
