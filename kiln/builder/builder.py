@@ -61,6 +61,8 @@ class Builder:
                  f"in {1e3 * (t_parse - t0):.0f} ms")
         for p in cfg.profiles:
             validate_profile(p, [TensorInfo.of(v) for v in graph.inputs])
+        if not cfg.profiles:
+            self._log_dynamic_inputs([TensorInfo.of(v) for v in graph.inputs])
         before, near = graph.op_counts(), []
         self.report = {}
         lower_qlinear(graph, self.log)  # QOperator layers in QDQ form, which folds below
@@ -129,6 +131,24 @@ class Builder:
                      "check data; pin it with --layer-precision NAME:fp32")
         else:
             self.log("NaN/Inf check: every layer's output is finite on the check data")
+
+    def _log_dynamic_inputs(self, inputs: list[TensorInfo]) -> None:
+        """Say which inputs have dims no profile fixes, what the build assumes for them, and
+        how to build for the shapes that will run (an unprofiled dim is tuned at 1)."""
+        dynamic = [i for i in inputs
+                   if i.shape is None or any(not isinstance(d, int) for d in i.shape)]
+        if not dynamic:
+            return
+        self.report["dynamic_inputs"] = [i.name for i in dynamic]
+        named = ", ".join(f"'{i.name}' {i.shape_str()}" for i in dynamic[:4])
+        example = ",".join(f"{i.name}:" + "x".join(
+            str(d) if isinstance(d, int) else f"<{d or '?'}>" for d in (i.shape or ("*",)))
+            for i in dynamic)
+        self.log(f"note: dynamic inputs without a profile: {named}"
+                 f"{' ...' if len(dynamic) > 4 else ''}: the build tunes and packs at 1 for each "
+                 "unknown dim, and the first run at any other shape times its tactics then; for "
+                 f"the shapes you will run, pass --shapes {example} (or --min/--opt/--max-shapes "
+                 "for a range), which also folds the shape arithmetic those dims fix")
 
     def _tune_cpu(self, engine: Engine) -> None:
         """Run the engine once at each profile's opt shapes (or the default shapes), so that

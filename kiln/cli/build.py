@@ -44,11 +44,11 @@ def add_arguments(p):
     add_common_args(p)
 
 
-def _precision_lines(msg: str) -> None:
-    """Without --verbose, the build still says what precision did: INT8 layers kept in
-    float and why, calibration, NaN/Inf findings."""
-    if msg.startswith(("int8:", "calibration:", "WARNING", "explicit quantization")):
-        print(msg)
+def _precision_lines(msg: str) -> bool:
+    """Without --verbose, the build still says what precision did (INT8 layers kept in
+    float and why, calibration, NaN/Inf findings) and notes what the user should know (inputs
+    no profile fixes)."""
+    return msg.startswith(("int8:", "calibration:", "WARNING", "explicit quantization", "note:"))
 
 
 def main(args) -> int:
@@ -68,8 +68,11 @@ def main(args) -> int:
                         layer_precision=parse_layer_precision(args.layer_precision),
                         verbose=args.verbose)
     out = args.output or (args.model.rsplit(".", 1)[0] + ".kiln")
-    log = print if args.verbose else _precision_lines
     stages = Stages(2)
+
+    def log(msg: str) -> None:
+        if args.verbose or _precision_lines(msg):
+            stages.line(msg)
     t0 = time.perf_counter()
     builder = Builder(cfg, log=log)
     with stages.stage(f"building {args.model}"):

@@ -44,6 +44,18 @@ def test_cli_build_prints_summary(tmp_path):
     assert "fc1" in p.stdout and "bias1" in p.stdout and "relu1" in p.stdout
 
 
+def test_cli_build_notes_dynamic_inputs_without_a_profile(tmp_path):
+    """A model with a symbolic batch dim, built without --shapes: the build says so (without
+    --verbose), on a line of its own, with the --shapes to pass; with --shapes it does not."""
+    mlp(tmp_path / "m.onnx")
+    p = kiln_cmd("build", tmp_path / "m.onnx")
+    note = [ln for ln in p.stdout.splitlines() if ln.startswith("note: dynamic inputs")]
+    assert len(note) == 1 and "'x' [batch, 8]" in note[0] and "--shapes x:<batch>x8" in note[0]
+    assert "[1/2] building" in p.stderr and "done" in p.stderr.splitlines()[-2]
+    p = kiln_cmd("build", tmp_path / "m.onnx", "--shapes", "x:2x8", "-o", tmp_path / "f.kiln")
+    assert "note: dynamic inputs" not in p.stdout
+
+
 def test_cli_run_saves_outputs(files, tmp_path):
     d, model = files
     x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)

@@ -162,8 +162,10 @@ def test_build_int8_needs_calibration(net):
 def test_build_int8_cache_written_then_used(net, tmp_path):
     _, path, calib = net
     cache = tmp_path / "net.cache"
-    # TensorRT's own cache; one timing cache: both builds take the same timed INT8 GEMM
-    # tactic (FBGEMM or oneDNN: a pick that flips under load changes the last bits)
+    # TensorRT's own cache; one timing cache, so both builds mostly take the same timed
+    # tactics. The outputs are compared to float rounding, not bit for bit: a float layer's
+    # pick or its first run's kernel (traced vs native program) can still change the last
+    # bits (CI saw 2e-6 relative); a scale not read back would be off by 1e-3 and more
     trt = dict(calibrator="entropy", int8_asymmetric=False,
                timing_cache=str(tmp_path / "timing.json"))
     first = _run(Builder(BuilderConfig(int8=True, calib=str(calib),
@@ -173,7 +175,7 @@ def test_build_int8_cache_written_then_used(net, tmp_path):
     again = Builder(BuilderConfig(int8=True, calib_cache=str(cache), **trt),
                     log=logs.append).build(path)
     assert any("scales read from" in m for m in logs)
-    np.testing.assert_array_equal(_run(again), first)
+    np.testing.assert_allclose(_run(again), first, rtol=1e-5, atol=1e-6)
     with pytest.raises(KilnError, match="not MinMaxCalibration"):
         Builder(BuilderConfig(int8=True, calib_cache=str(cache), calibrator="minmax",
                               int8_asymmetric=False)).build(path)
