@@ -217,6 +217,30 @@ def test_cuda_gemm_uses_weight_view(monkeypatch, dtype):
                                atol=1e-2 if dtype != torch.float32 else 1e-5)
 
 
+def test_nearby_shape_reuses_the_timed_pick(fresh):
+    """A shape within NEAREST_WITHIN rows of a timed one of the same layer takes its pick
+    untimed (as TensorRT runs a profile's shapes on the opt shape's tactic); one further off
+    is timed, and so is every shape the builder's tuning run meets (inside record_picks)."""
+    fresh.setattr(FCK, "NEAREST_WITHIN", 8.0)
+    calls = []
+    real = FCK._select
+    fresh.setattr(FCK, "_select", lambda fns, x, r: calls.append(x.shape[0]) or real(fns, x, r))
+    w, w2 = torch.randn(32, 64), torch.randn(32, 48)
+    for rows, wt in ((16, w), (4, w), (64, w), (3, w), (200, w), (16, w2)):
+        n = _call(FC.FusedMatMul)
+        x = torch.randn(rows, 32)
+        _close(FCK.fused_matmul(n, x, wt), x @ wt)
+    # 16 timed; 4, 64 and 3 within 8x of it; 200 is 12.5x from 16 and only timed picks are
+    # anchors (64's reused pick is not); w2 is another layer
+    assert calls == [16, 200, 16], calls
+    assert FCK._signature(torch.empty(64, 32), w.t(), None, _call(FC.FusedMatMul).a,
+                          None) not in FCK._choices
+    with FCK.record_picks() as picks:
+        x = torch.randn(32, 32)
+        _close(FCK.fused_matmul(_call(FC.FusedMatMul), x, w), x @ w)
+    assert calls[-1] == 32 and len(picks) == 1
+
+
 def test_small_product_takes_kiln_untimed(fresh):
     """At most KILN_BELOW multiply-adds: kiln's GEMM, nothing timed, the pick shared by the
     signature; one more row and the tactics are timed."""

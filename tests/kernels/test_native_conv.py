@@ -199,6 +199,27 @@ def test_conv_pick_is_per_shape_and_drops_onednn_weight(fresh):
     assert picked_tactic(_conv_call(3, 1)) == ""  # not run yet
 
 
+@needs_native
+def test_conv_nearby_shape_reuses_the_timed_pick(fresh):
+    """A conv at a batch x pixels within NEAREST_WITHIN of a timed shape takes its pick
+    untimed; the builder's tuning run (record_picks) times it all the same."""
+    fresh.setattr(FCK, "NEAREST_WITHIN", 8.0)
+    calls = []
+    real = FCK._select
+    fresh.setattr(FCK, "_select",
+                  lambda fns, x, r, *a: calls.append(tuple(x.shape)) or real(fns, x, r, *a))
+    _, w, b, _ = _data(1, 16, 16, 8, 8)
+    for n, hw in ((1, 8), (2, 8), (1, 12), (1, 40)):
+        xi = torch.randn(n, 16, hw, hw).contiguous(memory_format=CL)
+        got = FCK.fused_conv(_conv_call(3, 1, act="Relu"), xi, w, b)
+        _close(got, _reference(xi, w, b, None, 1, "Relu"))
+    assert calls == [(1, 16, 8, 8), (1, 16, 40, 40)]  # 40x40: 25x the pixels of 8x8
+    with FCK.record_picks() as picks:
+        xi = torch.randn(2, 16, 8, 8).contiguous(memory_format=CL)
+        FCK.fused_conv(_conv_call(3, 1, act="Relu"), xi, w, b)
+    assert calls[-1] == (2, 16, 8, 8) and len(picks) == 1
+
+
 def test_conv_pin_must_be_known(fresh):
     fresh.setattr(FCK, "_FORCED_CONV", "fast")
     x, w, b, _ = _data(1, 8, 8, 6, 6)

@@ -32,6 +32,7 @@ features is timed on that many (each candidate packs a copy of what it is timed 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -331,7 +332,7 @@ def _plan_conv(n, x, w, b, r, geo):
                a.activation, a.alpha, a.beta, None if r is None else tuple(r.shape),
                torch.get_num_threads())
         with _choices_lock:
-            name = _choices.get(sig)
+            name = _choices.get(sig) or _nearest(sig)  # (a nearby pick is not stored)
             if name is None:
                 credit = {"kiln": PROGRAM_CREDIT_S} if SETTINGS.cpu_program else None
                 name, y = _select({"onednn": onednn, "kiln": kiln}, x, r, CONV_TACTICS, credit)
@@ -423,6 +424,41 @@ KILN_BELOW = 1 << 15
 _choices: dict = {}  # signature -> tactic name, for the whole process
 _choices_lock = threading.Lock()
 _recorders: list[dict] = []  # open record_picks() blocks
+
+
+# A shape not timed takes the pick of the nearest timed shape of the same layer (same weight,
+# epilogue and threads; rows, or batch x pixels, within this factor), as TensorRT runs every
+# shape of a profile on the tactic timed at its opt shape: a dynamic batch then times nothing
+# on the request path. Further off (a profile-less engine tuned at 1 token, run at 128) the
+# shape is timed at its first run. The builder's tuning run always times (its profiles' opt
+# shapes are what it is there to time).
+NEAREST_WITHIN = 8.0
+
+
+def _family(sig) -> tuple[tuple, int]:
+    """(the signature less its rows, its rows): a conv's batch x pixels, a GEMM's rows."""
+    conv = sig[0] == "conv"
+    xs = sig[1] if conv else sig[0]
+    rows = xs[0] * math.prod(xs[2:]) if conv else math.prod(xs[:-1])
+    head = ("conv", xs[1]) if conv else (xs[-1],)
+    rest = sig[2:] if conv else sig[1:]
+    return (*head, *rest[:-2], rest[-2] is None, rest[-1]), rows
+
+
+def _nearest(sig) -> str | None:
+    """The pick of the timed signature nearest ``sig`` in rows (under ``_choices_lock``), if
+    one is within NEAREST_WITHIN and no build is timing picks now."""
+    if _recorders or NEAREST_WITHIN <= 1:
+        return None
+    fam, rows = _family(sig)
+    best, dist = None, math.log(NEAREST_WITHIN)
+    for other, name in _choices.items():
+        if len(other) != len(sig) or (other[0] == "conv") != (sig[0] == "conv"):
+            continue
+        f, n = _family(other)
+        if f == fam and rows > 0 and n > 0 and abs(math.log(n / rows)) <= dist:
+            best, dist = name, abs(math.log(n / rows))
+    return best
 
 
 def _note(sig, name: str) -> None:
@@ -654,6 +690,8 @@ def _plan(x, wt, b, a, r):
             if kiln is not None:  # too small to time fairly: kiln's (a native program record)
                 name, fn = "kiln", kiln
                 _choices[sig] = name
+            elif name is None and (name := _nearest(sig)) is not None:
+                pass  # not stored: only timed picks are anchors (no drift from shape to shape)
             elif name is None:
                 ws, bs, rs = wt, b, r
                 sliced = wt.shape[0] > _SLICE_N  # timed on a slice; the pick then packs it whole
@@ -671,6 +709,8 @@ def _plan(x, wt, b, a, r):
             _note(sig, name)
         if y is None and kiln is None:
             fn = _build(name, x, wt, b, a, r)
+            if fn is None:  # a nearby shape's pick that does not apply to this one
+                name, fn = "linear", _build("linear", x, wt, b, a, r)
     fn.tactic = name
     return y, fn
 
