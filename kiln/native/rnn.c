@@ -51,6 +51,8 @@ TGT static inline __m256 clip8(__m256 v, int on, float clip)
     return _mm256_min_ps(_mm256_set1_ps(clip), _mm256_max_ps(_mm256_set1_ps(-clip), v));
 }
 
+enum { RNN_PF = 8 };  /* rows ahead that gemv_acc prefetches */
+
 /* acc[j0..j1) += h[0..K) RT[:, j0..j1) (RT row stride ldr); j0, j1 multiples of 8. Eight
  * accumulators per block: enough independent FMAs to cover their latency. */
 TGT static void gemv_acc(long K, long j0, long j1, const float *h, const float *RT, long ldr,
@@ -63,6 +65,11 @@ TGT static void gemv_acc(long K, long j0, long j1, const float *h, const float *
         for (long k = 0; k < K; k++) {
             __m256 hk = _mm256_broadcast_ss(h + k);
             const float *r = RT + k * ldr + j;
+            if (k + RNN_PF < K) {  /* rows ldr apart: ahead of what the prefetchers follow */
+                const char *f = (const char *)(r + RNN_PF * ldr);
+                _mm_prefetch(f, _MM_HINT_T0); _mm_prefetch(f + 64, _MM_HINT_T0);
+                _mm_prefetch(f + 128, _MM_HINT_T0); _mm_prefetch(f + 192, _MM_HINT_T0);
+            }
             for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(hk, _mm256_loadu_ps(r + 8 * u), a[u]);
         }
         for (int u = 0; u < 8; u++) _mm256_storeu_ps(acc + j + 8 * u, a[u]);
@@ -88,7 +95,13 @@ TGT static void gemv_rows(long B, const unsigned char *live, long K, long N, con
 {
     long blocks = (N + 63) / 64;
     int par = nthreads > 1 && blocks > 1 && B * K * N >= (1L << 17);
-#pragma omp parallel for num_threads(nthreads) if (par) schedule(static) collapse(2)
+    if (!par) {  /* no parallel region at all: even an if(0) one costs a team per step */
+        for (long b = 0; b < B; b++)
+            if (live[b])
+                gemv_acc(K, 0, N, h + b * ldh, RT, ldr, acc + b * lda);
+        return;
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
     for (long b = 0; b < B; b++)
         for (long q = 0; q < blocks; q++) {
             if (!live[b])
