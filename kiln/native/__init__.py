@@ -79,9 +79,9 @@ def _load():
     lib.kiln_conv_packed_size.argtypes = [_L, _L, _L, _L]
     lib.kiln_conv_packed_size.restype = _L
     lib.kiln_conv_pack.argtypes = [_L, _L, _L, _L, _P, _P]
-    lib.kiln_conv_pack.restype = None
+    lib.kiln_conv_pack.restype = _I
     lib.kiln_conv.argtypes = [_P, _P, _P, _P, _P, _P, _I, _F, _F, _I]
-    lib.kiln_conv.restype = None
+    lib.kiln_conv.restype = _I
     lib.kiln_team_rest.argtypes = []
     lib.kiln_team_rest.restype = None
     lib.kiln_qgemv.argtypes = [_I, _L, _L, _L, _P, _L, _P, _P, _P, _L, _I, _I]
@@ -465,7 +465,9 @@ class ConvWeight:
         self.k, self.c, self.kh, self.kw = w.shape
         w = w.contiguous()
         self.data = _aligned(_lib.kiln_conv_packed_size(self.c, self.k, self.kh, self.kw))
-        _lib.kiln_conv_pack(self.c, self.k, self.kh, self.kw, w.data_ptr(), self.data.data_ptr())
+        if _lib.kiln_conv_pack(self.c, self.k, self.kh, self.kw, w.data_ptr(),
+                               self.data.data_ptr()) != 0:
+            raise MemoryError("ConvWeight: no scratch memory for the packing")
 
 
 def conv_fn(w: ConvWeight, stride, dilation, bias: torch.Tensor | None = None,
@@ -491,9 +493,10 @@ def conv_fn(w: ConvWeight, stride, dilation, bias: torch.Tensor | None = None,
         n, h, wd, _ = x.shape
         g = (_L * 15)(n, h, wd, c, k, out.shape[1], out.shape[2], kh, kw, sh, sw, dh, dw,
                       pad[0], pad[1])
-        _lib.kiln_conv(g, x.data_ptr(), wp, bp,
-                       None if residual is None else residual.data_ptr(), out.data_ptr(), code,
-                       lo, hi, torch.get_num_threads())
+        if _lib.kiln_conv(g, x.data_ptr(), wp, bp,
+                          None if residual is None else residual.data_ptr(), out.data_ptr(),
+                          code, lo, hi, torch.get_num_threads()) != 0:
+            raise MemoryError("conv: the kernel could not allocate its scratch memory")
         return out
     run.keep = (w, bias)
     return run

@@ -82,8 +82,9 @@ long kiln_chain_run(const long *prog, long n, const float *fp, float *const *buf
             i += RNN_LEN;
         } else if (p[0] == OP_CONV && i + CONV_LEN <= n) {
             const long *q = p + 16;
-            kiln_conv(p + 1, PTR(q[0], q[1]), PTR(q[2], 0), PTR(q[3], 0), PTR(q[4], q[5]),
-                      PTR(q[6], q[7]), (int)q[8], fp[q[9]], fp[q[9] + 1], nthreads);
+            if (kiln_conv(p + 1, PTR(q[0], q[1]), PTR(q[2], 0), PTR(q[3], 0), PTR(q[4], q[5]),
+                          PTR(q[6], q[7]), (int)q[8], fp[q[9]], fp[q[9] + 1], nthreads) != 0)
+                return i;  /* out of memory */
             i += CONV_LEN;
         } else {
             return i;

@@ -378,6 +378,58 @@ TGT512 static void tile_pair(long kc, const float *A, long lda, const float *Bp,
     }
 }
 
+/* AVX-512: one panel of more than 8 columns (a lone full panel, or an edge of up to 16 or 24:
+ * 64 = 48 + 16 and 128 = 96 + 24 + 8 columns, so a quarter of a 64- or 128-channel layer's
+ * product was left to the AVX2 tiles) as an 8-row tile: a zmm of columns 0-15 and, where the
+ * panel has more than 16, a ymm of 16-23 per row. Each output sums its k terms in order in one
+ * accumulator, as tile and tile_2 do, so its bits are theirs. */
+TGT512 static inline __attribute__((always_inline)) void tile_one_(
+    long kc, const float *A, long lda, const float *Bp, float *C, long ldc, int nr, int first,
+    int last, const float *bias, const float *R, long ldr, int act, float alpha, float beta,
+    int hi)
+{
+    const float *a0 = A, *a1 = A + lda, *a2 = A + 2 * lda, *a3 = A + 3 * lda, *a4 = A + 4 * lda,
+                *a5 = A + 5 * lda, *a6 = A + 6 * lda, *a7 = A + 7 * lda;
+    __m512 z = _mm512_setzero_ps();
+    __m256 y = _mm256_setzero_ps();
+    __m512 l0 = z, l1 = z, l2 = z, l3 = z, l4 = z, l5 = z, l6 = z, l7 = z;
+    __m256 h0 = y, h1 = y, h2 = y, h3 = y, h4 = y, h5 = y, h6 = y, h7 = y;
+#pragma GCC unroll 2
+    for (long k = 0; k < kc; k++) {
+        _mm_prefetch((const char *)(Bp + (k + PF) * NR), _MM_HINT_T0);
+        const float *p = Bp + k * NR;
+        __m512 wl = _mm512_loadu_ps(p), x;
+        __m256 wh = hi ? _mm256_load_ps(p + 16) : y;
+#define ROW(r) x = _mm512_set1_ps(a##r[k]); l##r = _mm512_fmadd_ps(x, wl, l##r); \
+        if (hi) h##r = _mm256_fmadd_ps(_mm512_castps512_ps256(x), wh, h##r);
+        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7)
+#undef ROW
+    }
+    __m512 L[MR2] = {l0, l1, l2, l3, l4, l5, l6, l7};
+    __m256 H[MR2] = {h0, h1, h2, h3, h4, h5, h6, h7};
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[MR][NV];
+        for (int r = 0; r < MR; r++) {
+            acc[r][0] = _mm512_castps512_ps256(L[4 * half + r]);
+            acc[r][1] = _mm512_extractf32x8_ps(L[4 * half + r], 1);
+            acc[r][2] = H[4 * half + r];
+        }
+        long row = 4 * half;
+        store_tile(acc, C + row * ldc, ldc, MR, nr, first, last, bias,
+                   R ? R + row * ldr : NULL, ldr, act, alpha, beta);
+    }
+}
+
+TGT512 static void tile_one(long kc, const float *A, long lda, const float *Bp, float *C,
+                            long ldc, int nr, int first, int last, const float *bias,
+                            const float *R, long ldr, int act, float alpha, float beta)
+{
+    if (nr > 16)
+        tile_one_(kc, A, lda, Bp, C, ldc, nr, first, last, bias, R, ldr, act, alpha, beta, 1);
+    else
+        tile_one_(kc, A, lda, Bp, C, ldc, nr, first, last, bias, R, ldr, act, alpha, beta, 0);
+}
+
 /* Rows [m0, m1) and panels [p0, p1) of the product: k blocks outermost, then blocks of MC rows
  * of A (which every panel passes over), then the panels, then the row tiles (which reuse the
  * panel's k block from L1/L2). */
@@ -420,6 +472,10 @@ TGT void kiln_gemm_block(long m0, long m1, long p0, long p1, long N, long K, con
                 void (*tf)(long, const float *, long, const float *, float *, long, int, int,
                            int, int, const float *, const float *, long, int, float, float) =
                     nr <= 8 ? tile_1 : nr <= 16 ? tile_2 : tile;
+                if (wide && nr > 8)
+                    for (; i + MR2 <= i1; i += MR2)
+                        tile_one(kc, A + i * lda + k0, lda, bp, C + i * ldc + n0, ldc, nr, first,
+                                 last, bb, R ? R + i * ldr + n0 : NULL, ldr, act, alpha, beta);
                 for (; i < i1; i += MR) {
                     int mr = i1 - i < MR ? (int)(i1 - i) : MR;
                     if (mr == 1 && nr == NR) {

@@ -167,8 +167,8 @@ void kiln_pointwise(int op, int rank, const long *shape, float *y, const long *s
                     float p1, int nthreads);
 TGT void kiln_pool2d(int kind, const long *g, const float *x, const long *xs, float *y,
                      const long *ys, int nthreads);
-TGT void kiln_conv(const long *g, const float *x, const float *wp, const float *bias,
-                   const float *r, float *y, int act, float p0, float p1, int nthreads);
+TGT int kiln_conv(const long *g, const float *x, const float *wp, const float *bias,
+                  const float *r, float *y, int act, float p0, float p1, int nthreads);
 TGT void kiln_depthwise(const long *g, const float *x, const float *wp, const float *bias,
                         const float *r, float *y, int act, float p0, float p1, int nthreads);
 

@@ -27,6 +27,17 @@ CASES = [  # N, C, K, H, W, kernel, pads (t, l, b, r), stride, dilation, bias, r
     (1, 4, 8, 10, 12, 3, (2, 2, 2, 2), 1, 2, True, False, "Clip"),        # dilation 2
     (1, 16, 32, 7, 9, (1, 7), (0, 3, 0, 3), 1, 1, True, False, "Relu"),   # 1 x 7
     (1, 2, 8, 4, 3, 7, (3, 3, 3, 3), 1, 1, True, False, ""),              # wider than input
+    # windows of fewer than 32 values: the register-block kernel
+    (1, 1, 8, 12, 11, 3, (2, 2, 2, 2), 1, 2, True, True, "Relu"),         # 1 channel, dil 2
+    (2, 1, 13, 9, 10, 5, (1, 2, 2, 1), 2, 1, False, False, "Silu"),       # 25 values
+    # im2col + kiln's GEMM: in blocks of rows, or gathered whole (few rows, threaded product)
+    (1, 16, 48, 40, 40, 3, (1, 1, 1, 1), 1, 1, True, True, "Relu"),       # many blocks
+    (2, 32, 24, 20, 18, 3, (1, 0, 1, 2), 2, 1, True, True, "HardSwish"),  # s2, asym pads
+    (1, 64, 40, 9, 9, 3, (1, 1, 1, 1), 2, 1, True, False, "Relu"),        # few rows, whole
+    (1, 96, 56, 7, 7, 3, (1, 1, 1, 1), 1, 1, False, True, ""),            # 49 rows, 3 panels
+    (1, 12, 1, 10, 10, 3, (1, 1, 1, 1), 1, 1, True, False, "HardSwish"),  # one output channel
+    (1, 3, 64, 45, 45, 7, (3, 3, 3, 3), 2, 1, True, False, "Relu"),       # a 7 x 7 stem
+    (1, 10, 29, 13, 15, (3, 2), (1, 0, 2, 1), (2, 1), (2, 1), True, True, "Silu"),  # mixed
 ]
 
 
@@ -42,21 +53,43 @@ def _reference(x, w, b, r, pads, stride, dil, act):
 def test_direct_conv_matches_torch(case):
     n, c, k, h, w, ks, pads, s, d, has_b, has_r, act = case
     kh, kw = (ks, ks) if isinstance(ks, int) else ks
+    (sh, sw), (dh, dw) = [(v, v) if isinstance(v, int) else v for v in (s, d)]
     g = torch.Generator().manual_seed(0)
     x, wt = torch.randn(n, c, h, w, generator=g), torch.randn(k, c, kh, kw, generator=g)
     b = torch.randn(k, generator=g) if has_b else None
-    ho = (h + pads[0] + pads[2] - d * (kh - 1) - 1) // s + 1
-    wo = (w + pads[1] + pads[3] - d * (kw - 1) - 1) // s + 1
+    ho = (h + pads[0] + pads[2] - dh * (kh - 1) - 1) // sh + 1
+    wo = (w + pads[1] + pads[3] - dw * (kw - 1) - 1) // sw + 1
     r = torch.randn(n, k, ho, wo, generator=g) if has_r else None
     alpha, beta = (-0.5, 0.5) if act == "Clip" else (None, None)
-    run = native.conv_fn(native.ConvWeight(wt), (s, s), (d, d), b, act, alpha, beta)
+    run = native.conv_fn(native.ConvWeight(wt), (sh, sw), (dh, dw), b, act, alpha, beta)
     out = torch.empty(n, ho, wo, k)
     rn = None if r is None else r.permute(0, 2, 3, 1).contiguous()
     run(x.permute(0, 2, 3, 1).contiguous(), pads[:2], rn, out)
-    want = _reference(x, wt, b, r, pads, s, d, act)
+    want = _reference(x, wt, b, r, pads, (sh, sw), (dh, dw), act)
     got = out.permute(0, 3, 1, 2).double()
     assert got.shape == want.shape
     assert float((got - want).abs().max()) <= RTOL * float(want.abs().max())
+
+
+@needs_native
+@pytest.mark.parametrize("hw", [(9, 9), (40, 40)], ids=["gathered-whole", "in-blocks"])
+def test_direct_conv_im2col_bits_do_not_depend_on_threads(hw):
+    """The im2col path gives the same bits on one thread as on two, whichever way it splits
+    the work (rows gathered whole and the product's panels split, or blocks of rows)."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, hw[0], hw[1], 64, generator=g)
+    w, b = torch.randn(40, 64, 3, 3, generator=g), torch.randn(40, generator=g)
+    run = native.conv_fn(native.ConvWeight(w), (2, 2), (1, 1), b, "Relu")
+    ho, wo = (hw[0] - 1) // 2 + 1, (hw[1] - 1) // 2 + 1
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs.append(run(x, (1, 1), None, torch.empty(1, ho, wo, 40)))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
 
 
 @needs_native

@@ -178,6 +178,26 @@ def test_uneven_panel_split(threads, n):
     assert all(torch.equal(y, outs[0]) for y in outs[1:])
 
 
+@needs_native
+@pytest.mark.parametrize("m", [19, 130])
+@pytest.mark.parametrize("n", [NR, NR + 9, NR + 16, 2 * NR + 16, 3 * NR, 5 * NR + 8, 64, 128])
+def test_lone_panels_and_edges_of_8_row_tiles(threads, m, n):
+    """The panels that are not one of a pair of full ones (a lone full panel, edges of up to 16
+    or 24 columns: 64 and 128 output channels end in them) over rows in tiles of 8 (the AVX-512
+    single-panel tile where the CPU has it) and a partial tile: correct, and the same bits on
+    any thread count."""
+    x, w, b, r = _data(m, n, 37, seed=3)
+    pw = native.PackedWeight(w)
+    want = _reference(x, w, b, r, "Relu")
+    outs = []
+    for t in (1, 2, 3):
+        threads(t)
+        y = native.gemm(x, pw, b, r, "Relu")
+        _close(y, want)
+        outs.append(y)
+    assert all(torch.equal(y, outs[0]) for y in outs[1:])
+
+
 # ---------------------------------------------------------------- numerics: layouts
 
 

@@ -164,7 +164,10 @@ def _conv_onednn(n, x, w, b, r, geo):
 
 # ---------------------------------------------------------------- CPU conv tactics
 
-CONV_TACTICS = ("onednn", "kiln")
+# kiln: the kernel _kiln_conv picks for the conv's geometry; kiln_direct: kiln's direct conv
+# (im2col + kiln's GEMM where the window is large), timed against Winograd for 3x3 stride-1
+# convs (at 64 channels and 56x56 the GEMM's 576-long rows beat Winograd's 16 small GEMMs)
+CONV_TACTICS = ("onednn", "kiln", "kiln_direct")
 # What a kiln conv's timed call costs in Python (its wrapper's checks, the output tensor, the
 # ctypes call: 6-7 us against 1.3 us for the kernel alone, a 4x4 depthwise conv on this VM)
 # and a native program's record of it does not: the pick compares what a program would run
@@ -318,6 +321,15 @@ def _plan_conv(n, x, w, b, r, geo):
 
     asymmetric = len(geo) > 3  # oneDNN here takes symmetric pads only
     kiln = None if name == "onednn" and not asymmetric else _kiln_conv(a, x, w, b, r, geo)
+    direct = None
+    if kiln is not None and not asymmetric and name in ("", "kiln_direct"):
+        kind = kiln.native["kind"]
+        if kind == "direct":
+            direct = kiln
+        elif kind == "winograd" or (name == "kiln_direct" and kind == "gemm"):
+            direct = _kiln_direct(a, x, w, b, geo[0], geo[0], geo[1], geo[2])
+    if name == "kiln_direct" and direct is None:
+        name = "kiln"  # (a depthwise conv: no direct one)
     if asymmetric:
         if kiln is None:
             def onednn(x, r):  # the reference conv, which pads explicitly
@@ -334,11 +346,17 @@ def _plan_conv(n, x, w, b, r, geo):
         with _choices_lock:
             name = _choices.get(sig) or _nearest(sig)  # (a nearby pick is not stored)
             if name is None:
-                credit = {"kiln": PROGRAM_CREDIT_S} if SETTINGS.cpu_program else None
-                name, y = _select({"onednn": onednn, "kiln": kiln}, x, r, CONV_TACTICS, credit)
+                credit = {"kiln": PROGRAM_CREDIT_S, "kiln_direct": PROGRAM_CREDIT_S} \
+                    if SETTINGS.cpu_program else None
+                fns = {"onednn": onednn, "kiln": kiln}
+                if direct is not None and direct is not kiln:
+                    fns["kiln_direct"] = direct
+                name, y = _select(fns, x, r, CONV_TACTICS, credit)
                 _choices[sig] = name
+            if name == "kiln_direct" and direct is None:  # (a pick read from elsewhere)
+                name = "kiln"
             _note(sig, name)
-    fn = onednn if name == "onednn" else kiln
+    fn = {"onednn": onednn, "kiln": kiln, "kiln_direct": direct}[name]
     fn.tactic = name
     return y, fn
 
