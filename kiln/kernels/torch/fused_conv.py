@@ -167,6 +167,7 @@ def _conv_onednn(n, x, w, b, r, geo):
 # kiln: the kernel _kiln_conv picks for the conv's geometry; kiln_direct: kiln's direct conv
 # (im2col + kiln's GEMM where the window is large), timed against Winograd for 3x3 stride-1
 # convs (at 64 channels and 56x56 the GEMM's 576-long rows beat Winograd's 16 small GEMMs)
+# and against the GEMM on a gathered copy for strided 1x1 ones (it gathers in blocks, in L2)
 CONV_TACTICS = ("onednn", "kiln", "kiln_direct")
 # What a kiln conv's timed call costs in Python (its wrapper's checks, the output tensor, the
 # ctypes call: 6-7 us against 1.3 us for the kernel alone, a 4x4 depthwise conv on this VM)
@@ -326,7 +327,8 @@ def _plan_conv(n, x, w, b, r, geo):
         kind = kiln.native["kind"]
         if kind == "direct":
             direct = kiln
-        elif kind == "winograd" or (name == "kiln_direct" and kind == "gemm"):
+        elif kind == "winograd" or (kind == "gemm" and (name == "kiln_direct"
+                                                          or tuple(geo[1]) != (1, 1))):
             direct = _kiln_direct(a, x, w, b, geo[0], geo[0], geo[1], geo[2])
     if name == "kiln_direct" and direct is None:
         name = "kiln"  # (a depthwise conv: no direct one)
