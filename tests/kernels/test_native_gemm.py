@@ -161,11 +161,13 @@ def test_gemm_matches_torch(threads, shape, epi):
 
 
 @needs_native
-@pytest.mark.parametrize("n", [6 * NR + 16, 10 * NR + 8, 2 * NR + 16])
-def test_uneven_panel_split(threads, n):
+@pytest.mark.parametrize("m", [130, 49])
+@pytest.mark.parametrize("n", [6 * NR + 16, 10 * NR + 8, 2 * NR + 16, 40 * NR])
+def test_uneven_panel_split(threads, n, m):
     """Panels that do not divide among the threads: the boundary panel's rows are split
-    between two threads (7 panels on 2 threads: 3.5 each); 11 on 3; 3 (split by rows)."""
-    m, k = 130, 64  # a partial row tile at the end
+    between two threads (7 panels on 2 threads: 3.5 each); 11 on 3; 3 (split by rows); 49
+    rows, too few for 8-row blocks on every thread: panels, or rows and panels."""
+    k = 64  # a partial row tile at the end
     x, w, b, r = _data(m, n, k, seed=2)
     pw = native.PackedWeight(w)
     want = _reference(x, w, b, r, "Relu")
@@ -179,7 +181,7 @@ def test_uneven_panel_split(threads, n):
 
 
 @needs_native
-@pytest.mark.parametrize("m", [19, 130])
+@pytest.mark.parametrize("m", [19, 49, 130])
 @pytest.mark.parametrize("n", [NR, NR + 9, NR + 16, 2 * NR + 16, 3 * NR, 5 * NR + 8, 64, 128])
 def test_lone_panels_and_edges_of_8_row_tiles(threads, m, n):
     """The panels that are not one of a pair of full ones (a lone full panel, edges of up to 16
