@@ -173,6 +173,11 @@ CONV_TACTICS = ("onednn", "kiln", "kiln_direct")
 # and a native program's record of it does not: the pick compares what a program would run
 # (oneDNN's conv runs there as a torch record, its Python included)
 PROGRAM_CREDIT_S = 5e-6
+# The same for a GEMM whose rival is F.linear, which a program runs as a torch record: the
+# record's own cost (back into Python, tensors viewing the program's memory, its result's
+# address stored) comes on top of the timed call's. A 1 x 256 x 688 product (a Llama decode
+# step's MLP) timed 11-13 us under either tactic here, and the pick flipped from build to build
+LINEAR_PROGRAM_CREDIT_S = 2 * PROGRAM_CREDIT_S
 _FORCED_CONV = SETTINGS.cpu_conv  # a forced conv tactic, for repeatable measurements
 
 
@@ -717,7 +722,12 @@ def _plan(x, wt, b, a, r):
                     ws, bs = wt[:_SLICE_N], None if b is None else b[:_SLICE_N]
                     rs = r if r is None or r.shape[-1] != wt.shape[0] else r[..., :_SLICE_N]
                 fns = {t: f for t in TACTICS if (f := _build(t, x, ws, bs, a, rs)) is not None}
-                name, y = _select(fns, x, rs)
+                # in a native program kiln's GEMM is a record, where the others are a torch
+                # record: the timed call's Python plus the program's call back into Python
+                # and its views of the operands (LINEAR_PROGRAM_CREDIT_S); a decoder step's
+                # M = 1 products timed level took F.linear by noise, each a torch record
+                credit = {"kiln": LINEAR_PROGRAM_CREDIT_S} if SETTINGS.cpu_program else None
+                name, y = _select(fns, x, rs, credit=credit)
                 if sliced:
                     y = None  # the slice's output: the whole weight's function is built below
                 else:
