@@ -727,7 +727,7 @@ def _plan(x, wt, b, a, r):
                 # and its views of the operands (LINEAR_PROGRAM_CREDIT_S); a decoder step's
                 # M = 1 products timed level took F.linear by noise, each a torch record
                 credit = {"kiln": LINEAR_PROGRAM_CREDIT_S} if SETTINGS.cpu_program else None
-                name, y = _select(fns, x, rs, credit=credit)
+                name, y = _select(fns, x, rs, TACTICS, credit)
                 if sliced:
                     y = None  # the slice's output: the whole weight's function is built below
                 else:
