@@ -5,6 +5,8 @@
 #include "kernels.h"
 
 #define QC 128
+/* multiply-adds (both products, all heads) below which a record runs on the caller's thread */
+#define ATTN_SERIAL_WORK (64L * 64 * 64)
 
 /* One row of scores s[0, n) (n keys, lim of them allowed) turned into unnormalized
  * probabilities in place: x = scale s + bias (bias: NULL, or element j at bias[j * bk]), then
@@ -99,7 +101,11 @@ int kiln_attention(long B, long H, long Hkv, long Sq, long Skv, long D, long Dv,
     long qc = Sq < QC ? Sq : QC;
     int failed = 0;
     if (items < nthreads) nthreads = (int)items;
-#pragma omp parallel num_threads(nthreads) reduction(|: failed)
+    /* a decoder step's attention (one query row per head, a few dozen keys) is a few thousand
+     * multiply-adds a head: waking a second thread cost more than the whole record (the
+     * futex wake-ups were a sixth of a Llama decode step's time on 2 passive-wait threads) */
+    if (items * Sq * Skv * (D + Dv) < ATTN_SERIAL_WORK) nthreads = 1;
+#pragma omp parallel num_threads(nthreads) reduction(|: failed) if (nthreads > 1)
     {
         float *kp = scratch(pk), *vp = scratch(pv), *sb = scratch(qc * skp),
               *ob = scratch(qc * dvp);

@@ -1,6 +1,9 @@
 /* LayerNorm and RMSNorm over the rows of a float32 matrix, split over threads by rows. */
 #include "kernels.h"
 
+/* elements below which a norm runs on the caller's thread: waking another costs more */
+#define NORM_SERIAL_WORK (1L << 14)
+
 /* Rows [m0, m1) of X (row stride ldx, N columns) normalized into Y (row stride ldy; Y may be X):
  * (x - mean) / sqrt(var + eps) * gamma + beta, the mean and the (biased) variance in float32 over
  * each row, two passes. */
@@ -40,7 +43,7 @@ TGT static void layernorm_rows(long m0, long m1, long N, const float *X, long ld
 void kiln_layernorm_to(long M, long N, const float *X, long ldx, float *Y, long ldy,
                        const float *gamma, const float *beta, float eps, int nthreads)
 {
-    if (nthreads < 2 || M < 2) {
+    if (nthreads < 2 || M < 2 || M * N < NORM_SERIAL_WORK) {
         layernorm_rows(0, M, N, X, ldx, Y, ldy, gamma, beta, eps);
         return;
     }
@@ -80,7 +83,7 @@ TGT static void rmsnorm_rows(long m0, long m1, long N, const float *X, long ldx,
 void kiln_rmsnorm_to(long M, long N, const float *X, long ldx, float *Y, long ldy,
                      const float *gamma, float eps, int nthreads)
 {
-    if (nthreads < 2 || M < 2) {
+    if (nthreads < 2 || M < 2 || M * N < NORM_SERIAL_WORK) {
         rmsnorm_rows(0, M, N, X, ldx, Y, ldy, gamma, eps);
         return;
     }
