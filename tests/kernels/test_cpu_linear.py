@@ -295,3 +295,21 @@ def test_small_product_takes_kiln_untimed(fresh):
         tactic = n.cache["lin_tactics"][((rows, 32), None)]
         assert tactic == "kiln" if rows == 8 else True
     assert len(calls) == 1  # the 9-row product only
+
+
+def test_few_row_product_takes_kiln_untimed(fresh):
+    """At most KILN_FEW_ROWS rows and KILN_FEW_ROWS_BELOW multiply-adds (a decoder step's
+    products): kiln's GEMM untimed, however far above KILN_BELOW; one more row, or a larger
+    product, is timed."""
+    fresh.setattr(FCK, "KILN_FEW_ROWS_BELOW", 4 * 64 * 256)
+    calls = []
+    real = FCK._select
+    fresh.setattr(FCK, "_select", lambda fns, x, r, *a: calls.append(tuple(x.shape)) or real(
+        fns, x, r, *a))
+    for rows, k in ((1, 64), (4, 64), (5, 64), (4, 128)):
+        n = _call(FC.FusedMatMul, activation="Relu")
+        x, w = torch.randn(1, rows, k), torch.randn(k, 256)
+        _close(FCK.fused_matmul(n, x, w), torch.relu(x @ w))
+        if rows * k <= 4 * 64:
+            assert n.cache["lin_tactics"][((1, rows, k), None)] == "kiln"
+    assert calls == [(1, 5, 64), (1, 4, 128)], calls

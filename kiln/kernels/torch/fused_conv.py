@@ -443,6 +443,13 @@ _SLICE_N = 4096
 # microseconds of work measures the machine's noise, and in a native program kiln's GEMM is a
 # record where the others are a call back into Python (a GRU's 96 x 8 head)
 KILN_BELOW = 1 << 15
+# A product of at most KILN_FEW_ROWS rows (a decoder step's, M = 1) and at most this many
+# multiply-adds takes kiln's GEMM untimed too: such a product is read-the-weight-once work, a
+# few to a few dozen microseconds, which the timing on a shared 2-core machine called for
+# F.linear on some builds and for kiln on others (1 x 256 x 1024: kiln 10.5 us against
+# F.linear's 15.2 us on 2 threads, 29 us against 15 in a noisier minute), and F.linear is a
+# torch record in a native program (8 of a GPT-2 decode step's 127 layers)
+KILN_FEW_ROWS, KILN_FEW_ROWS_BELOW = 4, 1 << 22
 
 _choices: dict = {}  # signature -> tactic name, for the whole process
 _choices_lock = threading.Lock()
@@ -708,7 +715,9 @@ def _plan(x, wt, b, a, r):
         with _choices_lock:
             name = _choices.get(sig)
             kiln = None
-            if name is None and x.numel() // x.shape[-1] * wt.numel() <= KILN_BELOW:
+            rows = x.numel() // x.shape[-1]
+            if name is None and (rows * wt.numel() <= KILN_BELOW or (
+                    rows <= KILN_FEW_ROWS and rows * wt.numel() <= KILN_FEW_ROWS_BELOW)):
                 kiln = _build("kiln", x, wt, b, a, r)
             if kiln is not None:  # too small to time fairly: kiln's (a native program record)
                 name, fn = "kiln", kiln
