@@ -5,6 +5,8 @@
 #include "kernels.h"
 
 #define QC 128
+/* multiply-adds (both products, all heads) below which a record runs on the caller's thread */
+#define ATTN_SERIAL_WORK (64L * 64 * 64)
 
 /* One row of scores s[0, n) (n keys, lim of them allowed) turned into unnormalized
  * probabilities in place: x = scale s + bias (bias: NULL, or element j at bias[j * bk]), then
@@ -81,6 +83,58 @@ static long visible(long i, long Skv, long causal)
  * query i sees keys j <= i + causal only (the absolute offset of query 0); -1: no causal mask.
  * Query heads map to key/value heads h / (H / Hkv) (grouped-query attention). Returns 0, or -1
  * when scratch memory could not be had (Y is then incomplete). */
+struct attn_job {
+    long H, group, Sq, Skv, D, Dv, qc, pk, pv, skp, dvp;
+    const float *Q, *K, *V, *bias;
+    long qb, qh, qs, kb, kh, ks, vb, vh, vs, bb, bh, bq, bk, causal;
+    float scale;
+    float *Y;
+    long yb, yh, ys;
+    _Atomic int failed;
+};
+
+/* (batch, head) items [i0, i1) of a job, with their own scratch. */
+static void attention_items(void *ctx, long i0, long i1)
+{
+    struct attn_job *j = ctx;
+    long Sq = j->Sq, Skv = j->Skv, D = j->D, Dv = j->Dv, qc = j->qc, skp = j->skp,
+         dvp = j->dvp, causal = j->causal;
+    float *kp = scratch(j->pk), *vp = scratch(j->pv), *sb = scratch(qc * skp),
+          *ob = scratch(qc * dvp);
+    float inv[QC];  /* each query row's 1 / sum of its softmax */
+    if (!kp || !vp || !sb || !ob) {
+        j->failed = 1;
+        i1 = i0;
+    }
+    for (long it = i0; it < i1; it++) {
+        long b = it / j->H, h = it % j->H, hk = h / j->group;
+        const float *k = j->K + b * j->kb + hk * j->kh, *v = j->V + b * j->vb + hk * j->vh;
+        const float *q = j->Q + b * j->qb + h * j->qh;
+        float *y = j->Y + b * j->yb + h * j->yh;
+        kiln_sgemm_pack(D, Skv, k, 1, j->ks, kp);   /* B(d, jj) = K[jj, d] */
+        kiln_sgemm_pack(Skv, Dv, v, j->vs, 1, vp);  /* B(jj, e) = V[jj, e] */
+        for (long r0 = 0; r0 < Sq; r0 += qc) {
+            long rows = Sq - r0 < qc ? Sq - r0 : qc;
+            long lim = visible(r0 + rows - 1, Skv, causal);  /* keys any row may see */
+            long panels = (lim + NR - 1) / NR;
+            if (panels > 0)
+                kiln_gemm_block(0, rows, 0, panels, skp, D, q + r0 * j->qs, j->qs, kp, NULL, NULL,
+                                0, sb, skp, ACT_NONE, 0.0f, 0.0f);
+            for (long r = 0; r < rows; r++) {
+                long i = r0 + r;
+                const float *br = j->bias ? j->bias + b * j->bb + h * j->bh + i * j->bq : NULL;
+                inv[r] = softmax_row(sb + r * skp, Skv, visible(i, Skv, causal), j->scale, br,
+                                     j->bk);
+            }
+            kiln_gemm_block(0, rows, 0, dvp / NR, dvp, Skv, sb, skp, vp, NULL, NULL, 0, ob, dvp,
+                            ACT_NONE, 0.0f, 0.0f);
+            for (long r = 0; r < rows; r++)  /* the softmax's normalization, applied here */
+                scaled_copy(y + (r0 + r) * j->ys, ob + r * dvp, Dv, inv[r]);
+        }
+    }
+    free(kp); free(vp); free(sb); free(ob);
+}
+
 int kiln_attention(long B, long H, long Hkv, long Sq, long Skv, long D, long Dv,
                    const float *Q, long qb, long qh, long qs,
                    const float *K, long kb, long kh, long ks,
@@ -90,49 +144,22 @@ int kiln_attention(long B, long H, long Hkv, long Sq, long Skv, long D, long Dv,
 {
     if (B <= 0 || H <= 0 || Sq <= 0 || Skv <= 0 || D <= 0 || Dv <= 0) return 0;
     if (nthreads < 1) nthreads = 1;
-    long items = B * H, group = H / Hkv;
+    long items = B * H;
     /* both products run on whole panels (the padding columns are zeros, cheaper to multiply
      * than to cut off with a narrow tile): scores are Skv_pad wide, the values' product lands
      * Dv_pad wide in scratch and its Dv columns are copied out, scaled by the row's 1 / sum */
-    long pk = kiln_sgemm_packed_size(D, Skv), pv = kiln_sgemm_packed_size(Skv, Dv);
-    long skp = (Skv + NR - 1) / NR * NR, dvp = (Dv + NR - 1) / NR * NR;
-    long qc = Sq < QC ? Sq : QC;
-    int failed = 0;
-    if (items < nthreads) nthreads = (int)items;
-#pragma omp parallel num_threads(nthreads) reduction(|: failed)
-    {
-        float *kp = scratch(pk), *vp = scratch(pv), *sb = scratch(qc * skp),
-              *ob = scratch(qc * dvp);
-        if (!kp || !vp || !sb || !ob) failed = 1;
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        float inv[QC];  /* each query row's 1 / sum of its softmax */
-        for (long it = items * t / nt; !failed && it < items * (t + 1) / nt; it++) {
-            long b = it / H, h = it % H, hk = h / group;
-            const float *k = K + b * kb + hk * kh, *v = V + b * vb + hk * vh;
-            const float *q = Q + b * qb + h * qh;
-            float *y = Y + b * yb + h * yh;
-            kiln_sgemm_pack(D, Skv, k, 1, ks, kp);   /* B(d, j) = K[j, d] */
-            kiln_sgemm_pack(Skv, Dv, v, vs, 1, vp);  /* B(j, e) = V[j, e] */
-            for (long i0 = 0; i0 < Sq; i0 += qc) {
-                long rows = Sq - i0 < qc ? Sq - i0 : qc;
-                long lim = visible(i0 + rows - 1, Skv, causal);  /* keys any row may see */
-                long panels = (lim + NR - 1) / NR;
-                if (panels > 0)
-                    kiln_gemm_block(0, rows, 0, panels, skp, D, q + i0 * qs, qs, kp, NULL, NULL, 0, sb, skp,
-                          ACT_NONE, 0.0f, 0.0f);
-                for (long r = 0; r < rows; r++) {
-                    long i = i0 + r;
-                    const float *br = bias ? bias + b * bb + h * bh + i * bq : NULL;
-                    inv[r] = softmax_row(sb + r * skp, Skv, visible(i, Skv, causal), scale, br,
-                                         bk);
-                }
-                kiln_gemm_block(0, rows, 0, dvp / NR, dvp, Skv, sb, skp, vp, NULL, NULL, 0, ob, dvp,
-                      ACT_NONE, 0.0f, 0.0f);
-                for (long r = 0; r < rows; r++)  /* the softmax's normalization, applied here */
-                    scaled_copy(y + (i0 + r) * ys, ob + r * dvp, Dv, inv[r]);
-            }
-        }
-        free(kp); free(vp); free(sb); free(ob);
-    }
-    return failed ? -1 : 0;
+    struct attn_job j = {H, H / Hkv, Sq, Skv, D, Dv, Sq < QC ? Sq : QC,
+                         kiln_sgemm_packed_size(D, Skv), kiln_sgemm_packed_size(Skv, Dv),
+                         (Skv + NR - 1) / NR * NR, (Dv + NR - 1) / NR * NR, Q, K, V, bias,
+                         qb, qh, qs, kb, kh, ks, vb, vh, vs, bb, bh, bq, bk, causal, scale,
+                         Y, yb, yh, ys, 0};
+    /* the (batch, head) items go to kiln's team (team.c), not an OpenMP region, which woke a
+     * sleeping thread per record under the passive wait policy; a decoder step's attention (one
+     * query row per head, a few dozen keys) is a few thousand multiply-adds a head and runs on
+     * the caller's thread (handing items out cost more than the whole record) */
+    if (items * Sq * Skv * (D + Dv) < ATTN_SERIAL_WORK || nthreads == 1 || items == 1)
+        attention_items(&j, 0, items);
+    else
+        kiln_parallel(items, attention_items, &j, nthreads);
+    return j.failed ? -1 : 0;
 }

@@ -111,6 +111,7 @@ def test_warm_up_leaves_the_first_run_nothing_to_do(tmp_path, counted, monkeypat
 @pytest.mark.skipif(not native.available, reason="kiln's GEMM tactic needs kiln.native")
 def test_integer_input_engine_carries_its_tactics(tmp_path, counted, monkeypatch):
     monkeypatch.setattr(FCK, "KILN_BELOW", 0)  # the model's small GEMMs timed, not just taken
+    monkeypatch.setattr(FCK, "KILN_FEW_ROWS_BELOW", 0)
     engine = kiln.Builder(kiln.BuilderConfig(device="cpu")).build(
         str(_token_model(tmp_path / "t.onnx")))
     assert counted["select"] > 0, "the build's tuning run timed nothing"

@@ -14,7 +14,7 @@ def fresh(monkeypatch):
     """The CPU linear's and convolution's clean process-wide choice table, the tactics on,
     nothing pinned (a test pins one by setting ``_FORCED`` or ``_FORCED_CONV`` on the returned
     monkeypatch), every shape timed (no nearby shape's pick reused), and every GEMM timed
-    (the small ones the tests use included: KILN_BELOW 0;
+    (the small ones the tests use included: KILN_BELOW and KILN_FEW_ROWS_BELOW 0;
     test_cpu_linear.py tests the untimed pick itself)."""
     from kiln.kernels.torch import fused_conv as FCK
 
@@ -23,6 +23,7 @@ def fresh(monkeypatch):
     monkeypatch.setattr(FCK, "_FORCED", "")
     monkeypatch.setattr(FCK, "_FORCED_CONV", "")
     monkeypatch.setattr(FCK, "KILN_BELOW", 0)
+    monkeypatch.setattr(FCK, "KILN_FEW_ROWS_BELOW", 0)
     monkeypatch.setattr(FCK, "NEAREST_WITHIN", 1.0)  # every shape timed (tested on its own)
     return monkeypatch
 

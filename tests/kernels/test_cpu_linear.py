@@ -4,6 +4,8 @@ and input shape, and the cache fill is thread-safe."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -95,7 +97,7 @@ def test_plans_per_shape_and_weight_kept_plain(fresh):
 def test_choice_shared_across_nodes_of_one_signature(fresh):
     calls = []
     real = FCK._select
-    fresh.setattr(FCK, "_select", lambda fns, x, r: calls.append(1) or real(fns, x, r))
+    fresh.setattr(FCK, "_select", lambda fns, x, r, *a: calls.append(1) or real(fns, x, r, *a))
     x = torch.randn(2, 8, 32)
     nodes = [_call(FC.FusedMatMul) for _ in range(3)]
     for nd in nodes:
@@ -224,7 +226,8 @@ def test_nearby_shape_reuses_the_timed_pick(fresh):
     fresh.setattr(FCK, "NEAREST_WITHIN", 8.0)
     calls = []
     real = FCK._select
-    fresh.setattr(FCK, "_select", lambda fns, x, r: calls.append(x.shape[0]) or real(fns, x, r))
+    fresh.setattr(FCK, "_select", lambda fns, x, r, *a: calls.append(x.shape[0])
+                  or real(fns, x, r, *a))
     w, w2 = torch.randn(32, 64), torch.randn(32, 48)
     for rows, wt in ((16, w), (4, w), (64, w), (3, w), (200, w), (16, w2)):
         n = _call(FC.FusedMatMul)
@@ -241,13 +244,49 @@ def test_nearby_shape_reuses_the_timed_pick(fresh):
     assert calls[-1] == 32 and len(picks) == 1
 
 
+@pytest.mark.skipif(not native.available, reason="kiln's C library is not built")
+@pytest.mark.parametrize("program", ["1", "0"])
+def test_linear_pick_credits_kiln_in_a_native_program(fresh, program):
+    """Where native programs run, the timed pick credits kiln's GEMM with what a torch record
+    of F.linear costs a program (LINEAR_PROGRAM_CREDIT_S): kiln slower than F.linear by less
+    than that wins; with programs off (KILN_CPU_PROGRAM=0) the timing alone decides."""
+    from kiln.settings import Settings
+
+    fresh.setattr(FCK, "SETTINGS", Settings.from_env({"KILN_CPU_PROGRAM": program}))
+    seen = []
+    real = FCK._select
+
+    def late(fn):  # kiln's GEMM, made slower than any rival by half the credit
+        def run(x, r):
+            t0 = time.perf_counter()
+            y = fn(x, r)
+            while time.perf_counter() - t0 < 0.5e-3:
+                pass
+            return y
+        return run
+
+    def select(fns, x, r, order=FCK.TACTICS, credit=None):
+        seen.append(credit)
+        fns = {k: late(f) if k == "kiln" else f for k, f in fns.items()}
+        return real(fns, x, r, order, credit)
+
+    fresh.setattr(FCK, "_select", select)
+    fresh.setattr(FCK, "LINEAR_PROGRAM_CREDIT_S", 1e-3)  # kiln's handicap is 0.5 ms
+    w, x = torch.randn(256, 96), torch.randn(1, 1, 256)
+    n = _call(FC.FusedMatMul, activation="Silu")
+    _close(FCK.fused_matmul(n, x, w), F.silu(x @ w))
+    assert seen == [{"kiln": 1e-3} if program == "1" else None]
+    picked = n.cache["lin_tactics"][((1, 1, 256), None)]
+    assert (picked == "kiln") == (program == "1"), picked
+
+
 def test_small_product_takes_kiln_untimed(fresh):
     """At most KILN_BELOW multiply-adds: kiln's GEMM, nothing timed, the pick shared by the
     signature; one more row and the tactics are timed."""
     fresh.setattr(FCK, "KILN_BELOW", 8 * 32 * 64)
     calls = []
     real = FCK._select
-    fresh.setattr(FCK, "_select", lambda fns, x, r: calls.append(1) or real(fns, x, r))
+    fresh.setattr(FCK, "_select", lambda fns, x, r, *a: calls.append(1) or real(fns, x, r, *a))
     w = torch.randn(32, 64)
     for rows in (8, 8, 9):
         n = _call(FC.FusedMatMul)
@@ -256,3 +295,21 @@ def test_small_product_takes_kiln_untimed(fresh):
         tactic = n.cache["lin_tactics"][((rows, 32), None)]
         assert tactic == "kiln" if rows == 8 else True
     assert len(calls) == 1  # the 9-row product only
+
+
+def test_few_row_product_takes_kiln_untimed(fresh):
+    """At most KILN_FEW_ROWS rows and KILN_FEW_ROWS_BELOW multiply-adds (a decoder step's
+    products): kiln's GEMM untimed, however far above KILN_BELOW; one more row, or a larger
+    product, is timed."""
+    fresh.setattr(FCK, "KILN_FEW_ROWS_BELOW", 4 * 64 * 256)
+    calls = []
+    real = FCK._select
+    fresh.setattr(FCK, "_select", lambda fns, x, r, *a: calls.append(tuple(x.shape)) or real(
+        fns, x, r, *a))
+    for rows, k in ((1, 64), (4, 64), (5, 64), (4, 128)):
+        n = _call(FC.FusedMatMul, activation="Relu")
+        x, w = torch.randn(1, rows, k), torch.randn(k, 256)
+        _close(FCK.fused_matmul(n, x, w), torch.relu(x @ w))
+        if rows * k <= 4 * 64:
+            assert n.cache["lin_tactics"][((1, rows, k), None)] == "kiln"
+    assert calls == [(1, 5, 64), (1, 4, 128)], calls

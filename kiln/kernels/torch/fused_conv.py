@@ -174,6 +174,11 @@ CONV_TACTICS = ("onednn", "kiln", "kiln_direct")
 # and a native program's record of it does not: the pick compares what a program would run
 # (oneDNN's conv runs there as a torch record, its Python included)
 PROGRAM_CREDIT_S = 5e-6
+# The same for a GEMM whose rival is F.linear, which a program runs as a torch record: the
+# record's own cost (back into Python, tensors viewing the program's memory, its result's
+# address stored) comes on top of the timed call's. A 1 x 256 x 688 product (a Llama decode
+# step's MLP) timed 11-13 us under either tactic here, and the pick flipped from build to build
+LINEAR_PROGRAM_CREDIT_S = 2 * PROGRAM_CREDIT_S
 _FORCED_CONV = SETTINGS.cpu_conv  # a forced conv tactic, for repeatable measurements
 
 
@@ -440,6 +445,13 @@ _SLICE_N = 4096
 # microseconds of work measures the machine's noise, and in a native program kiln's GEMM is a
 # record where the others are a call back into Python (a GRU's 96 x 8 head)
 KILN_BELOW = 1 << 15
+# A product of at most KILN_FEW_ROWS rows (a decoder step's, M = 1) and at most this many
+# multiply-adds takes kiln's GEMM untimed too: such a product is read-the-weight-once work, a
+# few to a few dozen microseconds, which the timing on a shared 2-core machine called for
+# F.linear on some builds and for kiln on others (1 x 256 x 1024: kiln 10.5 us against
+# F.linear's 15.2 us on 2 threads, 29 us against 15 in a noisier minute), and F.linear is a
+# torch record in a native program (8 of a GPT-2 decode step's 127 layers)
+KILN_FEW_ROWS, KILN_FEW_ROWS_BELOW = 4, 1 << 22
 
 _choices: dict = {}  # signature -> tactic name, for the whole process
 _choices_lock = threading.Lock()
@@ -705,7 +717,9 @@ def _plan(x, wt, b, a, r):
         with _choices_lock:
             name = _choices.get(sig)
             kiln = None
-            if name is None and x.numel() // x.shape[-1] * wt.numel() <= KILN_BELOW:
+            rows = x.numel() // x.shape[-1]
+            if name is None and (rows * wt.numel() <= KILN_BELOW or (
+                    rows <= KILN_FEW_ROWS and rows * wt.numel() <= KILN_FEW_ROWS_BELOW)):
                 kiln = _build("kiln", x, wt, b, a, r)
             if kiln is not None:  # too small to time fairly: kiln's (a native program record)
                 name, fn = "kiln", kiln
@@ -719,7 +733,12 @@ def _plan(x, wt, b, a, r):
                     ws, bs = wt[:_SLICE_N], None if b is None else b[:_SLICE_N]
                     rs = r if r is None or r.shape[-1] != wt.shape[0] else r[..., :_SLICE_N]
                 fns = {t: f for t in TACTICS if (f := _build(t, x, ws, bs, a, rs)) is not None}
-                name, y = _select(fns, x, rs)
+                # in a native program kiln's GEMM is a record, where the others are a torch
+                # record: the timed call's Python plus the program's call back into Python
+                # and its views of the operands (LINEAR_PROGRAM_CREDIT_S); a decoder step's
+                # M = 1 products timed level took F.linear by noise, each a torch record
+                credit = {"kiln": LINEAR_PROGRAM_CREDIT_S} if SETTINGS.cpu_program else None
+                name, y = _select(fns, x, rs, TACTICS, credit)
                 if sliced:
                     y = None  # the slice's output: the whole weight's function is built below
                 else:
