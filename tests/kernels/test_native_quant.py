@@ -27,7 +27,8 @@ def _torch_steps(x):
 
 def _cases():
     rng = np.random.default_rng(0)
-    yield rng.standard_normal(1000 * 131 + 5).astype(np.float32)  # threaded, odd tail
+    yield rng.standard_normal(1000 * 131 + 5).astype(np.float32)  # one thread, odd tail
+    yield rng.standard_normal((1 << 20) + 13).astype(np.float32)  # threaded, odd tail
     yield np.abs(rng.standard_normal(37)).astype(np.float32) * 3  # one-sided: zero point 0
     yield -np.abs(rng.standard_normal(37)).astype(np.float32)  # zero point 255
     yield np.zeros(19, np.float32)  # constant: scale 1
