@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import re
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from bench.corpus.measure import median_s
 
 DEFAULT = ("96x52x52:96x3x3s1", "48x104x104:96x3x3s2", "12x208x208:24x3x3s1",
            "24x208x208:48x3x3s2", "192x26x26:192x1x1s1", "256x56x56:512x1x1s2",
@@ -45,17 +46,6 @@ def conv_model(c: int, h: int, w: int, k: int, r: int, s: int, stride: int) -> o
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
-
-
-def median_s(fn, runs: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         worst = max(worst, err)
         ratios, tk, to = [], 0.0, 0.0
         for _ in range(args.repeats):
-            tk = median_s(lambda cx=ctx, a=x: cx.run({"x": a}), args.runs)
-            to = median_s(lambda se=sess, a=x: se.run(None, {"x": a}), args.runs)
+            tk = median_s(lambda cx=ctx, a=x: cx.run({"x": a}), args.runs, warmup=3)
+            to = median_s(lambda se=sess, a=x: se.run(None, {"x": a}), args.runs, warmup=3)
             ratios.append(tk / to)
         tactics = sorted({str(t) for t in getattr(engine, "tactics", {}).values()}) \
             if isinstance(getattr(engine, "tactics", None), dict) else []

@@ -12,14 +12,14 @@ onnxruntime's microseconds per layer and their ratio; both run on 2 threads.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from bench.corpus.measure import median_s
 
 _BINARY = ("Add", "Mul", "Max", "Sub")
 _UNARY = ("Sigmoid", "Tanh", "Scale", "Relu")  # bounded: no overflow, no denormals
@@ -51,17 +51,6 @@ def chain_model(n_ops: int, shape: tuple[int, ...], seed: int = 0) -> onnx.Model
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-
-
-def _median_s(fn, runs: int) -> float:
-    for _ in range(5):
-        fn()
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def main(argv=None) -> int:
@@ -103,7 +92,7 @@ def main(argv=None) -> int:
     best = {k: float("inf") for k in runs}
     for _ in range(2):  # interleaved twice, the better median of each kept
         for k, fn in runs.items():
-            best[k] = min(best[k], _median_s(fn, args.runs))
+            best[k] = min(best[k], median_s(fn, args.runs, warmup=5))
     print(f"chain of {args.ops} ops on {shape} -> {layers} kiln layers, max rel err {err:.1e} "
           f"(max |y| {np.abs(want).max():.3f}), {args.threads} threads")
     for k, t in best.items():

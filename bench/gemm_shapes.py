@@ -14,13 +14,13 @@ passive`` runs kiln.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from bench.corpus.measure import median_s
 from kiln import native
 
 DEFAULT = ("128x768x768", "128x768x3072", "128x3072x768", "197x768x768", "197x768x2304",
@@ -38,17 +38,6 @@ def matmul_add_model(w: np.ndarray, b: np.ndarray, m: int) -> bytes:
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model.SerializeToString()
-
-
-def median_us(fn, runs: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e6
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,8 +70,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"{shape}: kiln and onnxruntime differ by {err:.3g}")
         ratios, tk, to = [], 0.0, 0.0
         for _ in range(args.repeats):
-            tk = median_us(lambda r=run, a=xt, o=out: r(a, None, o), args.runs)
-            to = median_us(lambda s=sess, a=x: s.run(None, {"x": a}), args.runs)
+            tk = 1e6 * median_s(lambda r=run, a=xt, o=out: r(a, None, o), args.runs, warmup=5)
+            to = 1e6 * median_s(lambda s=sess, a=x: s.run(None, {"x": a}), args.runs, warmup=5)
             ratios.append(tk / to)
         print(f"{shape}: kiln {tk:.0f} us, onnxruntime {to:.0f} us, kiln/ort "
               f"{min(ratios):.2f}-{max(ratios):.2f} (max |diff| {err:.2g})", flush=True)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 
 import numpy as np
+
+from bench.corpus.measure import median_s
 
 
 def export(path: str, layers: int, seq: int, attn: str) -> None:
@@ -55,16 +55,6 @@ def feeds(seq: int) -> dict:
             "token_type_ids": np.zeros((1, seq), np.int64)}
 
 
-def median_ms(fn, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -98,8 +88,8 @@ def main() -> None:
               f"{sum(after.values())} layers, max rel err vs onnxruntime {err:.1e}")
         for op, k in sorted(after.items(), key=lambda kv: (-kv[1], kv[0])):
             print(f"  {op:<24} {k}")
-        t_kiln = median_ms(lambda c=ctx: c.run(f), args.runs)
-        t_ort = median_ms(lambda: sess.run(None, f), args.runs)
+        t_kiln = 1e3 * median_s(lambda c=ctx: c.run(f), args.runs)
+        t_ort = 1e3 * median_s(lambda: sess.run(None, f), args.runs)
         print(f"  median latency: kiln {t_kiln:.2f} ms, onnxruntime {t_ort:.2f} ms, "
               f"ratio {t_kiln / t_ort:.2f}")
 

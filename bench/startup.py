@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from bench.corpus.measure import median_s
 
 CORPUS = Path(os.environ.get("KILN_CORPUS_DIR", Path.home() / ".cache/kiln/corpus"))
 
@@ -41,16 +42,6 @@ def _feeds(entry: dict, seed: int = 0) -> dict:
         else:
             feeds[i["name"]] = rng.standard_normal(shape).astype(dt)
     return feeds
-
-
-def _median_ms(fn, runs: int) -> float:
-    fn()
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ts)
 
 
 def measure(name: str, entry: dict, runs: int, loop: bool, tmp: Path) -> dict:
@@ -92,7 +83,7 @@ def measure(name: str, entry: dict, runs: int, loop: bool, tmp: Path) -> dict:
     best = {k: float("inf") for k in fns}
     for _ in range(2):  # interleaved twice, the better median kept
         for k, fn in fns.items():
-            best[k] = min(best[k], _median_ms(fn, runs))
+            best[k] = min(best[k], 1e3 * median_s(fn, runs))
     row.update({f"{k}_ms": v for k, v in best.items()})
     row["ratio"] = best["kiln"] / best["onnxruntime"]
     row["first_ok"] = row["load_first_ms"] <= 2 * best["kiln"] + 50

@@ -40,6 +40,18 @@ def shape_note(outs: dict[str, np.ndarray], refs: dict[str, np.ndarray]) -> str:
     return ("shapes differ from onnxruntime's: " + "; ".join(bad)) if bad else ""
 
 
+def median_s(fn: Callable[[], object], runs: int, warmup: int = 1) -> float:
+    """The median wall time of ``runs`` calls of ``fn``, in seconds, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def interleaved(fns: dict[str, Callable[[], object]], min_s: float, min_iters: int,
                 warmup_s: float, block_s: float = 0.1, max_s: float = 10.0,
                 clock: Callable[[], float] = time.perf_counter,
