@@ -59,10 +59,11 @@ class Builder:
         t_parse = time.perf_counter()
         self.log(f"parsed {len(graph.nodes)} nodes, {len(graph.weights)} weights "
                  f"in {1e3 * (t_parse - t0):.0f} ms")
+        inputs = [TensorInfo.of(v) for v in graph.inputs]
         for p in cfg.profiles:
-            validate_profile(p, [TensorInfo.of(v) for v in graph.inputs])
+            validate_profile(p, inputs)
         if not cfg.profiles:
-            self._log_dynamic_inputs([TensorInfo.of(v) for v in graph.inputs])
+            self._log_dynamic_inputs(inputs)
         before, near = graph.op_counts(), []
         self.report = {}
         lower_qlinear(graph, self.log)  # QOperator layers in QDQ form, which folds below
