@@ -243,7 +243,11 @@ class Builder:
         workers = P.default_workers() if cfg.compile_workers is None else cfg.compile_workers
         if workers < 2 or cache.entries.get(cache.device):
             return
-        if len(P.share(graph, 0, 1)) < P.MIN_LAYERS:  # starting the workers costs seconds
+        if len(P.tuned_layers(graph)) < P.MIN_LAYERS:  # starting the workers costs seconds
+            return
+        weight_bytes = sum(int(getattr(v.const, "nbytes", 0)) for v in graph.weights.values())
+        workers = P.affordable(workers, weight_bytes)
+        if workers < 2:
             return
         choices = {n.name: (kernels_for(n.op, "cpu") or kernels_for(n.op, "cuda"))[0].name
                    for n in _all_nodes(graph)}

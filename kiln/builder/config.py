@@ -80,7 +80,7 @@ class BuilderConfig:
     optimize: bool = True
     timing_cache: str | None = None
     tune: bool = True
-    compile_workers: int | None = 0
+    compile_workers: int | None = None
     plan_margin: float = 0.25
     cuda_graph: bool = True
     calib: object = None

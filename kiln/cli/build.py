@@ -31,10 +31,10 @@ def add_arguments(p):
     p.add_argument("--no-tune", action="store_true",
                    help="CUDA: skip kernel timing; every layer runs its first (PyTorch) kernel "
                         "(builds in seconds; for accuracy checks, not speed)")
-    p.add_argument("--compile-workers", type=int, default=0, metavar="N",
+    p.add_argument("--compile-workers", type=int, default=None, metavar="N",
                    help="CUDA: processes compiling the Triton candidates before timing "
-                        "(default 0: in the build process; a win on some models only, see "
-                        "docs/cli.md)")
+                        "(default: 3/4 of the host's cores, at most 12, none below 4 cores; "
+                        "0: compile in the build process)")
     p.add_argument("--plan-margin", type=float, default=0.25, metavar="F",
                    help="CUDA: keep a kernel embedded in the engine over a faster cuDNN one "
                         "when at most this fraction slower (cuDNN makes a plan per layer "

@@ -461,16 +461,49 @@ def test_tuning_run_tunes_only_the_nodes_it_is_given():
     assert set(picks) == {"softmax_b"} and len(timed) == picks["softmax_b"].timed
 
 
-def test_precompile_shares_partition_the_tuned_layers():
-    """Workers' shares: every layer with CUDA candidates in exactly one share, none other."""
+def test_precompile_workers_split_candidates_by_what_they_compile():
+    """Each compiled candidate has exactly one owner; equal compiles (same kernel, tactic and
+    attributes, other layers) have the same owner; PyTorch candidates go to none."""
     from kiln.builder import precompile
+    from kiln.builder.autotune import Candidate
+    from kiln.frontend import import_onnx
+    from kiln.kernels.registry import Kernel
+
+    k = Kernel(name="TritonX", op=None, backend="cuda", fn=lambda *a: None)
+    torch_k = Kernel(name="TorchX", op=None, backend="cpu", fn=lambda *a: None)
+    tactics = [{"BLOCK": b, "num_warps": w} for b in (64, 128, 256) for w in (2, 4, 8)]
+    n = 3
+    keeps = [precompile.keeps(i, n) for i in range(n)]
+    for t in tactics:
+        owners = [i for i in range(n) if keeps[i]("a", Candidate(k, t), {"axis": 1})]
+        assert len(owners) == 1
+        assert keeps[owners[0]]("another_layer", Candidate(k, dict(t)), {"axis": 1})
+    assert not any(kp("a", Candidate(torch_k), {"axis": 1}) for kp in keeps)
+    assert len({precompile.owner(k.name, t, {}, n) for t in tactics}) > 1  # spread out
+    pytest.importorskip("triton")
+    import kiln.kernels.triton  # noqa: F401  (registers the CUDA kernels tuned_layers counts)
+
+    graph = import_onnx(_two_softmax_model())
+    assert precompile.tuned_layers(graph) == ["softmax_a", "softmax_b"]
+
+
+def test_tuning_run_keeps_only_the_candidates_it_is_given():
+    """``keep`` (the workers' filter): the others are not run; a layer left with one
+    candidate is still run once (a worker compiles it)."""
     from kiln.frontend import import_onnx
 
     graph = import_onnx(_two_softmax_model())
-    shares = [precompile.share(graph, k, 2) for k in range(2)]
-    assert shares == [{"softmax_a"}, {"softmax_b"}]
-    assert precompile.share(graph, 0, 1) == {"softmax_a", "softmax_b"}
-    assert precompile.share(graph, 2, 3) == set()
+    every = autotune.tune_graph(graph, None, None, timer=lambda fn: 1.0, device="cpu")
+    n_all = every["softmax_a"].timed
+    assert n_all > 1
+    first = {}
+
+    def keep(node, cand, attrs):
+        return first.setdefault(node, cand.label) == cand.label
+    picks = autotune.tune_graph(graph, None, None, timer=lambda fn: 1.0, device="cpu",
+                                keep=keep)
+    assert set(picks) == {"softmax_a", "softmax_b"}
+    assert all(s.timed == 1 for s in picks.values())
 
 
 def test_builder_config_checks_compile_workers():
