@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import statistics
 import time
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -95,4 +97,10 @@ def interleaved(fns: dict[str, Callable[[], object]], min_s: float, min_iters: i
 def describe_error(stage: str, exc: BaseException) -> str:
     """``stage: Type: message`` on one line (a multi-line message joined with '; ')."""
     lines = [ln.strip(" -") for ln in str(exc).strip().splitlines() if ln.strip()]
-    return f"{stage}: {type(exc).__name__}: {'; '.join(lines)}"[:600]
+    where = ""
+    tb = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    if tb and not str(exc).strip():  # a bare error: where it was raised says what it is
+        where = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno} in {tb[-1].name})"
+    elif tb:
+        where = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno})"
+    return f"{stage}: {type(exc).__name__}: {'; '.join(lines)}"[:560] + where

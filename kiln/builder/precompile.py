@@ -26,6 +26,7 @@ weights on the device (TensorRT's builder likewise times tactics with its own de
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -109,18 +110,19 @@ def _compile_only(fn) -> float:
     return 0.0
 
 
-def owner(kernel_name: str, tactic: dict | None, attrs: dict, n: int) -> int:
+def owner(kernel_name: str, tactic: dict | None, attrs, n: int) -> int:
     """Which of ``n`` workers compiles this candidate: a stable hash of what its compile
-    depends on (kernel, tactic, the node's attributes), so that equal compiles meet in one
-    worker."""
-    key = f"{kernel_name}|{sorted((tactic or {}).items())}|{sorted(attrs.items(), key=str)}"
+    depends on (kernel, tactic, the node's attributes: an op's attrs object, whose repr lists
+    its values), so that equal compiles meet in one worker."""
+    attrs = re.sub(r" at 0x[0-9a-f]+", "", repr(attrs))  # no object address: the same in
+    key = f"{kernel_name}|{sorted((tactic or {}).items(), key=str)}|{attrs}"  # every worker
     return zlib.crc32(key.encode()) % n
 
 
 def keeps(k: int, n: int) -> Callable:
     """Worker ``k`` of ``n``'s filter for :func:`kiln.builder.autotune.tune_graph`: its
     compiled (non-PyTorch) candidates."""
-    def keep(node_name: str, cand, attrs: dict) -> bool:
+    def keep(node_name: str, cand, attrs) -> bool:
         return (cand.kernel.backend != "cpu"
                 and owner(cand.kernel.name, cand.tactic, attrs, n) == k)
     return keep
@@ -148,7 +150,8 @@ def _worker(path: str, k: int, n: int, device: int) -> int:
     keep = keeps(k, n)
     layers, count = set(), 0
     for profile in engine.profiles or [None]:
-        picks = tune_graph(engine.graph, profile, None, timer=_compile_only, keep=keep)
+        picks = tune_graph(engine.graph, profile, None, timer=_compile_only, keep=keep,
+                           log=lambda m: m.startswith("autotune:") and print(m, flush=True))
         layers |= set(picks)
         count += sum(s.timed for s in picks.values())
     print(f"precompile worker: {len(layers)} layers, {count} candidates; started + loaded in "
