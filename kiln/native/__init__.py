@@ -105,6 +105,14 @@ def _load():
     lib.kiln_shifted_codes.restype = None
     lib.kiln_requantize.argtypes = [_L, _L, _P, _P, _F, _F, _F, _F]
     lib.kiln_requantize.restype = None
+    lib.kiln_qgemm_best_path.argtypes = []
+    lib.kiln_qgemm_best_path.restype = _I
+    lib.kiln_qgemm_packed_size.argtypes = [_I, _L, _L]
+    lib.kiln_qgemm_packed_size.restype = _L
+    lib.kiln_qgemm_pack.argtypes = [_I, _L, _L, _P, _P]
+    lib.kiln_qgemm_pack.restype = None
+    lib.kiln_qgemm.argtypes = [_I, _L, _L, _L, _P, _L, _I, _P, _P, _F, _P, _L, _P, _P, _L, _I]
+    lib.kiln_qgemm.restype = _I
     return lib, ""
 
 
@@ -373,6 +381,76 @@ def shifted_codes(x: torch.Tensor, scale: float, zero: int) -> torch.Tensor:
     y = torch.empty(x.shape, dtype=torch.float32)
     _lib.kiln_shifted_codes(x.numel(), x.data_ptr(), y.data_ptr(), scale, float(zero))
     return y
+
+
+# qgemm.c's paths: the portable loop, AVX2's vpmaddwd on int16, AVX512-VNNI's vpdpbusd
+QGEMM_PATHS = {"scalar": 1, "avx2": 2, "vnni": 3}
+
+
+def qgemm_paths() -> list[str]:
+    """The u8 x s8 GEMM paths this CPU runs (qgemm.c), the fastest last."""
+    best = _lib.kiln_qgemm_best_path()
+    return [name for name, code in QGEMM_PATHS.items() if code <= best]
+
+
+class QGemmWeight:
+    """An int8 weight [K, N] (zero point 0) packed for qgemm.c's ``path`` (None: the fastest
+    this CPU has; "scalar", "avx2", "vnni" force one), with its column sums."""
+
+    def __init__(self, wq: torch.Tensor, path: str | None = None):
+        if wq.dtype != torch.int8 or wq.dim() != 2 or wq.device.type != "cpu":
+            raise ValueError(f"QGemmWeight: expected an int8 CPU [K, N] weight, got "
+                             f"{wq.dtype} {tuple(wq.shape)} on {wq.device}")
+        path = path or qgemm_paths()[-1]
+        if path not in QGEMM_PATHS or path not in qgemm_paths():
+            raise ValueError(f"QGemmWeight: path {path!r} is not one this CPU runs "
+                             f"({', '.join(qgemm_paths())})")
+        self.k, self.n = wq.shape
+        self.path, self.code = path, QGEMM_PATHS[path]
+        w = wq.contiguous()
+        self.packed = torch.empty(_lib.kiln_qgemm_packed_size(self.code, self.k, self.n),
+                                  dtype=torch.uint8)
+        _lib.kiln_qgemm_pack(self.code, self.k, self.n, w.data_ptr(), self.packed.data_ptr())
+        self.colsum = w.sum(0, dtype=torch.int32).contiguous()
+
+
+def qgemm(codes: torch.Tensor, a_zero: int, a_scale: float, w: QGemmWeight,
+          w_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``float(codes @ wq - a_zero * colsum(wq)) * (a_scale * w_scale) (+ bias)`` of uint8
+    ``codes`` [M, K] (rows contiguous) and a packed int8 weight (qgemm.c): the int32 sums
+    exact, the float steps onnxruntime's MatMulInteger -> Cast -> Mul (-> Add). ``w_scale``
+    float32 of 1 or N values, ``bias`` float32 [N]."""
+    if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] != w.k or \
+            codes.stride(1) != 1:
+        raise ValueError(f"qgemm: expected uint8 codes [M, {w.k}] with contiguous rows, got "
+                         f"{codes.dtype} {tuple(codes.shape)}")
+    ws = w_scale.reshape(-1)
+    if ws.dtype != torch.float32 or ws.numel() not in (1, w.n) or not ws.is_contiguous():
+        raise ValueError(f"qgemm: w_scale must be float32 of 1 or {w.n} values")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != w.n or
+                             not bias.is_contiguous()):
+        raise ValueError(f"qgemm: bias must be contiguous float32 of {w.n} values")
+    m = codes.shape[0]
+    y = torch.empty(m, w.n, dtype=torch.float32)
+    _lib.kiln_qgemm(w.code, m, w.n, w.k, codes.data_ptr(), codes.stride(0), int(a_zero),
+                    w.packed.data_ptr(), w.colsum.data_ptr(), float(a_scale), ws.data_ptr(),
+                    ws.numel(), None if bias is None else bias.data_ptr(), y.data_ptr(), w.n,
+                    torch.get_num_threads())
+    return y
+
+
+def dynamic_qgemm(x: torch.Tensor, w: QGemmWeight, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """DynamicQuantizeLinear of a contiguous float32 ``x`` [M, K] (quant.c) then :func:`qgemm`
+    of its codes: onnxruntime's DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul chain."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or \
+            x.dim() != 2:
+        raise ValueError("dynamic_qgemm: expected a contiguous float32 CPU [M, K] tensor")
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    sz = (ctypes.c_float * 2)()
+    _lib.kiln_dynamic_quantize(x.numel(), x.data_ptr(), codes.data_ptr(), ctypes.addressof(sz),
+                               ctypes.addressof(sz) + 4, torch.get_num_threads())
+    return qgemm(codes, int(sz[1]), sz[0], w, w_scale, bias)
 
 
 def requantize_(acc: torch.Tensor, mult: torch.Tensor, scale: float, zero: int, lo: int,

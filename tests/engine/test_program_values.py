@@ -261,3 +261,32 @@ def test_float_input_cast_to_indices_runs_as_a_program(tmp_path):
         outs.append(got)
     assert not np.allclose(outs[0], outs[1])
     assert program.traced == 1 and not program.disabled
+
+
+def _ids_int8_model() -> onnx.ModelProto:
+    """y = table[ids] through onnxruntime's dynamic quantization of a MatMul
+    (DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul by the scales): ids whose values
+    reach a quantized layer's activation, which is data."""
+    rng = np.random.default_rng(1)
+    inits = [_arr("table", rng.standard_normal((10, 8)).astype(np.float32)),
+             _arr("w", rng.integers(-127, 128, (8, 5)).astype(np.int8)),
+             _arr("wz", np.int8(0)), _arr("ws", np.float32(0.01))]
+    nodes = [mk("Gather", ["table", "ids"], ["e"], axis=0),
+             mk("DynamicQuantizeLinear", ["e"], ["q", "s", "z"]),
+             mk("MatMulInteger", ["q", "w", "z", "wz"], ["acc"]),
+             mk("Cast", ["acc"], ["accf"], to=TensorProto.FLOAT),
+             mk("Mul", ["s", "ws"], ["sc"]), mk("Mul", ["accf", "sc"], ["y"])]
+    return _model(nodes, [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 5])], inits)
+
+
+def test_ids_into_a_quantized_matmul_run_as_one_program(tmp_path):
+    engine, sess = _build(_ids_int8_model(), tmp_path)
+    ex = engine._executor
+    assert "Int8MatMul" in [st.node.op.name for st in ex.steps]
+    assert ex.program is not None and ex.program_blocked is None, ex.program_blocked
+    ctx = engine.create_context()
+    for ids in ([[1, 2, 3]], [[9, 0, 4]], [[1, 2, 3]]):
+        f = {"ids": np.array(ids)}
+        np.testing.assert_allclose(ctx.run(f)["y"], sess.run(None, f)[0], rtol=1e-5, atol=1e-5)
+    assert ex.program.traced == 1 and [p for p in ex.program.plans.values() if p]

@@ -1,0 +1,245 @@
+/* u8 x s8 integer GEMM with a float epilogue: C[m, n] = float(sum_k A[m, k] B[k, n] - a_zero *
+ * colsum[n]) * (a_scale * w_scale[n]) (+ bias[n]), the int32 sums exact (no int16 pair
+ * saturation), the float steps those of onnxruntime's MatMulInteger -> Cast -> Mul (-> Add).
+ * A is uint8 activation codes [M, K] (row stride lda), B int8 weight codes [K, N] with zero
+ * point 0, packed once by kiln_qgemm_pack for one path:
+ *
+ * - VNNI (AVX512-VNNI, vpdpbusd): panels of 32 columns; per group of 4 k, 32 x 4 bytes (column
+ *   c's 4 codes together), so one instruction adds 4 u8 x s8 products into 16 int32 sums;
+ * - AVX2 (vpmaddwd on int16): panels of 16 columns; per pair of k, 16 x 2 int16 (the codes
+ *   sign-extended), A's pair zero-extended into one int32 broadcast: each vpmaddwd adds 2
+ *   products per column in int32, exactly (vpmaddubsw would saturate their int16 sum);
+ * - scalar: B transposed, [N, K] int8.
+ *
+ * kiln_qgemm_best_path picks the fastest path the CPU has; any path can be forced (tests run
+ * each one the CPU can). The row blocks x column panels are items of kiln's team (team.c). */
+/* no fused multiply-adds in the epilogue: onnxruntime rounds the product, then adds the bias */
+#pragma GCC optimize("fp-contract=off")
+#include "kernels.h"
+#include <stdint.h>
+
+enum { QP_SCALAR = 1, QP_AVX2 = 2, QP_VNNI = 3 };
+#define QMR 4 /* rows of a register tile */
+#define QSERIAL_WORK (1L << 18) /* multiply-adds below which one thread does it all */
+
+int kiln_qgemm_best_path(void)
+{
+    static int best = 0;
+    if (!best) {
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+            best = QP_VNNI;
+        else if (__builtin_cpu_supports("avx2"))
+            best = QP_AVX2;
+        else
+            best = QP_SCALAR;
+    }
+    return best;
+}
+
+static long panel_cols(int path) { return path == QP_VNNI ? 32 : path == QP_AVX2 ? 16 : 1; }
+static long kgroup(int path) { return path == QP_VNNI ? 4 : path == QP_AVX2 ? 2 : 1; }
+static long elem_bytes(int path) { return path == QP_AVX2 ? 2 : 1; }
+
+/* Bytes of B packed for ``path`` (0 for a path this build or CPU cannot run). */
+long kiln_qgemm_packed_size(int path, long K, long N)
+{
+    if (path < QP_SCALAR || path > kiln_qgemm_best_path())
+        return 0;
+    long pc = panel_cols(path), g = kgroup(path);
+    return (N + pc - 1) / pc * pc * ((K + g - 1) / g * g) * elem_bytes(path);
+}
+
+/* B [K, N] int8 (row stride N) into ``out`` (kiln_qgemm_packed_size bytes), zeros padding. */
+void kiln_qgemm_pack(int path, long K, long N, const int8_t *B, void *out)
+{
+    long pc = panel_cols(path), g = kgroup(path);
+    long kp = (K + g - 1) / g * g, np = (N + pc - 1) / pc;
+    if (path == QP_SCALAR) {
+        int8_t *o = out;
+        for (long n = 0; n < N; n++)
+            for (long k = 0; k < K; k++)
+                o[n * K + k] = B[k * N + n];
+        return;
+    }
+    memset(out, 0, (size_t)(np * pc * kp * elem_bytes(path)));
+    for (long p = 0; p < np; p++)
+        for (long k = 0; k < K; k++)
+            for (long c = 0; c < pc && p * pc + c < N; c++) {
+                long at = p * pc * kp + (k / g) * pc * g + c * g + k % g;
+                int8_t v = B[k * N + p * pc + c];
+                if (path == QP_AVX2)
+                    ((int16_t *)out)[at] = v;
+                else
+                    ((int8_t *)out)[at] = v;
+            }
+}
+
+struct qjob {
+    int path;
+    long M, N, K, lda, ldc, rb;
+    const uint8_t *A;
+    int a_zero;
+    const void *B;
+    const int32_t *colsum;
+    float a_scale;
+    const float *w_scale;
+    long w_scale_n; /* 1: one scale for every column */
+    const float *bias;
+    float *C;
+};
+
+static inline float col_scale(const struct qjob *j, long n)
+{
+    return j->a_scale * j->w_scale[j->w_scale_n == 1 ? 0 : n];
+}
+
+static inline float finish(const struct qjob *j, long n, int32_t acc)
+{
+    float y = (float)(acc - j->a_zero * j->colsum[n]) * col_scale(j, n);
+    return j->bias ? y + j->bias[n] : y;
+}
+
+/* A's codes k0 .. k0 + len - 1 of one row (len <= 4) as one little-endian word, zeros past K. */
+static inline uint32_t a_word(const uint8_t *a, long k0, long K, int len)
+{
+    uint32_t w = 0;
+    if (k0 + len <= K) {
+        if (len == 4)
+            memcpy(&w, a + k0, 4);
+        else
+            w = (uint32_t)a[k0] | ((uint32_t)a[k0 + 1] << 16);
+        return w;
+    }
+    for (int i = 0; i < len && k0 + i < K; i++)
+        w |= (uint32_t)a[k0 + i] << (len == 4 ? 8 * i : 16 * i);
+    return w;
+}
+
+static void scalar_items(void *ctx, long i0, long i1)
+{
+    const struct qjob *j = ctx;
+    const int8_t *B = j->B;
+    for (long i = i0; i < i1; i++) {
+        long n = i / j->rb, m0 = (i % j->rb) * QMR;
+        for (long m = m0; m < m0 + QMR && m < j->M; m++) {
+            const uint8_t *a = j->A + m * j->lda;
+            int32_t acc = 0;
+            for (long k = 0; k < j->K; k++)
+                acc += (int32_t)a[k] * (int32_t)B[n * j->K + k];
+            j->C[m * j->ldc + n] = finish(j, n, acc);
+        }
+    }
+}
+
+/* The epilogue of 8 columns n0 .. n0 + 7 (``valid`` of them inside N) of one row. */
+TGT static void store8(const struct qjob *j, long m, long n0, long valid, __m256i acc)
+{
+    if (valid >= 8) {
+        __m256i cs = _mm256_loadu_si256((const __m256i *)(j->colsum + n0));
+        __m256i t = _mm256_sub_epi32(acc, _mm256_mullo_epi32(_mm256_set1_epi32(j->a_zero), cs));
+        __m256 s = j->w_scale_n == 1 ? _mm256_set1_ps(j->a_scale * j->w_scale[0]) :
+            _mm256_mul_ps(_mm256_set1_ps(j->a_scale), _mm256_loadu_ps(j->w_scale + n0));
+        __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(t), s);
+        if (j->bias)
+            y = _mm256_add_ps(y, _mm256_loadu_ps(j->bias + n0));
+        _mm256_storeu_ps(j->C + m * j->ldc + n0, y);
+        return;
+    }
+    int32_t v[8];
+    _mm256_storeu_si256((__m256i *)v, acc);
+    for (long c = 0; c < valid; c++)
+        j->C[m * j->ldc + n0 + c] = finish(j, n0 + c, v[c]);
+}
+
+TGT static void avx2_items(void *ctx, long i0, long i1)
+{
+    const struct qjob *j = ctx;
+    long kp = (j->K + 1) / 2;
+    for (long i = i0; i < i1; i++) {
+        long p = i / j->rb, m0 = (i % j->rb) * QMR;
+        const int16_t *b = (const int16_t *)j->B + p * 16 * kp * 2;
+        const uint8_t *a[QMR];
+        for (int r = 0; r < QMR; r++)
+            a[r] = j->A + (m0 + r < j->M ? m0 + r : m0) * j->lda;
+        __m256i acc[QMR][2];
+        for (int r = 0; r < QMR; r++)
+            acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        for (long g = 0; g < kp; g++) {
+            __m256i b0 = _mm256_loadu_si256((const __m256i *)(b + g * 32));
+            __m256i b1 = _mm256_loadu_si256((const __m256i *)(b + g * 32 + 16));
+            for (int r = 0; r < QMR; r++) {
+                __m256i av = _mm256_set1_epi32((int)a_word(a[r], 2 * g, j->K, 2));
+                acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(av, b0));
+                acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(av, b1));
+            }
+        }
+        for (int r = 0; r < QMR && m0 + r < j->M; r++)
+            for (int h = 0; h < 2; h++) {
+                long n0 = p * 16 + h * 8;
+                if (n0 < j->N)
+                    store8(j, m0 + r, n0, j->N - n0, acc[r][h]);
+            }
+    }
+}
+
+#define TGTV __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+
+TGTV static void vnni_items(void *ctx, long i0, long i1)
+{
+    const struct qjob *j = ctx;
+    long kp = (j->K + 3) / 4;
+    for (long i = i0; i < i1; i++) {
+        long p = i / j->rb, m0 = (i % j->rb) * QMR;
+        const int8_t *b = (const int8_t *)j->B + p * 32 * kp * 4;
+        const uint8_t *a[QMR];
+        for (int r = 0; r < QMR; r++)
+            a[r] = j->A + (m0 + r < j->M ? m0 + r : m0) * j->lda;
+        __m512i acc[QMR][2];
+        for (int r = 0; r < QMR; r++)
+            acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+        for (long g = 0; g < kp; g++) {
+            __m512i b0 = _mm512_loadu_si512(b + g * 128);
+            __m512i b1 = _mm512_loadu_si512(b + g * 128 + 64);
+            for (int r = 0; r < QMR; r++) {
+                __m512i av = _mm512_set1_epi32((int)a_word(a[r], 4 * g, j->K, 4));
+                acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], av, b0);
+                acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], av, b1);
+            }
+        }
+        for (int r = 0; r < QMR && m0 + r < j->M; r++)
+            for (int h = 0; h < 4; h++) {
+                long n0 = p * 32 + h * 8;
+                if (n0 >= j->N)
+                    break;
+                __m512i v = acc[r][h / 2];
+                __m256i q = (h & 1) ? _mm512_extracti64x4_epi64(v, 1) :
+                    _mm512_castsi512_si256(v);
+                store8(j, m0 + r, n0, j->N - n0, q);
+            }
+    }
+}
+
+/* C [M, N] (row stride ldc) from A's codes and B packed for ``path`` (0: the best); w_scale has
+ * w_scale_n values (1 or N), bias N or none. Returns -1 for a path this CPU cannot run. */
+int kiln_qgemm(int path, long M, long N, long K, const uint8_t *A, long lda, int a_zero,
+               const void *B, const int32_t *colsum, float a_scale, const float *w_scale,
+               long w_scale_n, const float *bias, float *C, long ldc, int nthreads)
+{
+    if (path == 0)
+        path = kiln_qgemm_best_path();
+    if (path < QP_SCALAR || path > kiln_qgemm_best_path())
+        return -1;
+    long pc = panel_cols(path), rb = (M + QMR - 1) / QMR;
+    struct qjob j = {path, M, N, K, lda, ldc, rb, A, a_zero, B, colsum, a_scale, w_scale,
+                     w_scale_n, bias, C};
+    kiln_range_fn fn = path == QP_VNNI ? vnni_items : path == QP_AVX2 ? avx2_items :
+        scalar_items;
+    long items = rb * ((N + pc - 1) / pc);
+    if (nthreads < 2 || items < 2 || M * N * K < QSERIAL_WORK)
+        fn(&j, 0, items);
+    else
+        kiln_parallel(items, fn, &j, nthreads);
+    return 0;
+}
