@@ -28,8 +28,6 @@ from pathlib import Path
 
 from bench.corpus import manifest
 
-PHASES = ("cold", "warm-triton", "warm")
-
 
 def worker(model: str, corpus: Path, cache: str, profile: bool, workers: int | None) -> dict:
     import cProfile

@@ -99,8 +99,7 @@ def describe_error(stage: str, exc: BaseException) -> str:
     lines = [ln.strip(" -") for ln in str(exc).strip().splitlines() if ln.strip()]
     where = ""
     tb = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
-    if tb and not str(exc).strip():  # a bare error: where it was raised says what it is
-        where = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno} in {tb[-1].name})"
-    elif tb:
-        where = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno})"
+    if tb:  # a bare error (no message) also names the function: where it was raised says what
+        func = "" if lines else f" in {tb[-1].name}"
+        where = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno}{func})"
     return f"{stage}: {type(exc).__name__}: {'; '.join(lines)}"[:560] + where

@@ -449,8 +449,8 @@ class GraphTimer:
 def tune_graph(graph, profile=None, cache: TimingCache | None = None,
                timer: Callable | None = None, log: Callable[[str], None] = lambda m: None,
                device: str = "cuda", plan_margin: float = 0.0,
-               status: dict | None = None, only: set[str] | None = None,
-               keep: Callable[[str, Candidate, dict], bool] | None = None
+               status: dict | None = None,
+               keep: Callable[[str, Candidate, object], bool] | None = None
                ) -> dict[str, Selection]:
     """Run ``graph`` once at the profile's opt shapes with the PyTorch kernels on ``device``;
     at every node that has CUDA kernels, time its candidates on the live inputs first
@@ -459,10 +459,10 @@ def tune_graph(graph, profile=None, cache: TimingCache | None = None,
     Returns a :class:`Selection` per tuned node (nodes with only the PyTorch kernel are not
     listed). Saves ``cache`` at the end. ``status["complete"]``: whether the run on random
     inputs reached the end (random indices out of range stop it before a CUDA kernel would
-    assert and take the process's CUDA context with it). ``only``: tune these nodes alone (the
-    others run their PyTorch kernel untimed). ``keep(node_name, candidate, attrs)``: only the
-    candidates it accepts are run, each once even where one is left
-    (:mod:`kiln.builder.precompile`'s workers, which split the candidates between them)."""
+    assert and take the process's CUDA context with it). ``keep(node_name, candidate, attrs)``:
+    only the candidates it accepts are run, each once even where one is left, and a node left
+    with none runs its PyTorch kernel untimed (:mod:`kiln.builder.precompile`'s workers, which
+    split the candidates between them)."""
     import kiln.kernels.triton  # noqa: F401  (registers the CUDA kernels)
     from kiln.engine.engine import TensorInfo
     from kiln.engine.executor import Executor
@@ -485,7 +485,7 @@ def tune_graph(graph, profile=None, cache: TimingCache | None = None,
 
         def tuned(call, *ins):
             ins = tuple(_to(x, device) for x in ins)
-            if node.name not in picks and (only is None or node.name in only):
+            if node.name not in picks:
                 cands = candidates(node.op, call, ins)
                 if keep is not None:
                     cands = [c for c in cands if keep(node.name, c, call.attrs)]

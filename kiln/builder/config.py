@@ -34,11 +34,12 @@ class BuilderConfig:
             as TensorRT's builder optimization level 0 skips tactic timing): for an accuracy
             check or a quick smoke test, not for speed.
         compile_workers: on CUDA, processes that compile the Triton candidates before they
-            are timed (:mod:`kiln.builder.precompile`); 0 (the default) or 1: compile in the
-            build process; None: half the host's cores, at most 8, none below 4 cores. Off by
-            default: on the H200 host, 8 workers built an EfficientNet-B0 in 31 s (the serial
-            build passed 40 s) but a MobileNetV3 in over 60 s (serial: 20 s), each worker
-            paying seconds of start-up and Triton's per-signature launcher compiles again.
+            are timed (:mod:`kiln.builder.precompile`), each owning the candidates whose
+            kernel, tactic and attributes hash to it; None (the default): 3/4 of the host's
+            cores, at most 12, none below 4 cores, fewer where their copies of the weights
+            would not fit in a quarter of the free device memory; 0 or 1: compile in the build
+            process. Triton's compiles were 94% of a cold MobileNetV3 build on the H200 host
+            (125 s cold, 8 s with Triton's cache warm: ``python -m bench.build_profile``).
         plan_margin: on CUDA, a layer keeps a kernel that runs from the engine's embedded
             binaries over a faster cuDNN one when it is at most this fraction slower (0.25:
             25%). cuDNN makes a plan per layer shape at an engine's first run (milliseconds

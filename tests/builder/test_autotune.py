@@ -449,7 +449,7 @@ def _two_softmax_model():
 
 
 def test_tuning_run_tunes_only_the_nodes_it_is_given():
-    """``only`` (the parallel compile's workers): the other layers run untimed."""
+    """``keep`` refusing every candidate of a layer: that layer runs untimed."""
     from kiln.frontend import import_onnx
 
     graph = import_onnx(_two_softmax_model())
@@ -457,7 +457,7 @@ def test_tuning_run_tunes_only_the_nodes_it_is_given():
     assert set(every) == {"softmax_a", "softmax_b"}
     timed: list = []
     picks = autotune.tune_graph(graph, None, None, timer=lambda fn: timed.append(fn) or 1.0,
-                                device="cpu", only={"softmax_b"})
+                                device="cpu", keep=lambda node, c, a: node == "softmax_b")
     assert set(picks) == {"softmax_b"} and len(timed) == picks["softmax_b"].timed
 
 
