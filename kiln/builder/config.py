@@ -100,6 +100,7 @@ class BuilderConfig:
     verbose: bool = False
 
     def __post_init__(self):
+        self.profiles = list(self.profiles or [])  # None: no profiles, as the default
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
         if self.low_precision_io and not (self.fp16 or self.bf16):
