@@ -7,6 +7,11 @@ packed into one tile (GQA), then a reduction over the splits.
 Each split covers ceil(len / SPLITS) tokens rounded up to whole blocks, computed in the kernel
 from the sequence's length, so the launch has no per-step arguments (CUDA-graph safe). Tested
 under ``TRITON_INTERPRET=1`` on small shapes; the speed is the GPU's business.
+
+An FP8 (e4m3) cache (``kv_scale`` given: [K scale, V scale] float32 on the device) is loaded as
+FP8 tiles and widened to the queries' dtype in registers (exact: every e4m3 value is an FP16
+value); the K scale is folded into the softmax scale, the V scale applied to the partial
+output, so dequantizing costs two multiplies per program. Half the bytes of an FP16 cache.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
+def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, kv_scale_ptr,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, scale,
                   HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                  D: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr):
+                  D: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr,
+                  FP8_KV: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -35,6 +41,9 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
     gmask = g < GROUP
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None], other=0.0)
+    qk_scale = scale
+    if FP8_KV:  # s = q . (k8 * sk) * scale = (q . k8) * (scale * sk)
+        qk_scale = scale * tl.load(kv_scale_ptr)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
@@ -44,7 +53,10 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
         off = blk * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :]
         k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        if FP8_KV:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
@@ -52,6 +64,8 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
         lsum = lsum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m = m_new
+    if FP8_KV:  # sum p (v8 * sv) = sv * sum p v8
+        acc = acc * tl.load(kv_scale_ptr + 1)
     row = (b * HEADS + heads) * SPLITS + sp
     tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
     tl.store(ml_ptr + row * 2, m, mask=gmask)
@@ -85,21 +99,28 @@ def decode_splits(batch: int, kv_heads: int, sms: int = 132) -> int:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, scale: float,
-                 splits: int = 8) -> torch.Tensor:
+                 splits: int = 8, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its cached keys.
 
-    q [B, H, D]; k_cache, v_cache [blocks, block_size, KV, D]; tables [B, max_blocks] int32;
-    lens [B] int32 (tokens in the cache, the new one included). Returns [B, H, D].
+    q [B, H, D]; k_cache, v_cache [blocks, block_size, KV, D] (q's dtype, or float8_e4m3fn
+    with ``kv_scale`` = float32 [K scale, V scale]); tables [B, max_blocks] int32; lens [B]
+    int32 (tokens in the cache, the new one included). Returns [B, H, D].
     """
     b, heads, d = q.shape
     _, bs, kv, _ = k_cache.shape
     group = heads // kv
+    fp8_kv = k_cache.dtype == torch.float8_e4m3fn
+    if fp8_kv != (kv_scale is not None) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"paged_decode: K cache {k_cache.dtype}, V cache {v_cache.dtype}, "
+                         f"kv_scale {'given' if kv_scale is not None else 'None'}: an FP8 cache "
+                         "needs kv_scale, any other none")
     acc = torch.empty(b * heads * splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(b * heads * splits, 2, dtype=torch.float32, device=q.device)
     _decode_split[(b, kv, splits)](
-        q, k_cache, v_cache, tables, lens, acc, ml, q.stride(0), q.stride(1), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), tables.stride(0), scale, HEADS=heads, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BS=bs, SPLITS=splits)
+        q, k_cache, v_cache, tables, lens, acc, ml, kv_scale if fp8_kv else lens, q.stride(0),
+        q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        scale, HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d,
+        BS=bs, SPLITS=splits, FP8_KV=fp8_kv)
     out = torch.empty_like(q)
     _decode_reduce[(b, heads)](acc, ml, out, out.stride(0), out.stride(1), HEADS=heads, D=d,
                                SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
