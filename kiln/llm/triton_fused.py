@@ -66,6 +66,18 @@ def silu_mul(gu: torch.Tensor, block: int = 1024) -> torch.Tensor:
 
 
 @triton.jit
+def _to_e4m3(x, scale):
+    """x / scale saturated at +-448, rounded to 3 mantissa bits (to nearest, ties to even)
+    in float32 bits, so the cast to e4m3 that follows is exact (normal range). The cast alone
+    would round the same on the GPU; Triton's interpreter does not carry a round-up into the
+    exponent (30.6 became 16), and the tests run there."""
+    y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+    bits = y.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # drop 20 of 23 mantissa bits
+    return bits.to(tl.float32, bitcast=True).to(tl.float8e4nv)
+
+
+@triton.jit
 def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, kv_scale_ptr,
              stride_t, stride_slot, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
              FP8_KV: tl.constexpr):
@@ -88,9 +100,8 @@ def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, 
         dst = slot * stride_slot + (j - H) * D + d
         v = tl.load(src + KV * D + d)
         if FP8_KV:
-            out = tl.minimum(tl.maximum(out / tl.load(kv_scale_ptr), -448.0), 448.0)
-            v = v.to(tl.float32) / tl.load(kv_scale_ptr + 1)
-            v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+            out = _to_e4m3(out, tl.load(kv_scale_ptr))
+            v = _to_e4m3(v, tl.load(kv_scale_ptr + 1))
         tl.store(k_ptr + dst, out.to(k_ptr.dtype.element_ty))
         tl.store(v_ptr + dst, v.to(v_ptr.dtype.element_ty))
 
