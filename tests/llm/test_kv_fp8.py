@@ -94,22 +94,25 @@ def _tokens(llm, p):
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p)]
 
 
-def test_fp8_kv_greedy_tracks_fp32_kv(tiny_dir):
-    """Greedy tokens over an e4m3 cache against the float32 cache (tiny random Llama, CPU torch
-    path). With scales from the prompts' amax, the first 8 tokens of every prompt are the
-    float32 cache's (measured: 38 of 40 tokens). With the default scale 1.0 the tolerance is
-    looser: 3 of 4 first tokens, and 20 of 40 tokens before each prompt's first difference
-    (measured: 23; one prompt differs from its first token on a near tie of this random
-    model's logits, one after 3 tokens)."""
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_fp8_kv_greedy_tracks_full_precision_kv(tiny_dir, dtype):
+    """Greedy tokens over an e4m3 cache against a cache in the model's dtype (tiny random
+    Llama, CPU torch path, FP32 or FP16 model). With scales from the prompts' amax, the first 8
+    tokens of every prompt are the full-precision cache's (measured: 38 of 40 tokens). With
+    the default scale 1.0 the tolerance is looser: 3 of 4 first tokens, and 20 of 40 tokens
+    before each prompt's first difference (measured: 23; one prompt differs from its first
+    token on a near tie of this random model's logits, one after 3 tokens). This path reads
+    the prompt's own K/V back from the cache; CUDA prefill attends to the fresh ones."""
     p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    want = _tokens(LLM(tiny_dir, num_blocks=64), p)
-    calc = LLM(tiny_dir, num_blocks=64, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    want = _tokens(LLM(tiny_dir, num_blocks=64, dtype=dtype), p)
+    calc = LLM(tiny_dir, num_blocks=64, dtype=dtype, kv_cache_dtype="fp8",
+               calculate_kv_scales=True)
     got = _tokens(calc, p)
     assert [g[:8] for g in got] == [w[:8] for w in want]
     d = calc.engine.runner.describe_kv()
     assert d["kv_cache_dtype"] == "float8_e4m3fn" and d["calculated"]
     assert 0 < d["k_scale"][0] < 1 and 0 < d["v_scale"][0] < 1
-    unit = LLM(tiny_dir, num_blocks=64, kv_cache_dtype="fp8")
+    unit = LLM(tiny_dir, num_blocks=64, dtype=dtype, kv_cache_dtype="fp8")
     got = _tokens(unit, p)
     assert unit.engine.runner.describe_kv()["k_scale"] == [1.0, 1.0]
     assert sum(g[0] == w[0] for g, w in zip(got, want)) >= 3
