@@ -1,6 +1,7 @@
 """The CUDA model runner: Triton paged decode attention, SDPA prefill, CUDA graphs for decode.
 
-Decode-only steps (every sequence adds one token) run the Triton kernel; a step with prefill
+Decode-only steps (every sequence adds one token) run the Triton kernel (for MHA models,
+``KILN_LLM_DECODE_TILE=N`` picks its tiled variant, N tokens per iteration); a step with prefill
 chunks (``MixedMeta``) runs its decode rows through the same kernel and each chunk through SDPA
 (a whole prompt straight to flash attention, a continued chunk over its gathered blocks). The
 model gets the fused decode kernels of ``fused.py`` (add + RMSNorm, SiLU * up, RoPE + KV
@@ -38,7 +39,7 @@ from kiln.llm import fp8, kv_quant
 from kiln.llm.attention import TorchPagedAttention
 from kiln.llm.fused import FusedOps
 from kiln.llm.runner import ModelRunner
-from kiln.llm.triton_attention import decode_splits, paged_decode
+from kiln.llm.triton_attention import decode_splits, mha_tile_from_env, paged_decode
 
 log = logging.getLogger("kiln.llm")
 
@@ -97,6 +98,7 @@ class CudaAttention:
         self.scale = cache.shape[-1] ** -0.5
         self.sms = (torch.cuda.get_device_properties(cache.device).multi_processor_count
                     if cache.device.type == "cuda" else 132)
+        self.mha_tile = mha_tile_from_env()  # None: the tl.dot decode kernel for MHA too
 
     def __call__(self, layer, q, k, v, meta):
         if isinstance(meta, MixedMeta):
@@ -130,7 +132,8 @@ class CudaAttention:
                                             self.cache[layer, 1], meta.dec_tables,
                                             meta.dec_lens, self.scale,
                                             self._splits(len(meta.dec_lens)),
-                                            kv_scale=self.kv_scales(layer))
+                                            kv_scale=self.kv_scales(layer),
+                                            mha_tile=self.mha_tile)
         for row, n, start, blocks in meta.prefills:
             qs = q[row:row + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if blocks is None:  # the chunk is the whole context: its fresh (unquantized) K/V
@@ -162,7 +165,8 @@ class CudaAttention:
 
     def attend(self, layer, q, meta):
         o = paged_decode(q, self.cache[layer, 0], self.cache[layer, 1], meta.tables, meta.lens,
-                         self.scale, self._splits(q.shape[0]), kv_scale=self.kv_scales(layer))
+                         self.scale, self._splits(q.shape[0]), kv_scale=self.kv_scales(layer),
+                         mha_tile=self.mha_tile)
         return o.reshape(q.shape[0], -1)
 
     def _splits(self, batch: int) -> int:
@@ -416,4 +420,5 @@ class CudaModelRunner(ModelRunner):
         """Which paths the runner took (for benchmark rows)."""
         fused = self.model.fused.paths if self.model.fused is not None else "off"
         return {"decode": self.paths["decode"], "graphs": sorted(self.graphs),
-                "gemv": dict(self.paths["gemv"]), "fused": fused, **self.describe_kv()}
+                "gemv": dict(self.paths["gemv"]), "fused": fused,
+                "decode_tile": self.attn.mha_tile, **self.describe_kv()}

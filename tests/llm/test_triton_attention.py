@@ -35,6 +35,19 @@ def reference(q, kc, vc, tables, lens, scale):
     (6, 1, 4, [64, 16]),  # MQA, split boundaries on block boundaries
 ])
 def test_paged_decode_matches_sdpa(heads, kv, splits, lens):
+    _check_paged_decode(heads, kv, splits, lens)
+
+
+@pytest.mark.parametrize("tile", [8, 32, 64])  # within a block, two blocks, past the longest
+@pytest.mark.parametrize("splits,lens", [(1, [33, 5]), (3, [1, 17, 40]), (4, [64, 16])])
+def test_paged_decode_tiled_mha_matches_sdpa(tile, splits, lens):
+    """The MHA variant: tiles of ``tile`` tokens across block boundaries, splits rounded to
+    tiles (some empty), the GQA case still on the tl.dot kernel."""
+    _check_paged_decode(3, 3, splits, lens, tile=tile)
+    _check_paged_decode(4, 2, splits, lens, tile=tile)  # GQA: mha_tile ignored
+
+
+def _check_paged_decode(heads, kv, splits, lens, tile=None):
     g = torch.Generator().manual_seed(0)
     d, bs, blocks = 16, 16, 12
     dtype = torch.float16 if DEV == "cuda" else torch.float32
@@ -49,7 +62,8 @@ def test_paged_decode_matches_sdpa(heads, kv, splits, lens):
         used += nb
     q = torch.randn(len(lens), heads, d, generator=g).to(DEV, dtype)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    got = paged_decode(q, kc, vc, tables.to(DEV), lens_t, d ** -0.5, splits=splits)
+    got = paged_decode(q, kc, vc, tables.to(DEV), lens_t, d ** -0.5, splits=splits,
+                       mha_tile=tile)
     want = reference(q, kc, vc, tables.to(DEV), lens_t, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1e-5
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
@@ -82,12 +96,13 @@ def test_decode_splits_fill_the_gpu_then_stop():
     assert all(1 <= decode_splits(b, kv) <= 8 for b in (1, 3, 1000) for kv in (1, 8, 64))
 
 
-@pytest.mark.parametrize("heads,kv,splits,lens,calibrated", [
-    (4, 2, 3, [1, 17, 40], False),  # GQA 2, scale 1.0 (vLLM's default)
-    (3, 3, 2, [33, 5], True),  # MHA, scales from the amax
-    (6, 1, 4, [64, 16], True),  # MQA
+@pytest.mark.parametrize("heads,kv,splits,lens,calibrated,tile", [
+    (4, 2, 3, [1, 17, 40], False, None),  # GQA 2, scale 1.0 (vLLM's default)
+    (3, 3, 2, [33, 5], True, None),  # MHA, scales from the amax
+    (3, 3, 2, [33, 5], True, 32),  # MHA, the tiled kernel
+    (6, 1, 4, [64, 16], True, None),  # MQA
 ])
-def test_paged_decode_fp8_cache(heads, kv, splits, lens, calibrated):
+def test_paged_decode_fp8_cache(heads, kv, splits, lens, calibrated, tile):
     """An e4m3 cache with per-tensor K/V scales: the kernel (FP8 tiles widened in registers,
     the scales folded in) equals attention over the dequantized cache to float rounding, and
     the unquantized cache within e4m3's error."""
@@ -113,7 +128,7 @@ def test_paged_decode_fp8_cache(heads, kv, splits, lens, calibrated):
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
     tables = tables.to(DEV)
     got = paged_decode(q, k8.to(DEV), v8.to(DEV), tables, lens_t, d ** -0.5, splits=splits,
-                       kv_scale=sc.to(DEV)).float()
+                       kv_scale=sc.to(DEV), mha_tile=tile).float()
     deq = reference(q, (k8.float() * sc[0]).to(DEV), (v8.float() * sc[1]).to(DEV), tables,
                     lens_t, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1e-5
@@ -156,3 +171,17 @@ def test_cuda_runner_fp8_kv_keeps_fp32_kv_tokens(tiny_dir, fused_ops):
     d = eng.runner.describe()
     assert d["kv_cache_dtype"] == "float8_e4m3fn" and d["calculated"], d
     assert d["decode"] == "eager-triton"  # no fallback to the torch path
+
+
+def test_decode_tile_from_env(monkeypatch):
+    from kiln.llm.triton_attention import mha_tile_from_env
+
+    monkeypatch.delenv("KILN_LLM_DECODE_TILE", raising=False)
+    assert mha_tile_from_env() is None
+    monkeypatch.setenv("KILN_LLM_DECODE_TILE", "0")
+    assert mha_tile_from_env() is None
+    monkeypatch.setenv("KILN_LLM_DECODE_TILE", "64")
+    assert mha_tile_from_env() == 64
+    monkeypatch.setenv("KILN_LLM_DECODE_TILE", "48")
+    with pytest.raises(ValueError, match="KILN_LLM_DECODE_TILE=48: a power of two"):
+        mha_tile_from_env()
