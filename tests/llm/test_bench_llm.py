@@ -103,3 +103,25 @@ def test_kv_cache_rows_side_by_side(monkeypatch):
     cfg = ModelConfig(vocab_size=8, hidden_size=4096, intermediate_size=8, num_layers=32,
                       num_heads=32, num_kv_heads=32, head_dim=128)
     assert bl.kv_token_bytes(cfg) == 2 * bl.kv_token_bytes(cfg, "fp8") == 512 * 1024
+
+
+def test_attention_bench_rows_under_the_interpreter():
+    import os
+
+    import pytest
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels: TRITON_INTERPRET=1 on the CPU")
+    from bench.llm_attention import run
+
+    rows = run(batch=2, ctx=40, heads=2, kv_heads=2, head_dim=16, kvs=("auto", "fp8"),
+               tiles=(0, 32), iters=1, device="cpu")
+    assert [(r["kv_cache_dtype"], r["kernel"]) for r in rows] == [
+        ("auto", "dot"), ("auto", "tile32"), ("fp8", "dot"), ("fp8", "tile32")]
+    assert rows[0]["max_diff_vs_fp16_dot"] == 0 and rows[1]["max_diff_vs_fp16_dot"] < 1e-5
+    assert all(0 < r["max_diff_vs_fp16_dot"] < 0.1 * r["ref_max"] for r in rows[2:])
+    assert all(r["gb_s"] > 0 for r in rows)
+    gqa = run(batch=1, ctx=16, heads=4, kv_heads=2, head_dim=16, kvs=("auto",), tiles=(32,),
+              iters=1, device="cpu")
+    assert "skipped" in gqa[0]
