@@ -104,15 +104,15 @@ def test_fp8_kv_greedy_tracks_full_precision_kv(tiny_dir, dtype):
     token on a near tie of this random model's logits, one after 3 tokens). This path reads
     the prompt's own K/V back from the cache; CUDA prefill attends to the fresh ones."""
     p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    want = _tokens(LLM(tiny_dir, num_blocks=64, dtype=dtype), p)
-    calc = LLM(tiny_dir, num_blocks=64, dtype=dtype, kv_cache_dtype="fp8",
+    want = _tokens(LLM(tiny_dir, device="cpu", num_blocks=64, dtype=dtype), p)
+    calc = LLM(tiny_dir, device="cpu", num_blocks=64, dtype=dtype, kv_cache_dtype="fp8",
                calculate_kv_scales=True)
     got = _tokens(calc, p)
     assert [g[:8] for g in got] == [w[:8] for w in want]
     d = calc.engine.runner.describe_kv()
     assert d["kv_cache_dtype"] == "float8_e4m3fn" and d["calculated"]
     assert 0 < d["k_scale"][0] < 1 and 0 < d["v_scale"][0] < 1
-    unit = LLM(tiny_dir, num_blocks=64, dtype=dtype, kv_cache_dtype="fp8")
+    unit = LLM(tiny_dir, device="cpu", num_blocks=64, dtype=dtype, kv_cache_dtype="fp8")
     got = _tokens(unit, p)
     assert unit.engine.runner.describe_kv()["k_scale"] == [1.0, 1.0]
     assert sum(g[0] == w[0] for g, w in zip(got, want)) >= 3
@@ -127,7 +127,7 @@ def test_fp8_kv_with_prefix_cache_and_chunks(tiny_dir):
     p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     long = "The quick brown fox jumps over the lazy dog. " * 3
     kw = dict(num_blocks=64, kv_cache_dtype="fp8", calculate_kv_scales=True)
-    llm = LLM(tiny_dir, max_num_batched_tokens=8, **kw)
+    llm = LLM(tiny_dir, device="cpu", max_num_batched_tokens=8, **kw)
     first = llm.generate([long], p)[0].outputs[0].token_ids  # calibrates on this prompt
     again = llm.generate([long + "again", long], p)
     assert again[1].outputs[0].token_ids == first
