@@ -2,14 +2,15 @@
 tiled MHA variant, at the Llama-2-7B shape of the 256-request throughput row.
 
     python -m bench.llm_attention                     # H200: batch 256, 640 cached tokens
-    python -m bench.llm_attention --ctx 1024 --tiles 0,64 --json attn.json
+    python -m bench.llm_attention --ctx 1024 --tiles 0,64 --warps 4,8 --json attn.json
 
 One layer's decode attention (``kiln.llm.triton_attention.paged_decode``) over a cache whose
 blocks are scattered at random, as the pool hands them out. Per KV dtype (``--kv``: auto = FP16,
-fp8) and kernel (``--tiles``: 0 = the tl.dot kernel, N = ``KILN_LLM_DECODE_TILE=N``): the median
-time of ``--iters`` calls (CUDA events), the K/V bytes read per second and their fraction of
-4.3 TB/s, the attention-only ceiling of a decode step (batch / (layers x time): tokens/s if the
-step were nothing else), and the largest difference from the FP16 tl.dot kernel's output. One
+fp8) and kernel (``--tiles``: 0 = the tl.dot kernel, N = ``KILN_LLM_DECODE_TILE=N:W`` for each W
+of ``--warps``): the median time of ``--iters`` calls (CUDA events), the K/V bytes read per
+second and their fraction of 4.3 TB/s, the attention-only ceiling of a decode step (batch /
+(layers x time): tokens/s if the step were nothing else), and the largest difference from the
+FP16 tl.dot kernel's output. One
 layer's cache at 256 x 640 tokens is 1.3 GB (FP16) per K or V: far past the L2, so the timing
 streams from HBM as decode does. On the CPU (``TRITON_INTERPRET=1``) it runs for tests only.
 """
@@ -63,7 +64,10 @@ def _time(fn, iters, device) -> float:
 
 
 def run(batch=256, ctx=640, heads=32, kv_heads=32, head_dim=128, block_size=16, layers=32,
-        kvs=("auto", "fp8"), tiles=(0, 32, 64, 128), iters=20, device="cuda") -> list[dict]:
+        kvs=("auto", "fp8"), tiles=(0, 32, 64, 128), iters=20, device="cuda",
+        warps=(4,)) -> list[dict]:
+    """One row per KV dtype and kernel: ``tiles`` 0 = the tl.dot kernel, N = the tiled MHA
+    kernel with N tokens a tile, once per ``warps``."""
     q, kc, vc, tables, lens = make_case(batch, ctx, heads, kv_heads, head_dim, block_size, device)
     scale = head_dim ** -0.5
     sms = (torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda"
@@ -78,8 +82,10 @@ def run(batch=256, ctx=640, heads=32, kv_heads=32, head_dim=128, block_size=16, 
             kv_quant.resolve(kv, q.dtype)
             sc = torch.stack([kc.abs().amax(), vc.abs().amax()]).float() * (2 / kv_quant.FP8_MAX)
             k, v = kv_quant.quantize(kc, sc[0]), kv_quant.quantize(vc, sc[1])
-        for tile in tiles:
-            row = {"kv_cache_dtype": kv, "kernel": "dot" if not tile else f"tile{tile}",
+        kernels = [(t, w) for t in tiles for w in (warps if t else (None,))]
+        for tile, w in kernels:
+            name = "dot" if not tile else f"tile{tile}" + (f":{w}" if len(warps) > 1 else "")
+            row = {"kv_cache_dtype": kv, "kernel": name,
                    "batch": batch, "ctx": ctx, "heads": heads, "kv_heads": kv_heads,
                    "head_dim": head_dim, "splits": splits}
             if tile and heads != kv_heads:
@@ -88,9 +94,9 @@ def run(batch=256, ctx=640, heads=32, kv_heads=32, head_dim=128, block_size=16, 
                 print(row, flush=True)
                 continue
 
-            def call(k=k, v=v, sc=sc, tile=tile):
+            def call(k=k, v=v, sc=sc, tile=tile, w=w):
                 return paged_decode(q, k, v, tables, lens, scale, splits, kv_scale=sc,
-                                    mha_tile=tile or None)
+                                    mha_tile=(tile, w) if tile else None)
             try:
                 out = call().float()
                 sec = _time(call, iters, device)
@@ -122,13 +128,15 @@ def main(argv=None):
     ap.add_argument("--kv", default="auto,fp8", help="KV cache dtypes (auto = FP16)")
     ap.add_argument("--tiles", default="0,32,64,128",
                     help="kernels: 0 = tl.dot, N = the tiled MHA kernel, N tokens a tile")
+    ap.add_argument("--warps", default="4", help="warps of the tiled kernel, e.g. 4,8")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     rows = run(args.batch, args.ctx, args.heads, args.kv_heads, args.head_dim, args.block_size,
                args.layers, [k for k in args.kv.split(",") if k],
-               [int(t) for t in args.tiles.split(",") if t], args.iters, args.device)
+               [int(t) for t in args.tiles.split(",") if t], args.iters, args.device,
+               [int(w) for w in args.warps.split(",") if w])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -146,31 +146,37 @@ def decode_splits(batch: int, kv_heads: int, sms: int = 132) -> int:
     return max(1, min(8, -(-4 * sms // max(batch * kv_heads, 1))))
 
 
-def mha_tile_from_env() -> int | None:
-    """``KILN_LLM_DECODE_TILE=N``: MHA decode (no GQA) in the tiled kernel, N tokens per
-    iteration (a power of two; tiles need not line up with blocks); unset or 0: the tl.dot
-    kernel."""
+def mha_tile_from_env() -> tuple[int, int] | None:
+    """``KILN_LLM_DECODE_TILE=N`` or ``N:W``: MHA decode (no GQA) in the tiled kernel, N tokens
+    per iteration (a power of two; tiles need not line up with blocks), W warps (default 4);
+    unset or 0: the tl.dot kernel."""
     import os
 
     v = os.environ.get("KILN_LLM_DECODE_TILE", "")
     if not v or v == "0":
         return None
-    n = int(v)
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"KILN_LLM_DECODE_TILE={v}: a power of two (tokens per iteration)")
-    return n
+    try:
+        n, _, w = v.partition(":")
+        n, w = int(n), int(w or 4)
+    except ValueError:
+        n = w = 0
+    if n < 1 or n & (n - 1) or w not in (1, 2, 4, 8, 16):
+        raise ValueError(f"KILN_LLM_DECODE_TILE={v}: N or N:W, N a power of two (tokens per "
+                         "iteration), W warps (1, 2, 4, 8 or 16)")
+    return n, w
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, scale: float,
                  splits: int = 8, kv_scale: torch.Tensor | None = None,
-                 mha_tile: int | None = None) -> torch.Tensor:
+                 mha_tile: int | tuple[int, int] | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its cached keys.
 
     q [B, H, D]; k_cache, v_cache [blocks, block_size, KV, D] (q's dtype, or float8_e4m3fn
     with ``kv_scale`` = float32 [K scale, V scale]); tables [B, max_blocks] int32; lens [B]
     int32 (tokens in the cache, the new one included). Returns [B, H, D]. ``mha_tile``: where
-    H == KV, the tiled kernel with that many tokens per iteration (``_decode_split_tiles``).
+    H == KV, the tiled kernel (``_decode_split_tiles``) with that many tokens per iteration,
+    or (tokens, warps).
     """
     b, heads, d = q.shape
     _, bs, kv, _ = k_cache.shape
@@ -183,11 +189,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     acc = torch.empty(b * heads * splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(b * heads * splits, 2, dtype=torch.float32, device=q.device)
     if mha_tile and group == 1:
+        tile, warps = mha_tile if isinstance(mha_tile, tuple) else (mha_tile, 4)
         _decode_split_tiles[(b, kv, splits)](
             q, k_cache, v_cache, tables, lens, acc, ml, kv_scale if fp8_kv else lens,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             tables.stride(0), scale, HEADS=heads, D=d, BS=bs, SPLITS=splits,
-            TILE=mha_tile, FP8_KV=fp8_kv)
+            TILE=tile, FP8_KV=fp8_kv, num_warps=warps)
     else:
         _decode_split[(b, kv, splits)](
             q, k_cache, v_cache, tables, lens, acc, ml, kv_scale if fp8_kv else lens,

@@ -38,7 +38,8 @@ def test_paged_decode_matches_sdpa(heads, kv, splits, lens):
     _check_paged_decode(heads, kv, splits, lens)
 
 
-@pytest.mark.parametrize("tile", [8, 32, 64])  # within a block, two blocks, past the longest
+@pytest.mark.parametrize("tile", [8, (32, 8), 64])  # within a block, two blocks (8 warps), past
+# the longest sequence
 @pytest.mark.parametrize("splits,lens", [(1, [33, 5]), (3, [1, 17, 40]), (4, [64, 16])])
 def test_paged_decode_tiled_mha_matches_sdpa(tile, splits, lens):
     """The MHA variant: tiles of ``tile`` tokens across block boundaries, splits rounded to
@@ -181,7 +182,10 @@ def test_decode_tile_from_env(monkeypatch):
     monkeypatch.setenv("KILN_LLM_DECODE_TILE", "0")
     assert mha_tile_from_env() is None
     monkeypatch.setenv("KILN_LLM_DECODE_TILE", "64")
-    assert mha_tile_from_env() == 64
-    monkeypatch.setenv("KILN_LLM_DECODE_TILE", "48")
-    with pytest.raises(ValueError, match="KILN_LLM_DECODE_TILE=48: a power of two"):
-        mha_tile_from_env()
+    assert mha_tile_from_env() == (64, 4)
+    monkeypatch.setenv("KILN_LLM_DECODE_TILE", "32:8")
+    assert mha_tile_from_env() == (32, 8)
+    for bad in ("48", "64:3", "x"):
+        monkeypatch.setenv("KILN_LLM_DECODE_TILE", bad)
+        with pytest.raises(ValueError, match=f"KILN_LLM_DECODE_TILE={bad}: N or N:W"):
+            mha_tile_from_env()
