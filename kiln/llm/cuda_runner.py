@@ -91,14 +91,14 @@ class MixedMeta:
 
 class CudaAttention:
     def __init__(self, cache: torch.Tensor, num_heads: int,
-                 scales: kv_quant.KVScales | None = None):
+                 scales: kv_quant.KVScales | None = None, mha_tile=None):
         self.torch_path = TorchPagedAttention(cache, num_heads, scales)
         self.scales, self.fp8 = self.torch_path.scales, self.torch_path.fp8
         self.cache, self.num_heads = cache, num_heads
         self.scale = cache.shape[-1] ** -0.5
         self.sms = (torch.cuda.get_device_properties(cache.device).multi_processor_count
                     if cache.device.type == "cuda" else 132)
-        self.mha_tile = mha_tile_from_env()  # None: the tl.dot decode kernel for MHA too
+        self.mha_tile = mha_tile  # None: the tl.dot decode kernel for MHA too
 
     def __call__(self, layer, q, k, v, meta):
         if isinstance(meta, MixedMeta):
@@ -198,7 +198,11 @@ class CudaModelRunner(ModelRunner):
     def __init__(self, model, num_blocks: int, block_size: int, cuda_graphs: bool = True,
                  max_batch: int = 256, max_model_len: int | None = None,
                  tune_gemv: bool | None = None, fused_ops: bool | None = None,
-                 kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False):
+                 kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False,
+                 decode_tile: int | tuple[int, int] | None = None):
+        # MHA decode in the tiled kernel: (tokens, warps), from KILN_LLM_DECODE_TILE unless
+        # given (0: the tl.dot kernel); read before super() makes the attention backend
+        self.decode_tile = mha_tile_from_env() if decode_tile is None else (decode_tile or None)
         # one more block than the pool: the scratch block that padding rows write into
         super().__init__(model, num_blocks + 1, block_size, kv_cache_dtype=kv_cache_dtype,
                          calculate_kv_scales=calculate_kv_scales)
@@ -221,7 +225,8 @@ class CudaModelRunner(ModelRunner):
             self._tune_gemv()
 
     def _make_attention(self):
-        return CudaAttention(self.cache, self.model.cfg.num_heads, self.kv_scales)
+        return CudaAttention(self.cache, self.model.cfg.num_heads, self.kv_scales,
+                             self.decode_tile)
 
     # --- load-time choices ---------------------------------------------------------------
 

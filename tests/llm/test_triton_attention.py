@@ -189,3 +189,55 @@ def test_decode_tile_from_env(monkeypatch):
         monkeypatch.setenv("KILN_LLM_DECODE_TILE", bad)
         with pytest.raises(ValueError, match=f"KILN_LLM_DECODE_TILE={bad}: N or N:W"):
             mha_tile_from_env()
+
+
+@pytest.fixture(scope="module")
+def mha_dir(tmp_path_factory):
+    """The tiny Llama with as many KV heads as query heads (MHA, as Llama-2-7B)."""
+    from tests.llm.conftest import SMOLLM2
+    from tests.llm.helpers import TINY, tiny_state_dict, write_hf_dir
+
+    cfg = {**TINY, "num_key_value_heads": TINY["num_attention_heads"]}
+    if SMOLLM2 is not None:
+        from kiln.llm.gguf import GGUFFile
+        from kiln.llm.tokenizer import from_gguf
+
+        tok = from_gguf(GGUFFile(SMOLLM2).metadata)
+    else:
+        from bench.llm import placeholder_tokenizer
+
+        tok = placeholder_tokenizer(cfg["vocab_size"])
+        tok.chat_template = ""
+    return write_hf_dir(tmp_path_factory.mktemp("tiny-mha"), cfg, tiny_state_dict(cfg), tok)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_cuda_runner_tiled_mha_decode(mha_dir, kv_dtype, monkeypatch):
+    """An MHA model's decode steps in the tiled kernel (decode_tile=(32, 4)), fused kernels on:
+    the torch path's tokens (FP32 cache on the CPU: all 6; FP8 with calibrated scales, or FP16
+    on a GPU: the first 4)."""
+    from kiln.llm import LLM, SamplingParams, cuda_runner
+    from kiln.llm.cuda_runner import CudaModelRunner
+
+    tiled = []
+
+    def spy(q, k_cache, *a, mha_tile=None, **kw):
+        tiled.append(mha_tile if q.shape[1] == k_cache.shape[2] else None)
+        return paged_decode(q, k_cache, *a, mha_tile=mha_tile, **kw)
+
+    monkeypatch.setattr(cuda_runner, "paged_decode", spy)
+
+    prompts = ["Hello there", "The capital of France is", "1, 2, 3"]
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(mha_dir, num_blocks=32).generate(prompts, p)]
+    llm = LLM(mha_dir, num_blocks=32)
+    eng = llm.engine
+    eng.runner = CudaModelRunner(eng.model, 32, eng.config.block_size, cuda_graphs=False,
+                                 max_model_len=256, fused_ops=True, kv_cache_dtype=kv_dtype,
+                                 calculate_kv_scales=True, decode_tile=(32, 4))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+    n = 6 if kv_dtype == "auto" and DEV == "cpu" else 4
+    assert [g[:n] for g in got] == [w[:n] for w in want]
+    d = eng.runner.describe()
+    assert d["decode_tile"] == (32, 4) and d["decode"] == "eager-triton", d
+    assert tiled and all(t == (32, 4) for t in tiled)  # every decode call: MHA, tiled
