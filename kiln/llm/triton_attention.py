@@ -26,17 +26,19 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, kv
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, scale,
                   HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                   D: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr,
-                  FP8_KV: tl.constexpr):
+                  FP8_KV: tl.constexpr, TILE: tl.constexpr):
+    # TILE tokens per iteration: one block (TILE == BS), or whole blocks looked up per token
+    # where blocks are shorter than the 16 rows tl.dot needs (TILE = 16, a multiple of BS)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     n = tl.load(lens_ptr + b)
-    per = ((n + SPLITS - 1) // SPLITS + BS - 1) // BS * BS
+    per = ((n + SPLITS - 1) // SPLITS + TILE - 1) // TILE * TILE
     start = sp * per
     end = tl.minimum(start + per, n)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D)
-    t = tl.arange(0, BS)
+    t = tl.arange(0, TILE)
     heads = kvh * GROUP + g
     gmask = g < GROUP
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
@@ -47,10 +49,17 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, kv
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    for pos in range(start, end, BS):
-        blk = tl.load(tables_ptr + b * stride_tb + pos // BS).to(tl.int64)
+    for pos in range(start, end, TILE):
         valid = pos + t < end
-        off = blk * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+        if TILE == BS:
+            blk = tl.load(tables_ptr + b * stride_tb + pos // BS).to(tl.int64)
+            off = blk * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+        else:
+            tok = pos + t
+            blks = tl.load(tables_ptr + b * stride_tb + tok // BS, mask=valid,
+                           other=0).to(tl.int64)
+            off = (blks[:, None] * stride_kb + (tok % BS)[:, None] * stride_kt
+                   + kvh * stride_kh + d[None, :])
         k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
         if FP8_KV:
@@ -201,7 +210,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             tables.stride(0), scale, HEADS=heads, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BS=bs, SPLITS=splits,
-            FP8_KV=fp8_kv)
+            FP8_KV=fp8_kv, TILE=max(16, bs))
     out = torch.empty_like(q)
     _decode_reduce[(b, heads)](acc, ml, out, out.stride(0), out.stride(1), HEADS=heads, D=d,
                                SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))

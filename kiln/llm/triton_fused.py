@@ -99,11 +99,12 @@ def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, 
         slot = tl.load(slot_ptr + t).to(tl.int64)
         dst = slot * stride_slot + (j - H) * D + d
         v = tl.load(src + KV * D + d)
-        if FP8_KV:
-            out = _to_e4m3(out, tl.load(kv_scale_ptr))
-            v = _to_e4m3(v, tl.load(kv_scale_ptr + 1))
-        tl.store(k_ptr + dst, out.to(k_ptr.dtype.element_ty))
-        tl.store(v_ptr + dst, v.to(v_ptr.dtype.element_ty))
+        if FP8_KV:  # no reassignment: Triton wants one type per name across the branches
+            tl.store(k_ptr + dst, _to_e4m3(out, tl.load(kv_scale_ptr)))
+            tl.store(v_ptr + dst, _to_e4m3(v, tl.load(kv_scale_ptr + 1)))
+        else:
+            tl.store(k_ptr + dst, out.to(k_ptr.dtype.element_ty))
+            tl.store(v_ptr + dst, v.to(v_ptr.dtype.element_ty))
 
 
 def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
