@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import os
 from pathlib import Path
 
 import torch
@@ -399,13 +400,14 @@ def qgemm_paths() -> list[str]:
 
 class QGemmWeight:
     """An int8 weight [K, N] (zero point 0) packed for qgemm.c's ``path`` (None: the fastest
-    this CPU has; "scalar", "avx2", "vnni" force one), with its column sums."""
+    this CPU has, or the environment's ``KILN_QGEMM_PATH``; "scalar", "avx2", "vnni" force
+    one), with its column sums."""
 
     def __init__(self, wq: torch.Tensor, path: str | None = None):
         if wq.dtype != torch.int8 or wq.dim() != 2 or wq.device.type != "cpu":
             raise ValueError(f"QGemmWeight: expected an int8 CPU [K, N] weight, got "
                              f"{wq.dtype} {tuple(wq.shape)} on {wq.device}")
-        path = path or qgemm_paths()[-1]
+        path = path or os.environ.get("KILN_QGEMM_PATH") or qgemm_paths()[-1]
         if path not in QGEMM_PATHS or path not in qgemm_paths():
             raise ValueError(f"QGemmWeight: path {path!r} is not one this CPU runs "
                              f"({', '.join(qgemm_paths())})")

@@ -22,7 +22,8 @@
 
 enum { QP_SCALAR = 1, QP_AVX2 = 2, QP_VNNI = 3 };
 #define QACT_REQUANT 100 /* the epilogue requantizes (QLinearMatMul) instead of bias/act */
-#define QMR 4 /* rows of a register tile */
+#define QMR 4 /* rows of a register tile (scalar, AVX2) */
+#define QMRV 8 /* rows of VNNI's: 16 accumulators */
 #define QSERIAL_WORK (1L << 18) /* multiply-adds below which one thread does it all */
 
 int kiln_qgemm_best_path(void)
@@ -196,38 +197,54 @@ TGT static void avx2_items(void *ctx, long i0, long i1)
 
 #define TGTV __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
 
+/* One tile: rows m0 .. m0 + R - 1 (those past M read row m0 and are not stored) x panel p. */
+TGTV static inline __attribute__((always_inline)) void vnni_tile(const struct qjob *j, long m0,
+                                                               long p, const int R)
+{
+    long kp = (j->K + 3) / 4, kfull = j->K / 4;
+    const int8_t *b = (const int8_t *)j->B + p * 32 * kp * 4;
+    const uint8_t *a[QMRV];
+    for (int r = 0; r < R; r++)
+        a[r] = j->A + (m0 + r < j->M ? m0 + r : m0) * j->lda;
+    __m512i acc[QMRV][2];
+    for (int r = 0; r < R; r++)
+        acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+    for (long g = 0; g < kp; g++) {
+        __m512i b0 = _mm512_loadu_si512(b + g * 128);
+        __m512i b1 = _mm512_loadu_si512(b + g * 128 + 64);
+        for (int r = 0; r < R; r++) {
+            uint32_t w;
+            if (g < kfull)
+                memcpy(&w, a[r] + 4 * g, 4);
+            else
+                w = a_word(a[r], 4 * g, j->K, 4);
+            __m512i av = _mm512_set1_epi32((int)w);
+            acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], av, b0);
+            acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], av, b1);
+        }
+    }
+    for (int r = 0; r < R && m0 + r < j->M; r++)
+        for (int h = 0; h < 4; h++) {
+            long n0 = p * 32 + h * 8;
+            if (n0 >= j->N)
+                break;
+            __m512i v = acc[r][h / 2];
+            __m256i q = (h & 1) ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v);
+            store8(j, m0 + r, n0, j->N - n0, q);
+        }
+}
+
+/* Items of QMRV-row blocks x 32-column panels; a block of at most 4 rows takes the 4-row
+ * tile (a GEMV-like layer does not compute 8 rows for one). */
 TGTV static void vnni_items(void *ctx, long i0, long i1)
 {
     const struct qjob *j = ctx;
-    long kp = (j->K + 3) / 4;
     for (long i = i0; i < i1; i++) {
-        long p = i / j->rb, m0 = (i % j->rb) * QMR;
-        const int8_t *b = (const int8_t *)j->B + p * 32 * kp * 4;
-        const uint8_t *a[QMR];
-        for (int r = 0; r < QMR; r++)
-            a[r] = j->A + (m0 + r < j->M ? m0 + r : m0) * j->lda;
-        __m512i acc[QMR][2];
-        for (int r = 0; r < QMR; r++)
-            acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-        for (long g = 0; g < kp; g++) {
-            __m512i b0 = _mm512_loadu_si512(b + g * 128);
-            __m512i b1 = _mm512_loadu_si512(b + g * 128 + 64);
-            for (int r = 0; r < QMR; r++) {
-                __m512i av = _mm512_set1_epi32((int)a_word(a[r], 4 * g, j->K, 4));
-                acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], av, b0);
-                acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], av, b1);
-            }
-        }
-        for (int r = 0; r < QMR && m0 + r < j->M; r++)
-            for (int h = 0; h < 4; h++) {
-                long n0 = p * 32 + h * 8;
-                if (n0 >= j->N)
-                    break;
-                __m512i v = acc[r][h / 2];
-                __m256i q = (h & 1) ? _mm512_extracti64x4_epi64(v, 1) :
-                    _mm512_castsi512_si256(v);
-                store8(j, m0 + r, n0, j->N - n0, q);
-            }
+        long p = i / j->rb, m0 = (i % j->rb) * QMRV;
+        if (j->M - m0 <= 4)
+            vnni_tile(j, m0, p, 4);
+        else
+            vnni_tile(j, m0, p, QMRV);
     }
 }
 
@@ -236,8 +253,7 @@ TGTV static void vnni_items(void *ctx, long i0, long i1)
  * N), bias N or none, R [M, N] (row stride ldr) or none; ep = {alpha, beta} of ``act``, and
  * for act QACT_REQUANT {., ., y_scale, y_zero, lo, hi}: (clamp(round(float(...) * w_scale) +
  * y_zero, lo, hi) - y_zero) * y_scale (w_scale the whole multipliers: a_scale, bias and R
- * unused). Returns -1 for a path
- * this CPU cannot run. */
+ * unused). Returns -1 for a path this CPU cannot run. */
 int kiln_qgemm(int path, long M, long N, long K, const uint8_t *A, long lda, int a_zero,
                const void *B, const int32_t *colsum, float a_scale, const float *w_scale,
                long w_scale_n, const float *bias, const float *R, long ldr, int act,
@@ -247,7 +263,8 @@ int kiln_qgemm(int path, long M, long N, long K, const uint8_t *A, long lda, int
         path = kiln_qgemm_best_path();
     if (path < QP_SCALAR || path > kiln_qgemm_best_path())
         return -1;
-    long pc = path == QP_SCALAR ? 8 : panel_cols(path), rb = (M + QMR - 1) / QMR;
+    long pc = path == QP_SCALAR ? 8 : panel_cols(path);
+    long mr = path == QP_VNNI ? QMRV : QMR, rb = (M + mr - 1) / mr;
     struct qjob j = {path, M, N, K, lda, ldc, rb, A, a_zero, B, colsum, a_scale, w_scale,
                      w_scale_n, bias, R, ldr, act, ep[0], ep[1],
                      act == QACT_REQUANT ? ep[2] : 0.0f, act == QACT_REQUANT ? ep[3] : 0.0f,
