@@ -421,6 +421,7 @@ class QGemmWeight:
 
 
 QACT_REQUANT = 100  # qgemm.c's epilogue that requantizes (QLinearMatMul) instead
+QACT_INT32 = 101  # qgemm.c's epilogue that stores the int32 sums (MatMulInteger)
 
 
 def _qgemm_epilogue(w, w_scale, bias, residual, m, activation, alpha, beta, requant, out):
@@ -476,6 +477,24 @@ def qgemm(codes: torch.Tensor, a_zero: int, a_scale: float, w: QGemmWeight,
                     ws.numel(), None if bias is None else bias.data_ptr(),
                     None if r is None else r.data_ptr(), ldr, act, ctypes.addressof(ep),
                     y.data_ptr(), y.stride(0), torch.get_num_threads())
+    return y
+
+
+def qgemm_int32(codes: torch.Tensor, a_zero: int, w: QGemmWeight) -> torch.Tensor:
+    """``codes @ wq - a_zero * colsum(wq)`` as int32 [M, N] (MatMulInteger's result, exact) of
+    uint8 ``codes`` [M, K] with contiguous rows and a packed int8 weight (qgemm.c)."""
+    if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] != w.k or \
+            codes.stride(1) != 1:
+        raise ValueError(f"qgemm_int32: expected uint8 codes [M, {w.k}] with contiguous rows, "
+                         f"got {codes.dtype} {tuple(codes.shape)}")
+    m = codes.shape[0]
+    y = torch.empty(m, w.n, dtype=torch.int32)
+    one = torch.ones(1)
+    ep = (ctypes.c_float * 6)()
+    _lib.kiln_qgemm(w.code, m, w.n, w.k, codes.data_ptr(), codes.stride(0), int(a_zero),
+                    w.packed.data_ptr(), w.colsum.data_ptr(), 1.0, one.data_ptr(), 1, None,
+                    None, 0, QACT_INT32, ctypes.addressof(ep), y.data_ptr(), w.n,
+                    torch.get_num_threads())
     return y
 
 

@@ -22,6 +22,7 @@
 
 enum { QP_SCALAR = 1, QP_AVX2 = 2, QP_VNNI = 3 };
 #define QACT_REQUANT 100 /* the epilogue requantizes (QLinearMatMul) instead of bias/act */
+#define QACT_INT32 101 /* the epilogue stores the int32 sums (MatMulInteger), C an int32 [M, N] */
 #define QMR 4 /* rows of a register tile (scalar, AVX2) */
 #define QMRV 8 /* rows of VNNI's: 16 accumulators */
 #define QSERIAL_WORK (1L << 18) /* multiply-adds below which one thread does it all */
@@ -107,6 +108,14 @@ TGT static void store8(const struct qjob *j, long m, long n0, long valid, __m256
                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     __m256i cs = _mm256_maskload_epi32(j->colsum + n0, mask);
     __m256i t = _mm256_sub_epi32(acc, _mm256_mullo_epi32(_mm256_set1_epi32(j->a_zero), cs));
+    if (j->act == QACT_INT32) {
+        int *c = (int *)j->C + m * j->ldc + n0;
+        if (valid >= 8)
+            _mm256_storeu_si256((__m256i *)c, t);
+        else
+            _mm256_maskstore_epi32(c, mask, t);
+        return;
+    }
     __m256 s = j->w_scale_n == 1 ? _mm256_set1_ps(j->a_scale * j->w_scale[0]) :
         _mm256_mul_ps(_mm256_set1_ps(j->a_scale), _mm256_maskload_ps(j->w_scale + n0, mask));
     __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(t), s);
@@ -253,7 +262,8 @@ TGTV static void vnni_items(void *ctx, long i0, long i1)
  * N), bias N or none, R [M, N] (row stride ldr) or none; ep = {alpha, beta} of ``act``, and
  * for act QACT_REQUANT {., ., y_scale, y_zero, lo, hi}: (clamp(round(float(...) * w_scale) +
  * y_zero, lo, hi) - y_zero) * y_scale (w_scale the whole multipliers: a_scale, bias and R
- * unused). Returns -1 for a path this CPU cannot run. */
+ * unused); for act QACT_INT32, C is int32 and gets the sums A B - a_zero colsum themselves.
+ * Returns -1 for a path this CPU cannot run. */
 int kiln_qgemm(int path, long M, long N, long K, const uint8_t *A, long lda, int a_zero,
                const void *B, const int32_t *colsum, float a_scale, const float *w_scale,
                long w_scale_n, const float *bias, const float *R, long ldr, int act,
