@@ -4,7 +4,8 @@ layer's x_scale/x_zero, or a dynamic layer's own range on every run), exact int3
 the weight the tactic packed, and the epilogue (dequantize, bias, residual, activation; or
 QLinearMatMul's requantization) in the same call. A layer that took FBGEMM or oneDNN stays a
 torch record, so that planned runs compute what the traced one did; so does a layout the
-record cannot take (a broadcast residual).
+record cannot take (a broadcast residual). ``QuantizeDequantize`` becomes an elementwise
+record.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from kiln import native
 from kiln.engine.program import contiguous_strides
 from kiln.engine.program_linear import _rows
+from kiln.engine.program_ops import _dense_like, emit_pw
 from kiln.ops import int8 as I8
 
 OP_QGEMM = 11  # chain.c's record kind
@@ -72,4 +74,20 @@ def _int8(pc, st, ins, outs):
     return [y]
 
 
-PLANNERS = {I8.Int8MatMul: _int8, I8.Int8MatMulQDQ: _int8}
+def _quantize_dequantize(pc, st, ins, outs):
+    """QuantizeDequantize (a Q/DQ pair kept between float ops) as the elementwise record of
+    the C kernel its CPU kernel calls (the same float32 steps)."""
+    x = ins[0] if ins else None
+    if x is None or len(outs) != 1:
+        return None
+    a = st.node.attrs
+    code = native.POINTWISE["QuantizeDequantizeS8" if a.signed else "QuantizeDequantizeU8"]
+    shape = outs[0].shape
+    y = pc.alloc(shape, _dense_like(shape, x))
+    if not emit_pw(pc, code, y, x, None, a.scale, float(a.zero)):
+        return None
+    return [y]
+
+
+PLANNERS = {I8.Int8MatMul: _int8, I8.Int8MatMulQDQ: _int8,
+            I8.QuantizeDequantize: _quantize_dequantize}
