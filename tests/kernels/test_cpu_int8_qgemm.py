@@ -202,3 +202,36 @@ def test_program_keeps_fbgemm_layers_as_torch_records(tmp_path, monkeypatch):
     (plan,) = [p for p in e._executor.program.plans.values() if p]
     assert OP_QGEMM not in plan.kinds
     assert [fb.step.node.op for fb in plan.fallbacks].count(I8.Int8MatMul) == 2
+
+
+@pytest.mark.parametrize("signed", [0, 1])
+def test_program_runs_quantize_dequantize_as_elementwise_record(signed, tmp_path):
+    """A Q/DQ pair read by an Add (kept as QuantizeDequantize) is an elementwise record of the
+    program, not a torch record, and gives onnxruntime's values to the bit."""
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+
+    from kiln.engine.program_ops import OP_PW
+
+    zt = TensorProto.INT8 if signed else TensorProto.UINT8
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"]),
+             helper.make_node("Add", ["d", "x"], ["y"])]
+    g = helper.make_graph(
+        nodes, "qdq_add", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 40])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 40])],
+        [helper.make_tensor("s", TensorProto.FLOAT, [], [0.037]),
+         helper.make_tensor("z", zt, [], [-5 if signed else 131])])
+    path = tmp_path / "qdq_add.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    x = {"x": (np.random.default_rng(9).standard_normal((3, 40)) * 4).astype(np.float32)}
+    e = Builder(BuilderConfig()).build(path)
+    ctx = e.create_context()
+    ctx.run(x)
+    got = ctx.run(x)["y"]
+    (plan,) = [p for p in e._executor.program.plans.values() if p]
+    assert "TorchQuantizeDequantize" in e.choices.values()  # the op is there...
+    assert I8.QuantizeDequantize not in [fb.step.node.op for fb in plan.fallbacks]  # ...planned
+    assert plan.kinds.count(OP_PW) >= 1
+    want = ort.InferenceSession(str(path)).run(None, x)[0]
+    np.testing.assert_array_equal(np.asarray(got), want)
