@@ -120,6 +120,7 @@ class _Plan:
         self.fp = (ctypes.c_float * max(1, len(pc.fparams)))(*pc.fparams)
         self.table = (ctypes.c_void_p * len(pc.table))(*pc.table)
         self.keep = pc.keep
+        self.kinds = pc.kinds  # the records' kinds, torch records left out
         self.arena_buf = pc.arena_buf
         self.arena_floats = arena_floats
         # where torch records find arena values: offsets from the arena's start
@@ -526,6 +527,7 @@ class PlanContext:
         self._next_tmp = -2
         self._patches: list[tuple[int, int]] = []  # (program position, arena root)
         self.buf_src: dict[int, tuple[int, bool]] = {}  # buffer -> (slot, is a constant)
+        self.kinds: list[int] = []  # the kind of each record emitted (tests read them)
 
     def new_buf(self, src: tuple | None = None) -> int:
         """A buffer filled per call; ``src`` = (slot, False): the env value it is."""
@@ -603,6 +605,7 @@ class PlanContext:
 
     def emit(self, rec: list) -> None:
         """Append a finished record to the program."""
+        self.kinds.append(rec[0])
         for x in rec:
             if isinstance(x, _ArenaMark):
                 self._patches.append((len(self.prog) - 1, x.root))

@@ -172,6 +172,17 @@ TGT int kiln_conv(const long *g, const float *x, const float *wp, const float *b
 TGT void kiln_depthwise(const long *g, const float *x, const float *wp, const float *bias,
                         const float *r, float *y, int act, float p0, float p1, int nthreads);
 
+/* quant.c: uint8 codes of float32 rows, by a given or (dynamic) their own scale and zero */
+void kiln_quantize_rows(long M, long K, const float *x, long ldx, unsigned char *y,
+                        float *scale, float *zero, int dynamic, int nthreads);
+
+/* qgemm.c: float32 rows quantized to uint8 (x_scale 0: by their own range), times an int8
+ * weight packed by kiln_qgemm_pack, with its epilogue */
+int kiln_qgemm_f32(int path, long M, long N, long K, const float *X, long ldx, float x_scale,
+                   int x_zero, const void *B, const int *colsum, const float *w_scale,
+                   long w_scale_n, const float *bias, const float *R, long ldr, int act,
+                   const float *ep, float *C, long ldc, int nthreads);
+
 #define RNN_FIELDS 37 /* kiln_rnn's long array (rnn.c's P_COUNT) */
 #define RNN_RECORD_BUFS 7 /* program buffers a recurrent record names: xw x h0 c0 y yh yc */
 TGT int kiln_rnn(const long *p, const float *f);
