@@ -68,6 +68,8 @@ def _load():
     lib.kiln_wino3x3.restype = _I
     lib.kiln_chain_run.argtypes = [_P, _L, _P, _P, _I]
     lib.kiln_chain_run.restype = _L
+    lib.kiln_chain_run_timed.argtypes = [_P, _L, _P, _P, _I, _P]
+    lib.kiln_chain_run_timed.restype = _L
     lib.kiln_pointwise.argtypes = [_I, _I, _P, _P, _P, _P, _P, _P, _P, _F, _F, _I]
     lib.kiln_pointwise.restype = None
     lib.kiln_pool2d.argtypes = [_I, _P, _P, _P, _P, _P, _I]
@@ -301,6 +303,12 @@ def chain_run(prog, n: int, fparams, table, nthreads: int | None = None) -> int:
     ran)."""
     return _lib.kiln_chain_run(prog, n, fparams, table,
                                torch.get_num_threads() if nthreads is None else nthreads)
+
+
+def chain_run_timed(prog, n: int, fparams, table, nthreads: int, acc) -> int:
+    """:func:`chain_run`, adding each record's seconds to ``acc`` (the address of a float64
+    array, indexed by record position from ``prog``)."""
+    return _lib.kiln_chain_run_timed(prog, n, fparams, table, nthreads, acc)
 
 
 # elementwise op name -> kiln_pointwise's code (pointwise.c); activations keep their ACT_ codes
