@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-    import kiln  # noqa: F401  (before torch: kiln sets OpenMP's wait policy)
+    import kiln  # before torch: kiln sets OpenMP's wait policy
 
     import torch  # isort: skip
 
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     print(f"{args.model}: kiln (profiled) median {1e3 * wall[n // 2]:.2f} ms, records "
           f"{1e3 * total:.2f} ms; onnxruntime median {1e3 * ort[n // 2]:.2f} ms")
     by_op: dict = {}
-    for (name, op, kind), sec in rows.items():
+    for (_, op, kind), sec in rows.items():
         k = (op, kind)
         by_op[k] = [by_op.get(k, [0.0, 0])[0] + sec, by_op.get(k, [0.0, 0])[1] + 1]
     print("\nper op and record kind: ms per run, records, share")

@@ -41,8 +41,8 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     # attention on separate q, k, v instead
     cpu_only = [matmul_norm, packed_qkv] if device == "cpu" else []
     order = [refine, fold, eliminate, pad_conv, conv_bn, conv_bias, layernorm, rmsnorm, gelu,
-             activation, input_affine, attention, qkv, matmul_add, squeeze_excite, conv_bias_act, *cpu_only,
-             pointwise, layout, eliminate]
+             activation, input_affine, attention, qkv, matmul_add, squeeze_excite,
+             conv_bias_act, *cpu_only, pointwise, layout, eliminate]
     # refine, fold and eliminate walk subgraphs themselves; a fusion sees one graph, so it is
     # run again on every subgraph (an If branch or Loop body of Conv + Relu fuses as the outer
     # graph does, and its layers run as the outer graph's would)
