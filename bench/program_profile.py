@@ -1,15 +1,16 @@
 """``python -m bench.program_profile MODEL [--runs N] [--top K]``: where a corpus model's time
 goes in kiln's native CPU program, per record (what ``kiln run --dump-profile`` cannot show: it
 times the Python step loop, not the program). Native records are timed in C
-(``kiln_chain_run_timed``), torch records around their kernel call; the table sums them per
-node and per op over ``--runs`` runs (after warm-up runs), with onnxruntime's time for the same
-feeds as the yardstick. The timed run is a little slower than a plain one (two clock reads per
+(``kiln_chain_run_timed``), torch records around their kernel call; the table sums, per node
+and per op, each record's median over ``--runs`` runs (after warm-up runs), with onnxruntime's
+time for the same feeds as the yardstick. The timed run is a little slower than a plain one (two clock reads per
 record)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -83,28 +84,28 @@ def main(argv=None) -> int:
 
         layers = profile_layers(ctx.engine, [to_torch(kf[i.name]) for i in ctx.engine.inputs],
                                 runs=args.runs)
-        rows = {(r["name"], r["op"], r["tactic"] or "step"): r["total_ms"] / 1e3
+        rows = {(r["name"], r["op"], r["tactic"] or "step"): r["median_ms"] / 1e3
                 for r in layers}
     for p in progs:
-        for key, (sec, _) in (p.profile or {}).items():
-            rows[key] = rows.get(key, 0.0) + sec
+        for key, secs in (p.profile or {}).items():
+            rows[key] = rows.get(key, 0.0) + statistics.median(secs)
         p.profile = None
     n = args.runs
     wall.sort()
     ort.sort()
-    total = sum(rows.values()) / n
+    total = sum(rows.values())
     print(f"{args.model}: kiln (profiled) median {1e3 * wall[n // 2]:.2f} ms, records "
           f"{1e3 * total:.2f} ms; onnxruntime median {1e3 * ort[n // 2]:.2f} ms")
     by_op: dict = {}
     for (_, op, kind), sec in rows.items():
         k = (op, kind)
         by_op[k] = [by_op.get(k, [0.0, 0])[0] + sec, by_op.get(k, [0.0, 0])[1] + 1]
-    print("\nper op and record kind: ms per run, records, share")
+    print("\nper op and record kind: ms (medians summed), records, share")
     for (op, kind), (sec, cnt) in sorted(by_op.items(), key=lambda kv: -kv[1][0]):
-        print(f"  {op:28s} {kind:10s} {1e3 * sec / n:8.3f} {cnt:5d} {sec / n / total:6.1%}")
-    print(f"\ntop {args.top} records: ms per run")
+        print(f"  {op:28s} {kind:10s} {1e3 * sec:8.3f} {cnt:5d} {sec / total:6.1%}")
+    print(f"\ntop {args.top} records: median ms")
     for (name, op, kind), sec in sorted(rows.items(), key=lambda kv: -kv[1])[:args.top]:
-        print(f"  {1e3 * sec / n:8.3f}  {op:24s} {kind:10s} {name}")
+        print(f"  {1e3 * sec:8.3f}  {op:24s} {kind:10s} {name}")
     return 0
 
 

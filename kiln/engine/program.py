@@ -161,7 +161,7 @@ class Program:
         # positions of the (integer) inputs whose values may set a shape or branch: a plan is
         # made per value of these (up to FOLD_MAX elements each), which fixes what they set
         self.keyed = tuple(keyed)
-        # the per-record profile (None: off): (node name, op, kind) -> [seconds, runs], native
+        # the per-record profile (None: off): (node name, op, kind) -> seconds per run, native
         # records timed in C (kiln_chain_run_timed), torch records around their kernel call
         self.profile: dict | None = None
 
@@ -433,16 +433,18 @@ class Program:
 
 
 def _note_profile(prof: dict, plan, acc) -> None:
-    """Add one timed run's record seconds to ``prof``, per (node, op, record kind)."""
+    """Add one timed run's record seconds to ``prof``: (node, op, record kind) -> the list of
+    its seconds per run (a node of several records: their sum)."""
+    run: dict = {}
     for pos, k in plan.rec_step.items():
-        st = plan.steps[k]
-        node = st.node
+        node = plan.steps[k].node if k < len(plan.steps) else None  # (None: output copies)
         kind = plan.prog[pos]
-        key = (getattr(node, "name", "?"), getattr(node, "op", "?"),
+        key = (getattr(node, "name", "(outputs)"), getattr(getattr(node, "op", None), "name",
+                                                         "copy"),
                "torch" if kind == OP_TORCH else RECORD_KINDS.get(kind, str(kind)))
-        row = prof.setdefault(key, [0.0, 0])
-        row[0] += acc[pos]
-        row[1] += 1
+        run[key] = run.get(key, 0.0) + acc[pos]
+    for key, sec in run.items():
+        prof.setdefault(key, []).append(sec)
 
 
 # native record kinds (kiln/native/chain.c) by name, for the profile
