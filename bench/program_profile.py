@@ -3,8 +3,8 @@ goes in kiln's native CPU program, per record (what ``kiln run --dump-profile`` 
 times the Python step loop, not the program). Native records are timed in C
 (``kiln_chain_run_timed``), torch records around their kernel call; the table sums, per node
 and per op, each record's median over ``--runs`` runs (after warm-up runs), with onnxruntime's
-time for the same feeds as the yardstick. The timed run is a little slower than a plain one (two clock reads per
-record)."""
+time for the same feeds as the yardstick. The timed run is a little slower than a plain one
+(two clock reads per record)."""
 
 from __future__ import annotations
 
