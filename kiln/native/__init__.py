@@ -24,7 +24,7 @@ from kiln.ops.rules import broadcast_ints
 
 # kiln activation name -> the kernel's code (ACT_* in kernels.h); the kernel applies it in registers
 ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2, "GeluTanh": 3, "Sigmoid": 4, "Silu": 5, "Tanh": 6,
-               "Clip": 7, "LeakyRelu": 8, "HardSwish": 9}
+               "Clip": 7, "LeakyRelu": 8, "HardSwish": 9, "HardSwishAffine": 20}
 _HERE = Path(__file__).resolve().parent
 _L, _P, _I, _F = ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ALIGN = 32  # bytes: packed panels are read with aligned 256-bit loads
@@ -312,7 +312,8 @@ def chain_run_timed(prog, n: int, fparams, table, nthreads: int, acc) -> int:
 
 
 # elementwise op name -> kiln_pointwise's code (pointwise.c); activations keep their ACT_ codes
-POINTWISE = {**{k: v for k, v in ACTIVATIONS.items() if k}, "Copy": 0, "Exp": 10, "Neg": 11,
+POINTWISE = {**{k: v for k, v in ACTIVATIONS.items() if k and k != "HardSwishAffine"},
+             "Copy": 0, "Exp": 10, "Neg": 11,
              "Abs": 12, "Sqrt": 13, "Reciprocal": 14, "HardSigmoid": 15,
              "QuantizeDequantizeU8": 16, "QuantizeDequantizeS8": 17, "Add": 32, "Sub": 33,
              "Mul": 34, "Div": 35, "Max": 36, "Min": 37, "PRelu": 38}

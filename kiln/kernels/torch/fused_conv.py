@@ -67,6 +67,7 @@ _TORCH_ACT = {
     "GeluTanh": lambda y, a: torch.ops.aten.gelu_(y, approximate="tanh"),
     "HardSwish": lambda y, a: F.hardswish(y, inplace=True),
     "LeakyRelu": lambda y, a: F.leaky_relu(y, a.alpha, inplace=True),
+    "HardSwishAffine": lambda y, a: F.hardswish(y, inplace=True).mul_(a.alpha).add_(a.beta),
 }
 
 # activation -> oneDNN post-op: (attr, scalars(attrs), algorithm)
@@ -81,7 +82,9 @@ _ONEDNN_ACT = {
     "GeluTanh": ("gelu", lambda a: [], "tanh"),
     "HardSwish": ("hardswish", lambda a: [], ""),
     "LeakyRelu": ("leaky_relu", lambda a: [a.alpha], ""),
+    "HardSwishAffine": ("hardswish", lambda a: [], ""),  # then the scale and shift in torch
 }
+_AFTER_ONEDNN = {"HardSwishAffine": lambda y, a: y.mul_(a.alpha).add_(a.beta)}
 
 assert set(_TORCH_ACT) == set(FC.ACTIVATIONS) == set(_ONEDNN_ACT)
 
@@ -152,8 +155,10 @@ def _conv_onednn(n, x, w, b, r, geo):
     wp = _packed(n, x, w, geo)
     groups = a.group or 1
     if r is None:
-        return torch.ops.mkldnn._convolution_pointwise(
+        y = torch.ops.mkldnn._convolution_pointwise(
             x, wp, b, pad, stride, dil, groups, attr, scalars(a), algo)
+        after = _AFTER_ONEDNN.get(a.activation)
+        return y if after is None else after(y, a)
     r = r.contiguous(memory_format=torch.channels_last)
     # after a binary post-op oneDNN (through PyTorch) takes only relu; others run in place after
     unary = "relu" if a.activation == "Relu" else None
@@ -598,7 +603,7 @@ def _build(name, x, wt, b, a, r):
                                                           b, "add")
             return _TORCH_ACT[a.activation](y, a)
         return binary
-    if not a.activation:
+    if not a.activation or a.activation in _AFTER_ONEDNN:
         return None
     attr, scalars, algo = _ONEDNN_ACT[a.activation]
     pd = torch.ops.mkldnn._reorder_linear_weight(wt.contiguous(), m)
