@@ -25,7 +25,7 @@ from kiln.ops.rules import broadcast_ints
 
 # kiln activation name -> the kernel's code (ACT_* in kernels.h); the kernel applies it in registers
 ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2, "GeluTanh": 3, "Sigmoid": 4, "Silu": 5, "Tanh": 6,
-               "Clip": 7, "LeakyRelu": 8, "HardSwish": 9}
+               "Clip": 7, "LeakyRelu": 8, "HardSwish": 9, "HardSwishAffine": 20}
 _HERE = Path(__file__).resolve().parent
 _L, _P, _I, _F = ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ALIGN = 32  # bytes: packed panels are read with aligned 256-bit loads
@@ -69,6 +69,8 @@ def _load():
     lib.kiln_wino3x3.restype = _I
     lib.kiln_chain_run.argtypes = [_P, _L, _P, _P, _I]
     lib.kiln_chain_run.restype = _L
+    lib.kiln_chain_run_timed.argtypes = [_P, _L, _P, _P, _I, _P]
+    lib.kiln_chain_run_timed.restype = _L
     lib.kiln_pointwise.argtypes = [_I, _I, _P, _P, _P, _P, _P, _P, _P, _F, _F, _I]
     lib.kiln_pointwise.restype = None
     lib.kiln_pool2d.argtypes = [_I, _P, _P, _P, _P, _P, _I]
@@ -308,8 +310,15 @@ def chain_run(prog, n: int, fparams, table, nthreads: int | None = None) -> int:
                                torch.get_num_threads() if nthreads is None else nthreads)
 
 
+def chain_run_timed(prog, n: int, fparams, table, nthreads: int, acc) -> int:
+    """:func:`chain_run`, adding each record's seconds to ``acc`` (the address of a float64
+    array, indexed by record position from ``prog``)."""
+    return _lib.kiln_chain_run_timed(prog, n, fparams, table, nthreads, acc)
+
+
 # elementwise op name -> kiln_pointwise's code (pointwise.c); activations keep their ACT_ codes
-POINTWISE = {**{k: v for k, v in ACTIVATIONS.items() if k}, "Copy": 0, "Exp": 10, "Neg": 11,
+POINTWISE = {**{k: v for k, v in ACTIVATIONS.items() if k and k != "HardSwishAffine"},
+             "Copy": 0, "Exp": 10, "Neg": 11,
              "Abs": 12, "Sqrt": 13, "Reciprocal": 14, "HardSigmoid": 15,
              "QuantizeDequantizeU8": 16, "QuantizeDequantizeS8": 17, "Add": 32, "Sub": 33,
              "Mul": 34, "Div": 35, "Max": 36, "Min": 37, "PRelu": 38}

@@ -24,14 +24,32 @@ enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, O
 #define QGEMM_LEN 23 /* kind path M N K x xoff ldx fparam(x_scale) x_zero w colsum w_scale
                       * w_scale_n bias r roff ldr y yoff ldy act fparam(epilogue's 6) */
 
+#include <time.h>
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 /* Returns n, or the position of the first op it does not know or could not run (nothing
- * from there on ran). */
-long kiln_chain_run(const long *prog, long n, const float *fp, float *const *bufs, int nthreads)
+ * from there on ran). acc (NULL: not timed): acc[i] += the seconds the record at position i
+ * took (the per-record profile of a native program, kiln/engine/program.py). */
+static long chain_run(const long *prog, long n, const float *fp, float *const *bufs,
+                      int nthreads, double *acc)
 {
 #define PTR(b, off) ((b) >= 0 ? bufs[b] + (off) : NULL)
-    long i = 0;
+    long i = 0, at = 0;
+    double t0 = 0.0;
     while (i < n) {
         const long *p = prog + i;
+        if (acc != NULL) {
+            if (i > 0)
+                acc[at] += now_s() - t0;
+            at = i;
+            t0 = now_s();
+        }
         if (p[0] == OP_GEMM && i + GEMM_LEN <= n) {
             kiln_sgemm(p[1], p[2], p[3], PTR(p[4], p[5]), p[6], PTR(p[7], 0), PTR(p[8], 0),
                        PTR(p[9], p[10]), p[11], PTR(p[12], p[13]), p[14], (int)p[15],
@@ -100,6 +118,19 @@ long kiln_chain_run(const long *prog, long n, const float *fp, float *const *buf
             return i;
         }
     }
+    if (acc != NULL && n > 0)
+        acc[at] += now_s() - t0;
     return n;
 #undef PTR
+}
+
+long kiln_chain_run(const long *prog, long n, const float *fp, float *const *bufs, int nthreads)
+{
+    return chain_run(prog, n, fp, bufs, nthreads, NULL);
+}
+
+long kiln_chain_run_timed(const long *prog, long n, const float *fp, float *const *bufs,
+                          int nthreads, double *acc)
+{
+    return chain_run(prog, n, fp, bufs, nthreads, acc);
 }

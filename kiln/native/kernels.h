@@ -35,9 +35,11 @@ TGT static inline float hsum256(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-/* Activations, applied to the tile in registers (codes as in kiln/native/__init__.py). */
+/* Activations, applied to the tile in registers (codes as in kiln/native/__init__.py).
+ * ACT_HARD_SWISH_AFFINE: alpha * hardswish(x) + beta (an activation with a scale and shift
+ * after it, PP-LCNetV3's); its code is clear of the pointwise ops' (10..17, 32..). */
 enum { ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SIGMOID, ACT_SILU, ACT_TANH, ACT_CLIP,
-       ACT_LEAKY_RELU, ACT_HARD_SWISH };
+       ACT_LEAKY_RELU, ACT_HARD_SWISH, ACT_HARD_SWISH_AFFINE = 20 };
 
 /* e^x: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for exactness), e^r by a degree-7
  * polynomial (the Cephes expf coefficients), 2^n by building the exponent bits; about 1 ulp.
@@ -122,6 +124,11 @@ TGT static inline __m256 act256(__m256 v, int act, float alpha, float beta)
         __m256 g = _mm256_fmadd_ps(v, _mm256_set1_ps(1.0f / 6.0f), _mm256_set1_ps(0.5f));
         g = _mm256_min_ps(_mm256_set1_ps(1.0f), _mm256_max_ps(zero, g));
         return _mm256_mul_ps(v, g);
+    }
+    case ACT_HARD_SWISH_AFFINE: {
+        __m256 g = _mm256_fmadd_ps(v, _mm256_set1_ps(1.0f / 6.0f), _mm256_set1_ps(0.5f));
+        g = _mm256_min_ps(_mm256_set1_ps(1.0f), _mm256_max_ps(zero, g));
+        return _mm256_fmadd_ps(_mm256_mul_ps(v, g), _mm256_set1_ps(alpha), _mm256_set1_ps(beta));
     }
     default: return v;
     }

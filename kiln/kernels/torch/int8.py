@@ -21,7 +21,13 @@ import threading
 import torch
 
 from kiln.kernels.registry import register
-from kiln.kernels.torch.fused_conv import _ONEDNN_ACT, _TORCH_ACT, epilogue, symmetric_geometry
+from kiln.kernels.torch.fused_conv import (
+    _AFTER_ONEDNN,
+    _ONEDNN_ACT,
+    _TORCH_ACT,
+    epilogue,
+    symmetric_geometry,
+)
 from kiln.ops import int8 as I8
 
 _HAS_ONEDNN = hasattr(torch.ops.onednn, "qlinear_pointwise") and \
@@ -92,7 +98,7 @@ def _cached(n, key, make):
 
 def _post_op(a, r):
     """oneDNN's post-op for the epilogue, when it can run there (no residual)."""
-    if r is None:
+    if r is None and a.activation not in _AFTER_ONEDNN:
         attr, scalars, algo = _ONEDNN_ACT[a.activation]
         return attr, scalars(a), algo, False
     return "none", [], "", True
