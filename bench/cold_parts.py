@@ -1,5 +1,6 @@
 """Where a CUDA engine's cold start goes: fresh processes that load an engine and run it once,
-after first warming nothing, cuBLAS, or cuDNN (a tiny matmul / conv before ``kiln.load``), so
+after first warming nothing, cuBLAS, cuDNN (a tiny matmul / conv before ``kiln.load``) or
+Triton (imported), so
 the library initialisations the first inference pays show up as differences.
 
     python -m bench.cold_parts --corpus .gpu/corpus --models hf_bert_sdpa_op17 \\
@@ -35,6 +36,8 @@ warm = sys.argv[3]
 t = time.perf_counter()
 if warm in ("cublas", "both"):
     a = torch.randn(64, 64, device="cuda", dtype=torch.half); (a @ a).sum().item()
+if warm == "triton":  # what importing Triton costs the load (kiln.load imports it today)
+    import triton  # noqa: F401
 if warm in ("cudnn", "both"):
     x = torch.randn(1, 8, 16, 16, device="cuda", dtype=torch.half)
     torch.nn.functional.conv2d(x, torch.randn(8, 1, 3, 3, device="cuda", dtype=torch.half),
@@ -98,7 +101,7 @@ def main(argv=None) -> int:
     p.add_argument("--corpus", required=True)
     p.add_argument("--models", required=True)
     p.add_argument("--plan-margins", default="0.25,10")
-    p.add_argument("--warm", default="none,cublas,cudnn,both")
+    p.add_argument("--warm", default="none,cublas,cudnn,both,triton")
     p.add_argument("--json")
     a = p.parse_args(argv)
 
