@@ -68,6 +68,10 @@ class Selection:
     pruned: int = 0  # candidates only estimated: slower than the ones timed in full
     # kept over a faster runner-up that makes a cuDNN plan at first run (select's plan_margin)
     plan_free: bool = False
+    # where the pick makes a cuDNN plan: the fastest candidate that doesn't (label, kernel
+    # name, tactic, ms), for the engine-wide rule (:func:`drop_plans`)
+    planless: tuple[str, str, dict | None, float] | None = None
+    makes_plan: bool = False
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -340,11 +344,37 @@ def select(node_name: str, op, call: Call, inputs, cands: list[Candidate],
             timed.remove(planless[0])
             timed.insert(0, planless[0])
             sel.plan_free = True
+        elif planless:
+            ms, _, c = planless[0]
+            sel.planless = (c.label, c.kernel.name, c.tactic, ms)
     best = timed[0]
     sel.kernel, sel.tactic, sel.ms = best[2].kernel.name, best[2].tactic, best[0]
+    sel.makes_plan = best[2].kernel.plans(best[2].tactic)
     if len(timed) > 1:
         sel.runner_up = (timed[1][2].label, timed[1][0])
     return sel
+
+
+def drop_plans(picks: dict[str, Selection], margin: float) -> tuple[int, float, float]:
+    """The engine-wide half of ``plan_margin``: a process pays cuDNN's initialisation once, at
+    the first layer that makes a plan (hundreds of ms in a fresh process, before the per-shape
+    plans), so the layers that picked a plan-making kernel keep it only if, together, they
+    save more than ``margin`` of the tuned layers' time. Otherwise each takes its fastest
+    plan-free candidate (``Selection.planless``), and the engine's first run makes no plan.
+    A layer with no plan-free candidate keeps its pick, and then so do the others (the
+    library is loaded anyway). Returns (layers switched, ms the plans would save, ms of all
+    tuned layers)."""
+    planned = [s for s in picks.values() if s.makes_plan]
+    total = sum(s.ms for s in picks.values())
+    saved = sum(s.planless[3] - s.ms for s in planned if s.planless is not None)
+    if not planned or any(s.planless is None for s in planned) or saved > margin * total:
+        return 0, saved, total
+    for s in planned:
+        label_, kernel, tactic, ms = s.planless
+        s.runner_up = (label(s.kernel, s.tactic), s.ms)
+        s.kernel, s.tactic, s.ms = kernel, tactic, ms
+        s.makes_plan, s.plan_free, s.planless = False, True, None
+    return len(planned), saved, total
 
 
 def _bind(fn, call, inputs):

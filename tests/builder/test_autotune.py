@@ -104,6 +104,43 @@ def test_autotune_plan_margin_prefers_kernels_without_a_first_run_plan(plan_free
         assert sel.runner_up[0] == "TorchFake"
 
 
+def _engine_picks(plan_free_ms, other_ms=1.0, plan_free=True):
+    """Two tuned layers: n1 picks the plan-making B=1 (0.10 ms; its plan-free B=2 costs
+    ``plan_free_ms``, more than 25% slower so the per-layer rule keeps cuDNN), n2 a plan-free
+    kernel at ``other_ms``."""
+    clock = FakeClock({_key("TritonFake", {"B": 1}): 0.10,
+                       _key("TritonFake", {"B": 2}): plan_free_ms, _key("TorchFake"): 0.105})
+    cands = _plan_cands(clock) if plan_free else [_plan_cands(clock)[0], _plan_cands(clock)[2]]
+    n1 = select("n1", OP, _call(), (X,), cands, clock, verify=False, plan_margin=0.25)
+    clock2 = FakeClock({_key("TritonFake", {"B": 2}): other_ms})
+    n2 = select("n2", OP, _call(), (X,), [Candidate(_kernel(clock2, "TritonFake"), {"B": 2})],
+                clock2, verify=False, plan_margin=0.25)
+    return {"n1": n1, "n2": n2}
+
+
+def test_drop_plans_engine_wide_when_cudnn_saves_little():
+    """cuDNN saves 0.05 of 1.10 ms (5%, not more than 25%): n1 takes its plan-free tactic and
+    the engine makes no plan; the cuDNN pick becomes the runner-up."""
+    picks = _engine_picks(0.15)
+    assert picks["n1"].makes_plan and picks["n1"].planless[1:] == ("TritonFake", {"B": 2}, 0.15)
+    n, saved, total = autotune.drop_plans(picks, 0.25)
+    assert (n, round(saved, 6), round(total, 6)) == (1, 0.05, 1.1)
+    s = picks["n1"]
+    assert (s.kernel, s.tactic, s.ms, s.makes_plan) == ("TritonFake", {"B": 2}, 0.15, False)
+    assert s.runner_up == ("TritonFake[B=1]", 0.10) and "makes a cuDNN plan" in s.line()
+
+
+@pytest.mark.parametrize("plan_free_ms,other_ms,plan_free", [
+    (0.15, 0.05, True),  # saves 0.05 of 0.15 ms (33%): worth the library
+    (0.15, 1.0, False),  # n1 has no plan-free candidate: cuDNN is loaded anyway
+])
+def test_drop_plans_must_not_fire(plan_free_ms, other_ms, plan_free):
+    picks = _engine_picks(plan_free_ms, other_ms, plan_free)
+    assert autotune.drop_plans(picks, 0.25)[0] == 0
+    assert picks["n1"].makes_plan and picks["n1"].tactic == {"B": 1}
+    assert autotune.drop_plans(_engine_picks(0.15), 0.0)[0] == 0  # margin 0: fastest always
+
+
 def test_autotune_plan_margin_leaves_plan_free_winners_alone():
     clock = FakeClock({_key("TritonFake", {"B": 1}): 0.20, _key("TritonFake", {"B": 2}): 0.10,
                        _key("TorchFake"): 0.30})
