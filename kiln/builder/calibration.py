@@ -127,12 +127,33 @@ def apply_int8(graph: Graph, cfg, explicit: dict | None, log=lambda m: None,
 
 
 def first_nonfinite(ex: Executor, feeds: dict[str, np.ndarray]) -> tuple[str, str] | None:
-    """``(layer, tensor)`` of the first layer whose output holds NaN or Inf on ``feeds``."""
-    found: list = []
+    """``(layer, tensor)`` where a NaN on ``feeds`` starts, or, where an output of the engine
+    is not finite, where that starts: the layer that makes a non-finite value out of finite
+    inputs, found by walking back from the first NaN (or the bad output) along non-finite
+    tensors. An Inf that stays inside the engine is by design in many models (an additive
+    attention mask of -inf, ``Where(mask, -inf, x)`` before a softmax, a float32 minimum that
+    FP16 rounds to -inf) and is not reported; a NaN always is."""
+    bad: dict[str, object] = {}  # non-finite tensor -> the node making it (None: an input)
+    first_nan: list[str] = []
 
     def look(name, x, node):
-        if not found and node is not None and x.dtype.kind == "f" and not np.isfinite(x).all():
-            found.append((node.name, name))
+        if x.dtype.kind == "f" and not np.isfinite(x).all():
+            bad[name] = node
+            if not first_nan and np.isnan(x).any():
+                first_nan.append(name)
 
     run_tapped(ex, feeds, look)
-    return found[0] if found else None
+    start = first_nan[0] if first_nan else next(
+        (v.name for v in ex.graph.outputs if v.name in bad), None)
+    if start is None:
+        return None
+    seen = set()
+    while bad.get(start) is not None and start not in seen:
+        seen.add(start)
+        node = bad[start]
+        back = [v.name for v in node.inputs if v is not None and v.name in bad]
+        if not back:
+            return node.name, start
+        start = back[0]
+    node = bad.get(start)
+    return (node.name, start) if node is not None else None

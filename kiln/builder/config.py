@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from kiln.engine.profile import Profile
+from kiln.engine.profile import TUNE_AT, Profile
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
 
@@ -33,6 +33,11 @@ class BuilderConfig:
             default). False builds in seconds with each layer's first kernel (the PyTorch one,
             as TensorRT's builder optimization level 0 skips tactic timing): for an accuracy
             check or a quick smoke test, not for speed.
+        tune_at: on CUDA, where in each optimization profile the kernels are timed:
+            ``"all"`` (the default) at its min, opt and max shapes, each run then taking the
+            kernels of the first of those at least as large as its inputs, so one
+            dynamic-shape engine runs b1 and its max batch with kernels picked there;
+            ``"opt"`` at its opt shapes only (TensorRT's way: a third of the tuning time).
         compile_workers: on CUDA, processes that compile the Triton candidates before they
             are timed (:mod:`kiln.builder.precompile`), each owning the candidates whose
             kernel, tactic and attributes hash to it; None (the default): 3/4 of the host's
@@ -81,6 +86,7 @@ class BuilderConfig:
     optimize: bool = True
     timing_cache: str | None = None
     tune: bool = True
+    tune_at: str = "all"
     compile_workers: int | None = None
     plan_margin: float = 0.25
     cuda_graph: bool = True
@@ -94,6 +100,7 @@ class BuilderConfig:
     verbose: bool = False
 
     def __post_init__(self):
+        self.profiles = list(self.profiles or [])  # None: no profiles, as the default
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
         if self.low_precision_io and not (self.fp16 or self.bf16):
@@ -114,6 +121,8 @@ class BuilderConfig:
         if self.compile_workers is not None and not 0 <= self.compile_workers <= 256:
             raise ValueError(f"compile_workers must be between 0 and 256 (None: automatic), "
                              f"not {self.compile_workers!r}")
+        if self.tune_at not in TUNE_AT:
+            raise ValueError(f"tune_at must be one of {TUNE_AT}, not {self.tune_at!r}")
         if not 0.0 <= self.plan_margin <= 10.0:
             raise ValueError(f"plan_margin must be a fraction between 0 and 10 (0.25: 25%), "
                              f"not {self.plan_margin!r}")

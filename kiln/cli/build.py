@@ -31,6 +31,10 @@ def add_arguments(p):
     p.add_argument("--no-tune", action="store_true",
                    help="CUDA: skip kernel timing; every layer runs its first (PyTorch) kernel "
                         "(builds in seconds; for accuracy checks, not speed)")
+    p.add_argument("--tune-at", choices=("all", "opt"), default="all",
+                   help="CUDA: time kernels at the profile's min, opt and max shapes, each run "
+                        "taking those of the first point at least as large as its inputs "
+                        "(all, the default), or at opt only (TensorRT's way)")
     p.add_argument("--compile-workers", type=int, default=None, metavar="N",
                    help="CUDA: processes compiling the Triton candidates before timing "
                         "(default: 3/4 of the host's cores, at most 12, none below 4 cores; "
@@ -59,7 +63,8 @@ def main(args) -> int:
                         fp8=args.fp8, tf32=not args.no_tf32, profiles=[profile] if profile else [],
                         low_precision_io=args.low_precision_io,
                         optimize=not args.no_optimize, timing_cache=args.timing_cache,
-                        tune=not args.no_tune, compile_workers=args.compile_workers,
+                        tune=not args.no_tune, tune_at=args.tune_at,
+                        compile_workers=args.compile_workers,
                         plan_margin=args.plan_margin,
                         cuda_graph=not args.no_cuda_graph,
                         calib=args.calib, calibrator=args.calibrator,

@@ -15,6 +15,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="GEMM weights: in --dtype, weight-only int8 / int4 in groups of 32 "
                    "(CPU, float32; the LM head int8), or fp8 e4m3 with per-channel scales "
                    "(CUDA)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache: in --dtype (auto), or fp8 e4m3 with per-layer K/V scales "
+                   "(twice the blocks of FP16 in the same memory; CUDA's decode kernel reads "
+                   "it directly, the CPU dequantizes in torch ops)")
+    g.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8 KV cache: scales from the first step's K/V amax instead of 1.0")
     g.add_argument("--num-blocks", type=int, default=0,
                    help="KV-cache blocks (default: sized from --memory-fraction)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -42,4 +48,6 @@ def engine_config(args):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len,
                         enable_prefix_caching=not args.no_prefix_caching,
-                        cuda_graphs=not args.no_cuda_graphs, weights=args.weights)
+                        cuda_graphs=not args.no_cuda_graphs, weights=args.weights,
+                        kv_cache_dtype=args.kv_cache_dtype,
+                        calculate_kv_scales=args.calculate_kv_scales)

@@ -47,6 +47,8 @@ def add_arguments(p):
                    default="dtype",
                    help="the LLM's GEMM weights: in its dtype, weight-only int8/int4 (CPU) "
                    "or fp8 (CUDA) (default dtype)")
+    p.add_argument("--llm-kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
+                   help="the LLM's KV cache: in its dtype (auto) or fp8 e4m3 (twice the blocks)")
     add_common_args(p)
 
 
@@ -72,7 +74,8 @@ def main(args) -> int:
         poll_interval=args.repository_poll_secs, max_body_bytes=int(args.max_body_mb * 2**20),
         request_timeout=args.request_timeout, grace_period=args.grace_period,
         cache_dir=args.cache_dir, extra_routers=tuple(load_router(r) for r in args.router),
-        llm=args.llm, llm_name=args.llm_name, llm_engine=EngineConfig(weights=args.llm_weights))
+        llm=args.llm, llm_name=args.llm_name, llm_engine=EngineConfig(
+            weights=args.llm_weights, kv_cache_dtype=args.llm_kv_cache_dtype))
 
     async def run():
         return await Server(cfg).serve()

@@ -13,7 +13,7 @@ import kiln
 from kiln import settings
 from kiln.engine import format as fmt
 from kiln.engine.executor import Executor
-from kiln.engine.profile import Profile, check_feeds
+from kiln.engine.profile import Profile, bucket_of, check_feeds
 from kiln.engine.serialize import PlanReader, PlanWriter, decode_type, encode_type
 from kiln.errors import EngineFileError, KilnError
 from kiln.ir import DType, Graph, TensorType
@@ -69,7 +69,8 @@ class Engine:
     def __init__(self, graph: Graph, choices: dict[str, str], *, device: str = "cpu",
                  profiles: list[Profile] | None = None, build: dict | None = None,
                  header: dict | None = None, tactics: dict[str, dict] | None = None,
-                 variants: list[tuple[dict, dict]] | None = None):
+                 variants: list[tuple[dict, dict]] | None = None,
+                 buckets: list[list[tuple[dict, int]]] | None = None):
         self.graph = graph
         self.choices = dict(choices)
         self.tactics = {k: dict(v) for k, v in (tactics or {}).items() if v is not None}
@@ -94,6 +95,10 @@ class Engine:
             self._executor if (c, t) == (self.choices, self.tactics) else
             Executor(graph, device, self._chooser(c), device=self.torch_device, tactics=t,
                      consts_from=self._executor) for c, t in self.variants]
+        # per profile, its tuning points (shapes, smallest first) and the executor (0: the
+        # base one, j: variant j-1) tuned at each; empty: profile k runs executor k
+        self.buckets = [[({n: tuple(s) for n, s in pt.items()}, int(j)) for pt, j in b]
+                        for b in (buckets or [])]
         self._memory: dict[str, dict] = {}
         self.portability_notes: list[str] = []  # what differed from the build machine
         # compiled Triton kernels that travel in the engine file (kiln.kernels.triton.binary)
@@ -118,11 +123,36 @@ class Engine:
                 "does not have; rebuild the engine with this kiln version")
         return choose
 
-    def executor_for(self, profile: int) -> Executor:
-        """The executor running inputs that matched optimization profile ``profile`` (-1: the
-        engine has no profiles): each profile runs the kernels tuned at its opt shapes."""
-        return self._executors[profile] if 0 < profile < len(self._executors) \
-            else self._executor
+    def executor_for(self, profile: int, shapes: dict[str, tuple] | None = None) -> Executor:
+        """The executor running inputs of ``shapes`` (by input name) that matched optimization
+        profile ``profile`` (-1: the engine has no profiles): the kernels tuned at the
+        profile's first tuning point at least as large as the inputs (its opt shapes where
+        ``shapes`` is None, or where the build tuned at opt only)."""
+        return self._executors[self._variant(profile, shapes)]
+
+    def _variant(self, profile: int, shapes: dict | None) -> int:
+        b = self.buckets[profile] if 0 <= profile < len(self.buckets) else None
+        if b:
+            if shapes is None:
+                opt = self.profiles[profile].opt
+                j = next((j for pt, j in b if pt == opt), b[0][1])
+            else:
+                j = b[bucket_of([pt for pt, _ in b], shapes)][1]
+        else:
+            j = profile
+        return j if 0 < j < len(self._executors) else 0
+
+    def tuning_runs(self) -> list[tuple[int, Profile | None]]:
+        """``(profile index, profile at one of its tuning points)`` for every point the
+        build tuned at (opt shapes where it tuned only there; ``[(0, None)]`` without
+        profiles): the runs that warm an engine up or record its kernels."""
+        if not self.profiles:
+            return [(0, None)]
+        runs = []
+        for k, p in enumerate(self.profiles):
+            b = self.buckets[k] if k < len(self.buckets) else None
+            runs += [(k, p.at(pt)) for pt, _ in b] if b else [(k, p)]
+        return runs
 
     def profile_ranges(self, name: str) -> list[tuple[tuple, tuple, tuple]]:
         """(min, opt, max) shape of input ``name`` in each optimization profile (empty when the
@@ -144,13 +174,15 @@ class Engine:
         from kiln.engine.inputs import tuning_inputs
 
         ctx, done = self.create_context(), 0
-        for k, p in enumerate(self.profiles or [None]):
+        for k, p in self.tuning_runs():
             ctx.profile = k if p is not None else None
             try:
                 ctx.run(tuning_inputs(self.inputs, p))
                 done += 1
             except Exception as e:  # data it cannot take: that signature stays cold
-                self.warm_up_notes.append(f"profile {k}: {type(e).__name__}: {str(e)[:200]}")
+                at = f" at {dict(p.opt)}" if p is not None else ""
+                self.warm_up_notes.append(f"profile {k}{at}: {type(e).__name__}: "
+                                          f"{str(e)[:200]}")
         return done
 
     def create_context(self, cuda_graph: bool | None = None) -> ExecutionContext:
@@ -204,6 +236,10 @@ class Engine:
                  "tactics": {k: v for k, v in t.items() if self.tactics.get(k) != v},
                  "no_tactic": sorted(k for k in self.tactics if k not in t)}
                 for c, t in self.variants]
+        if any(len(b) > 1 for b in self.buckets):
+            header["profile_buckets"] = [
+                [{"shapes": {n: list(s) for n, s in pt.items()}, "variant": j} for pt, j in b]
+                for b in self.buckets]
         if self.cpu_tactics:
             from kiln.kernels.torch import fused_conv as FCK
 
@@ -240,7 +276,9 @@ def load(path: str | os.PathLike, portable: bool = False, warm_up: bool = False)
         variants = [({**choices, **v["kernels"]},
                      {**{k: t for k, t in tactics.items() if k not in v["no_tactic"]},
                       **v["tactics"]}) for v in h.get("profile_variants", [])]
-    except (KeyError, TypeError, AttributeError) as e:
+        buckets = [[(pt["shapes"], int(pt["variant"])) for pt in b]
+                   for b in h.get("profile_buckets", [])]
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise EngineFileError(f"'{path}' has damaged profile variants ({type(e).__name__}: "
                               f"{e}); rebuild the engine") from None
     if dev == "cuda":
@@ -248,6 +286,7 @@ def load(path: str | os.PathLike, portable: bool = False, warm_up: bool = False)
         for c, _ in variants:
             _register_cuda_kernels(path, c)
     engine = Engine(graph, choices, device=dev, tactics=tactics, variants=variants,
+                    buckets=buckets,
                     profiles=[Profile.from_json(p) for p in h.get("profiles", [])],
                     build=h.get("build"), header={k: v for k, v in h.items() if k != "plan"})
     engine.portability_notes = notes
@@ -349,9 +388,8 @@ class ExecutionContext:
         if self.profile is not None:
             profiles = [eng.profiles[self.profile]]
         with self._lock:
-            k = self._checked_profile(feeds, profiles)
+            k, ex = self._checked_profile(feeds, profiles)
             self.last_profile = self.profile if self.profile is not None else k
-            ex = eng.executor_for(self.last_profile)
             torch_in = [x for x in feeds.values() if isinstance(x, torch.Tensor)]
             if self.cuda is not None:
                 outs = self.cuda.run([feeds[i.name] for i in eng.inputs], bool(torch_in),
@@ -366,22 +404,25 @@ class ExecutionContext:
         return {o.name: conv(v) for o, v in zip(eng.outputs, outs)}
 
 
-    def _checked_profile(self, feeds: dict, profiles: list) -> int:
-        """:func:`check_feeds`'s answer, kept per (names, types, dtypes, shapes) of the feeds:
-        it depends on nothing else, and checking cost ~5 us a run (a streaming model's run is
-        ~70 us)."""
+    def _checked_profile(self, feeds: dict, profiles: list) -> tuple[int, Executor]:
+        """:func:`check_feeds`'s answer and the executor for the feeds' shapes, kept per
+        (names, types, dtypes, shapes) of the feeds: they depend on nothing else, and checking
+        cost ~5 us a run (a streaming model's run is ~70 us)."""
         try:
             key = (self.profile, *((n, type(x), x.dtype, tuple(x.shape))
                                    for n, x in feeds.items()))
         except AttributeError:  # not arrays: the full check says what is wrong
-            return check_feeds(self.engine.inputs, feeds, profiles, dtype_of)
-        k = self._checked.get(key)
-        if k is None:
             k = check_feeds(self.engine.inputs, feeds, profiles, dtype_of)
+            return k, self.engine.executor_for(self.profile if self.profile is not None else k)
+        hit = self._checked.get(key)
+        if hit is None:
+            k = check_feeds(self.engine.inputs, feeds, profiles, dtype_of)
+            pk = self.profile if self.profile is not None else k
+            hit = k, self.engine.executor_for(pk, {n: tuple(x.shape) for n, x in feeds.items()})
             if len(self._checked) >= _MAX_CHECKED:
                 self._checked.clear()
-            self._checked[key] = k
-        return k
+            self._checked[key] = hit
+        return hit
 
 
 _MAX_CHECKED = 64  # feed signatures a context remembers as checked

@@ -1,6 +1,6 @@
 """The one table of native program planners, op -> planner (see :mod:`kiln.engine.program`):
 kiln.engine.program_ops's (elementwise ops, views, pooling, 2-D convs) and those of the
-modules built on its emitters."""
+modules built on its emitters (program_int8: INT8 layers on kiln's qgemm)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from kiln.engine import (
     program_conv1d,
     program_data,
     program_gemm,
+    program_int8,
     program_linear,
     program_ops,
     program_rnn,
@@ -43,7 +44,8 @@ PLANNERS = dict(program_ops.PLANNERS)
 # FusedMatMul (it copies a strided input to rows) before program_gemm's GEMM records (MatMul,
 # FusedMatMul with a residual or LayerNorm, Gemm, FusedGemm, LayerNorm, RMSNorm, Attention),
 # which apply where the traced run took kiln's GEMM
-for _module in (program_conv1d, program_data, program_linear, program_rnn, program_gemm):
+for _module in (program_conv1d, program_data, program_linear, program_rnn, program_gemm,
+                program_int8):
     for _op, _planner in _module.PLANNERS.items():
         if _module is program_gemm:
             _planner = _as_traced(_planner)

@@ -43,6 +43,40 @@ class Profile:
     def from_json(cls, d: dict) -> Profile:
         return cls(*({k: tuple(v) for k, v in d[key].items()} for key in ("min", "opt", "max")))
 
+    def at(self, shapes: dict[str, tuple[int, ...]]) -> Profile:
+        """This profile with ``shapes`` as its tuned-for shapes (a tuning point in it)."""
+        return Profile(dict(self.min), {k: tuple(v) for k, v in shapes.items()}, dict(self.max))
+
+
+TUNE_AT = ("opt", "all")  # BuilderConfig.tune_at
+
+
+def tuning_points(p: Profile, at: str = "all") -> list[dict[str, tuple[int, ...]]]:
+    """The shapes a profile's kernels are tuned at, smallest first: its opt shapes
+    (``at="opt"``, TensorRT's way), or its min, opt and max shapes (``"all"``), each once. A
+    run takes the kernels of the first point that is at least as large as its inputs in every
+    dim (:func:`bucket_of`), so a range's small and large ends get kernels timed there."""
+    if at not in TUNE_AT:
+        raise ValueError(f"tune_at must be one of {TUNE_AT}, not {at!r}")
+    points = [p.opt] if at == "opt" else [p.min, p.opt, p.max]
+    out: list[dict] = []
+    for pt in points:
+        pt = {k: tuple(v) for k, v in pt.items()}
+        if pt not in out:
+            out.append(pt)
+    return out
+
+
+def bucket_of(points: list[dict[str, tuple[int, ...]]], shapes: dict[str, tuple]) -> int:
+    """Index of the first tuning point at least as large as ``shapes`` in every dim of every
+    input it names (the last point where none is: a shape past opt in one dim and under it in
+    another)."""
+    for k, pt in enumerate(points):
+        if all(len(shapes[n]) == len(s) and all(a <= b for a, b in zip(shapes[n], s))
+               for n, s in pt.items() if n in shapes):
+            return k
+    return len(points) - 1
+
 
 def _lists(d):
     return {k: list(v) for k, v in d.items()}

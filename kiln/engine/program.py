@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+import time
 from typing import NamedTuple
 
 import torch
@@ -155,6 +156,7 @@ class _Plan:
         self.fp = (ctypes.c_float * max(1, len(pc.fparams)))(*pc.fparams)
         self.table = (ctypes.c_void_p * len(pc.table))(*pc.table)
         self.keep = pc.keep
+        self.kinds = pc.kinds  # the records' kinds, torch records left out
         self.arena_buf = pc.arena_buf
         self.arena_floats = arena_floats
         # where torch records find arena values: offsets from the arena's start
@@ -166,6 +168,8 @@ class _Plan:
         self.views = {s: (*pc.buf_src[v.buf], v.shape, v.strides, v.off)
                       for s, v in pc.vals.items() if v.buf in pc.buf_src}
         self.fallbacks = fallbacks
+        self.rec_step = dict(pc.rec_step)  # record position -> its step (in self.steps)
+        self.steps = pc.steps
         self.ext = ext  # (slot, buffer) of the float32 inputs
         self.outputs = outputs  # per graph output: ("env", slot) or ("own", buffer, shape)
         self.own = [(b, shape) for kind, *rest in outputs if kind == "own"
@@ -193,6 +197,9 @@ class Program:
         # positions of the (integer) inputs whose values may set a shape or branch: a plan is
         # made per value of these (up to FOLD_MAX elements each), which fixes what they set
         self.keyed = tuple(keyed)
+        # the per-record profile (None: off): (node name, op, kind) -> seconds per run, native
+        # records timed in C (kiln_chain_run_timed), torch records around their kernel call
+        self.profile: dict | None = None
 
     def run(self, args: list, call) -> list | None:
         """One run, or None where this signature has no program (the executor then runs the
@@ -287,6 +294,7 @@ class Program:
             raise _Decline
 
         pc = PlanContext(consts, self.packed)
+        pc.steps = steps
         ext = []
         for s in self.input_slots:
             m = metas.get(s)
@@ -338,6 +346,7 @@ class Program:
 
     @staticmethod
     def _torch_record(pc, st, ins, outs, index, single) -> _Fallback:
+        pc.rec_step.append((len(pc.prog), pc.step))
         pc.prog += [OP_TORCH, index]
         pc.torch_at.append(pc.step)
         for i, v in zip(st.ins, ins):
@@ -374,18 +383,32 @@ class Program:
             table[b] = t.data_ptr()
         nthreads = torch.get_num_threads()
         pos, n = 0, plan.n
+        prof = self.profile
+        acc = None
+        if prof is not None:
+            acc = (ctypes.c_double * max(1, n))()
         try:
             while True:
-                pos += native.chain_run(plan.addr + 8 * pos, n - pos, plan.fp, table, nthreads)
+                if acc is None:
+                    pos += native.chain_run(plan.addr + 8 * pos, n - pos, plan.fp, table,
+                                            nthreads)
+                else:
+                    pos += native.chain_run_timed(plan.addr + 8 * pos, n - pos, plan.fp, table,
+                                                  nthreads, ctypes.addressof(acc) + 8 * pos)
                 if pos >= n:
                     break
                 if plan.prog[pos] != OP_TORCH:
                     raise RuntimeError(f"native program: the C library stopped at position "
                                        f"{pos} (out of memory, or a record it does not know: "
                                        f"rebuild kiln with pip install -e .)")
+                t0 = time.perf_counter() if acc is not None else 0.0
                 self._fallback(plan, plan.fallbacks[plan.prog[pos + 1]], env, arena, views,
                                table)
+                if acc is not None:
+                    acc[pos] += time.perf_counter() - t0
                 pos += 2
+            if acc is not None:
+                _note_profile(prof, plan, acc)
             return [own[o[1]] if o[0] == "own" else self._value(plan, o[1], env, arena, views)
                     for o in plan.outputs]
         finally:
@@ -443,6 +466,26 @@ class Program:
             table[b] = t.data_ptr()
         for s in fb.drop:
             env.pop(s, None)
+
+
+def _note_profile(prof: dict, plan, acc) -> None:
+    """Add one timed run's record seconds to ``prof``: (node, op, record kind) -> the list of
+    its seconds per run (a node of several records: their sum)."""
+    run: dict = {}
+    for pos, k in plan.rec_step.items():
+        node = plan.steps[k].node if k < len(plan.steps) else None  # (None: output copies)
+        kind = plan.prog[pos]
+        key = (getattr(node, "name", "(outputs)"), getattr(getattr(node, "op", None), "name",
+                                                         "copy"),
+               "torch" if kind == OP_TORCH else RECORD_KINDS.get(kind, str(kind)))
+        run[key] = run.get(key, 0.0) + acc[pos]
+    for key, sec in run.items():
+        prof.setdefault(key, []).append(sec)
+
+
+# native record kinds (kiln/native/chain.c) by name, for the profile
+RECORD_KINDS = {1: "gemm", 2: "layernorm", 3: "attention", 4: "pointwise", 5: "pool",
+                6: "depthwise", 7: "winograd", 8: "rnn", 9: "rmsnorm", 10: "conv"}
 
 
 def _foldable(st, pc, folded: dict, small: dict) -> bool:
@@ -557,10 +600,13 @@ class PlanContext:
         self.arena_roots: dict[int, int] = {}  # root -> size in floats
         self.arena_off: dict[int, int] = {}
         self.torch_at: list[int] = []  # the step of each torch record
+        self.rec_step: list[tuple[int, int]] = []  # (program position, step) of each record
+        self.steps: list = []
         self.slot_read: dict[int, int] = {}  # env slot -> last torch record step reading it
         self._next_tmp = -2
         self._patches: list[tuple[int, int]] = []  # (program position, arena root)
         self.buf_src: dict[int, tuple[int, bool]] = {}  # buffer -> (slot, is a constant)
+        self.kinds: list[int] = []  # the kind of each record emitted (tests read them)
 
     def new_buf(self, src: tuple | None = None) -> int:
         """A buffer filled per call; ``src`` = (slot, False): the env value it is."""
@@ -638,6 +684,8 @@ class PlanContext:
 
     def emit(self, rec: list) -> None:
         """Append a finished record to the program."""
+        self.kinds.append(rec[0])
+        self.rec_step.append((len(self.prog), self.step))
         for x in rec:
             if isinstance(x, _ArenaMark):
                 self._patches.append((len(self.prog) - 1, x.root))

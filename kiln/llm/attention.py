@@ -5,6 +5,9 @@ shared by every layer: the slot of each new token, each sequence's block table (
 query rows and its context length. Per layer: write the new K/V into their slots, gather each
 sequence's blocks (whole blocks, one index per block), and run SDPA with GQA; a mask hides the
 padding and makes a query at position p see keys 0..p.
+
+An FP8 cache (``kv_cache_dtype="fp8"``, ``kv_quant.py``) is written quantized with the layer's
+scales and read back dequantized to the queries' dtype.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kiln.llm import kv_quant
 
 
 @dataclass
@@ -68,23 +73,38 @@ def build_meta(entries, block_size: int, device) -> AttnMeta:
 class TorchPagedAttention:
     """``attn(layer, q, k, v, meta)`` over a cache tensor, in torch ops."""
 
-    def __init__(self, cache: torch.Tensor, num_heads: int):
+    def __init__(self, cache: torch.Tensor, num_heads: int,
+                 scales: kv_quant.KVScales | None = None):
         self.cache = cache  # [L, 2, blocks, block_size, kv, hd]
         self.num_heads = num_heads
         _, _, self.num_blocks, self.block_size, self.kv_heads, self.head_dim = cache.shape
+        self.fp8 = kv_quant.is_fp8(cache)
+        if self.fp8 and scales is None:
+            scales = kv_quant.KVScales(cache.shape[0], cache.device)
+        self.scales = scales  # None for a cache in the model's dtype
+
+    def k_scale(self, layer: int):
+        return self.scales.k(layer) if self.fp8 else None
+
+    def v_scale(self, layer: int):
+        return self.scales.v(layer) if self.fp8 else None
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta):
         kc = self.cache[layer, 0].view(-1, self.kv_heads, self.head_dim)
         vc = self.cache[layer, 1].view(-1, self.kv_heads, self.head_dim)
-        kc.index_copy_(0, meta.slots, k)
-        vc.index_copy_(0, meta.slots, v)
+        if self.fp8:
+            self.scales.before_write(layer, k, v)
+        kv_quant.store(kc, meta.slots, k, self.k_scale(layer))
+        kv_quant.store(vc, meta.slots, v, self.v_scale(layer))
 
     def __call__(self, layer: int, q, k, v, meta: AttnMeta) -> torch.Tensor:
         self.write(layer, k, v, meta)
         b, mq, hd = meta.batch, meta.max_q, self.head_dim
         # [B, blocks, bs, kv, hd] -> [B, kv, keys, hd]
-        keys = self.cache[layer, 0][meta.tables].view(b, -1, self.kv_heads, hd).transpose(1, 2)
-        vals = self.cache[layer, 1][meta.tables].view(b, -1, self.kv_heads, hd).transpose(1, 2)
+        keys = kv_quant.load(self.cache[layer, 0], meta.tables, self.k_scale(layer), q.dtype)
+        vals = kv_quant.load(self.cache[layer, 1], meta.tables, self.v_scale(layer), q.dtype)
+        keys = keys.view(b, -1, self.kv_heads, hd).transpose(1, 2)
+        vals = vals.view(b, -1, self.kv_heads, hd).transpose(1, 2)
         if meta.mask is None:  # one sequence whose keys are exactly its blocks
             keys, vals = keys[:, :, : meta.max_ctx], vals[:, :, : meta.max_ctx]
         if meta.pad_rows is not None:

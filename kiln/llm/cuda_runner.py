@@ -1,6 +1,7 @@
 """The CUDA model runner: Triton paged decode attention, SDPA prefill, CUDA graphs for decode.
 
-Decode-only steps (every sequence adds one token) run the Triton kernel; a step with prefill
+Decode-only steps (every sequence adds one token) run the Triton kernel (for MHA models,
+``KILN_LLM_DECODE_TILE=N`` picks its tiled variant, N tokens per iteration); a step with prefill
 chunks (``MixedMeta``) runs its decode rows through the same kernel and each chunk through SDPA
 (a whole prompt straight to flash attention, a continued chunk over its gathered blocks). The
 model gets the fused decode kernels of ``fused.py`` (add + RMSNorm, SiLU * up, RoPE + KV
@@ -34,11 +35,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kiln.llm import fp8
+from kiln.llm import fp8, kv_quant
 from kiln.llm.attention import TorchPagedAttention
 from kiln.llm.fused import FusedOps
 from kiln.llm.runner import ModelRunner
-from kiln.llm.triton_attention import decode_splits, paged_decode
+from kiln.llm.triton_attention import decode_splits, mha_tile_from_env, paged_decode
 
 log = logging.getLogger("kiln.llm")
 
@@ -89,43 +90,59 @@ class MixedMeta:
 
 
 class CudaAttention:
-    def __init__(self, cache: torch.Tensor, num_heads: int):
-        self.torch_path = TorchPagedAttention(cache, num_heads)
+    def __init__(self, cache: torch.Tensor, num_heads: int,
+                 scales: kv_quant.KVScales | None = None, mha_tile=None):
+        self.torch_path = TorchPagedAttention(cache, num_heads, scales)
+        self.scales, self.fp8 = self.torch_path.scales, self.torch_path.fp8
         self.cache, self.num_heads = cache, num_heads
         self.scale = cache.shape[-1] ** -0.5
         self.sms = (torch.cuda.get_device_properties(cache.device).multi_processor_count
                     if cache.device.type == "cuda" else 132)
+        self.mha_tile = mha_tile  # None: the tl.dot decode kernel for MHA too
 
     def __call__(self, layer, q, k, v, meta):
         if isinstance(meta, MixedMeta):
             return self._mixed(layer, q, k, v, meta)
         if not isinstance(meta, DecodeMeta):
             return self.torch_path(layer, q, k, v, meta)
-        flat_k, flat_v = self.flat_kv(layer)
-        flat_k.index_copy_(0, meta.slots, k)
-        flat_v.index_copy_(0, meta.slots, v)
+        self.write(layer, k, v, meta.slots)
         return self.attend(layer, q, meta)
+
+    def write(self, layer, k, v, slots):
+        """The step's K/V into their slots (FP8: calibrated first where pending, quantized)."""
+        flat_k, flat_v = self.flat_kv(layer)
+        if self.fp8:
+            self.scales.before_write(layer, k, v)
+        kv_quant.store(flat_k, slots, k, self.torch_path.k_scale(layer))
+        kv_quant.store(flat_v, slots, v, self.torch_path.v_scale(layer))
+
+    def kv_scales(self, layer):
+        """The layer's [K scale, V scale] (float32 [2] on the device) of an FP8 cache, else
+        None."""
+        return self.scales.t[layer] if self.fp8 else None
 
     def _mixed(self, layer, q, k, v, meta: MixedMeta):
         """Decode rows through the Triton kernel, each prefill chunk through SDPA (causal over
         its own new keys, or over its cached prefix + chunk with an offset causal mask)."""
-        flat_k, flat_v = self.flat_kv(layer)
-        flat_k.index_copy_(0, meta.slots, k)
-        flat_v.index_copy_(0, meta.slots, v)
+        self.write(layer, k, v, meta.slots)
         t, heads, hd = q.shape
         o = q.new_empty(t, heads, hd)
         if meta.dec_rows is not None:
             o[meta.dec_rows] = paged_decode(q[meta.dec_rows], self.cache[layer, 0],
                                             self.cache[layer, 1], meta.dec_tables,
                                             meta.dec_lens, self.scale,
-                                            self._splits(len(meta.dec_lens)))
+                                            self._splits(len(meta.dec_lens)),
+                                            kv_scale=self.kv_scales(layer),
+                                            mha_tile=self.mha_tile)
         for row, n, start, blocks in meta.prefills:
             qs = q[row:row + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            if blocks is None:  # the chunk is the whole context
+            if blocks is None:  # the chunk is the whole context: its fresh (unquantized) K/V
                 ks, vs, mask = k[row:row + n], v[row:row + n], None
-            else:
-                ks = self.cache[layer, 0][blocks].flatten(0, 1)[:start + n]
-                vs = self.cache[layer, 1][blocks].flatten(0, 1)[:start + n]
+            else:  # the cached prefix + the chunk, read back (dequantized) from the cache
+                ks = kv_quant.load(self.cache[layer, 0], blocks, self.torch_path.k_scale(layer),
+                                   q.dtype).flatten(0, 1)[:start + n]
+                vs = kv_quant.load(self.cache[layer, 1], blocks, self.torch_path.v_scale(layer),
+                                   q.dtype).flatten(0, 1)[:start + n]
                 keys = torch.arange(start + n, device=q.device)
                 mask = keys[None, :] <= start + torch.arange(n, device=q.device)[:, None]
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
@@ -138,8 +155,8 @@ class CudaAttention:
 
     def fuses_rope(self, meta) -> bool:
         """Decode steps take RoPE + the cache write as one kernel (``fused.rope_kv``), then
-        ``attend``."""
-        return isinstance(meta, DecodeMeta)
+        ``attend`` (not while FP8 scales wait for calibration: ``write`` does that)."""
+        return isinstance(meta, DecodeMeta) and not (self.fp8 and self.scales.calibrating)
 
     def flat_kv(self, layer):
         """The layer's K and V caches as [slots, kv_heads, head_dim] views."""
@@ -148,7 +165,8 @@ class CudaAttention:
 
     def attend(self, layer, q, meta):
         o = paged_decode(q, self.cache[layer, 0], self.cache[layer, 1], meta.tables, meta.lens,
-                         self.scale, self._splits(q.shape[0]))
+                         self.scale, self._splits(q.shape[0]), kv_scale=self.kv_scales(layer),
+                         mha_tile=self.mha_tile)
         return o.reshape(q.shape[0], -1)
 
     def _splits(self, batch: int) -> int:
@@ -179,9 +197,15 @@ class _Step:
 class CudaModelRunner(ModelRunner):
     def __init__(self, model, num_blocks: int, block_size: int, cuda_graphs: bool = True,
                  max_batch: int = 256, max_model_len: int | None = None,
-                 tune_gemv: bool | None = None, fused_ops: bool | None = None):
+                 tune_gemv: bool | None = None, fused_ops: bool | None = None,
+                 kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False,
+                 decode_tile: int | tuple[int, int] | None = None):
+        # MHA decode in the tiled kernel: (tokens, warps), from KILN_LLM_DECODE_TILE unless
+        # given (0: the tl.dot kernel); read before super() makes the attention backend
+        self.decode_tile = mha_tile_from_env() if decode_tile is None else (decode_tile or None)
         # one more block than the pool: the scratch block that padding rows write into
-        super().__init__(model, num_blocks + 1, block_size)
+        super().__init__(model, num_blocks + 1, block_size, kv_cache_dtype=kv_cache_dtype,
+                         calculate_kv_scales=calculate_kv_scales)
         self.num_blocks = num_blocks
         self.scratch = num_blocks
         self.max_blocks = -(-(max_model_len or model.cfg.max_position) // block_size)
@@ -201,7 +225,8 @@ class CudaModelRunner(ModelRunner):
             self._tune_gemv()
 
     def _make_attention(self):
-        return CudaAttention(self.cache, self.model.cfg.num_heads)
+        return CudaAttention(self.cache, self.model.cfg.num_heads, self.kv_scales,
+                             self.decode_tile)
 
     # --- load-time choices ---------------------------------------------------------------
 
@@ -240,7 +265,10 @@ class CudaModelRunner(ModelRunner):
     # --- the step ------------------------------------------------------------------------
 
     def _decode_only(self, entries, rows) -> bool:
-        return self.triton_decode and all(n == 1 for _, n, _ in entries)
+        # FP8 scales still to calibrate: the step goes through _mixed (its write calibrates),
+        # never into a graph
+        calibrating = self.kv_scales is not None and self.kv_scales.calibrating
+        return self.triton_decode and not calibrating and all(n == 1 for _, n, _ in entries)
 
     def forward(self, ids, positions, entries, rows):
         if self._decode_only(entries, rows):
@@ -384,7 +412,10 @@ class CudaModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def warmup(self):
-        """Capture every graph size now instead of at first use."""
+        """Capture every graph size now instead of at first use (not while FP8 scales wait for
+        the first step's K/V: the capture's warm-up steps would calibrate them on padding)."""
+        if self.kv_scales is not None and self.kv_scales.calibrating:
+            return
         for s in list(self.sizes):
             if s not in self.graphs:
                 step = self.steps.setdefault(s, self._make_step(s, self.max_blocks))
@@ -394,4 +425,5 @@ class CudaModelRunner(ModelRunner):
         """Which paths the runner took (for benchmark rows)."""
         fused = self.model.fused.paths if self.model.fused is not None else "off"
         return {"decode": self.paths["decode"], "graphs": sorted(self.graphs),
-                "gemv": dict(self.paths["gemv"]), "fused": fused}
+                "gemv": dict(self.paths["gemv"]), "fused": fused,
+                "decode_tile": self.attn.mha_tile, **self.describe_kv()}

@@ -42,6 +42,12 @@ class EngineConfig:
             ``fp8`` (CUDA: every GEMM weight, the LM head included, in FP8 e4m3 with one scale
             per output channel; decode GEMVs in Triton, larger GEMMs on ``torch._scaled_mm``).
         native_decode: on the CPU, run decode-only steps as one native call per step.
+        kv_cache_dtype: ``auto`` (the KV cache in ``dtype``) or ``fp8`` (= ``fp8_e4m3``: one
+            byte per element, twice the blocks of FP16 in the same memory; one float32 scale
+            per layer for K and for V, see ``kv_quant.py``). On the CPU it runs in torch ops
+            (dequantized per step; no native decode): for tests, not for speed.
+        calculate_kv_scales: FP8 KV scales from the first step's K/V amax (with 2x headroom)
+            instead of 1.0.
     """
     device: str = "auto"
     dtype: str = "auto"
@@ -56,6 +62,8 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     weights: str = "dtype"
     native_decode: bool = True
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
 
 
 @dataclass
@@ -191,17 +199,24 @@ _UNFREEZE_AT_EXIT = False
 
 
 def _make_runner(model, cfg: EngineConfig):
+    from kiln.llm import kv_quant
+    from kiln.llm.onnx_decoder import OnnxDecoder, OnnxModelRunner
     from kiln.llm.runner import ModelRunner, blocks_from_memory
 
-    n = cfg.num_blocks or blocks_from_memory(model, cfg.block_size, cfg.memory_fraction)
-    from kiln.llm.onnx_decoder import OnnxDecoder, OnnxModelRunner
-
+    kv_dtype = kv_quant.resolve(cfg.kv_cache_dtype, model.dtype)
+    if isinstance(model, OnnxDecoder) and cfg.kv_cache_dtype != "auto":
+        raise KilnError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} needs kiln's paged KV cache; an "
+                        "ONNX decoder keeps its own past_key_values tensors: leave "
+                        "kv_cache_dtype at 'auto' (--kv-cache-dtype auto) for .onnx models")
+    n = cfg.num_blocks or blocks_from_memory(model, cfg.block_size, cfg.memory_fraction,
+                                             kv_dtype)
     if isinstance(model, OnnxDecoder):
         return OnnxModelRunner(model, n, cfg.block_size)
+    kv = dict(kv_cache_dtype=cfg.kv_cache_dtype, calculate_kv_scales=cfg.calculate_kv_scales)
     if model.device.type == "cuda":
         from kiln.llm.cuda_runner import CudaModelRunner
 
         return CudaModelRunner(model, n, cfg.block_size, cuda_graphs=cfg.cuda_graphs,
                                max_batch=cfg.max_num_seqs,
-                               max_model_len=cfg.max_model_len or None)
-    return ModelRunner(model, n, cfg.block_size, native_decode=cfg.native_decode)
+                               max_model_len=cfg.max_model_len or None, **kv)
+    return ModelRunner(model, n, cfg.block_size, native_decode=cfg.native_decode, **kv)

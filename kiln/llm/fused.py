@@ -3,7 +3,8 @@
 
     add_rms_norm   x + r -> RMSNorm * w           (the residual add and the next norm)
     silu_mul       [g | u] -> silu(g) * u          (after the merged gate|up GEMM)
-    rope_kv        qkv -> RoPE(q); RoPE(k), v -> their KV-cache slots
+    rope_kv        qkv -> RoPE(q); RoPE(k), v -> their KV-cache slots (quantized to e4m3
+                   with the layer's scales where the cache is FP8)
 
 ``LlamaModel`` runs the torch functions here unless it holds a :class:`FusedOps` (the CUDA
 runner gives it one; ``KILN_LLM_FUSED=0`` does not). ``FusedOps`` tries each Triton kernel and,
@@ -17,6 +18,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
+
+from kiln.llm import kv_quant
 
 log = logging.getLogger("kiln.llm")
 OPS = ("add_rms_norm", "silu_mul", "rope_kv")
@@ -40,14 +43,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat([-b, a], dim=-1) * sin
 
 
-def rope_kv(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads, head_dim):
+def rope_kv(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads, head_dim,
+            kv_scale=None):
     """q [T, heads, head_dim] rotated; k rotated and v written into the flat caches
-    [slots, kv_heads, head_dim] at ``slots``. cos, sin: the [max_position, head_dim] tables."""
+    [slots, kv_heads, head_dim] at ``slots``. cos, sin: the [max_position, head_dim] tables.
+    FP8 caches: quantized with ``kv_scale`` (float32 [K scale, V scale])."""
     t = qkv.shape[0]
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    k_cache.index_copy_(0, slots, rope(k.view(t, -1, head_dim), c, s))
-    v_cache.index_copy_(0, slots, v.reshape(t, -1, head_dim))
+    ks, vs = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+    kv_quant.store(k_cache, slots, rope(k.view(t, -1, head_dim), c, s), ks)
+    kv_quant.store(v_cache, slots, v.reshape(t, -1, head_dim), vs)
     return rope(q.view(t, -1, head_dim), c, s)
 
 
@@ -91,11 +97,11 @@ class FusedOps:
         return self._run("silu_mul", gu)
 
     def rope_kv(self, qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads,
-                head_dim):
+                head_dim, kv_scale=None):
         rows_ok = qkv.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
         cache_ok = all(c.stride(2) == 1 and c.stride(1) == head_dim for c in (k_cache, v_cache))
         if not (rows_ok and cache_ok):
             return rope_kv(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads,
-                           head_dim)
+                           head_dim, kv_scale)
         return self._run("rope_kv", qkv, cos, sin, positions, slots, k_cache, v_cache, heads,
-                         kv_heads, head_dim)
+                         kv_heads, head_dim, kv_scale)

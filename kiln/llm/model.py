@@ -169,7 +169,8 @@ class LlamaModel:
             qkv = self._linear(y, lay.qkv, lay.qkv_bias)
             if fuse_rope:
                 q = self.fused.rope_kv(qkv, self.cos, self.sin, positions, meta.slots,
-                                       *attn.flat_kv(i), cfg.num_heads, cfg.num_kv_heads, hd)
+                                       *attn.flat_kv(i), cfg.num_heads, cfg.num_kv_heads, hd,
+                                       attn.kv_scales(i))
                 o = attn.attend(i, q, meta)
             else:
                 q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

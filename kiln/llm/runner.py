@@ -1,6 +1,8 @@
 """The model runner: one ``SchedulerOutput`` -> one forward pass -> a sampled token per request.
 
-Owns the KV-cache tensor, sized from a block count or from a fraction of the device's memory.
+Owns the KV-cache tensor, sized from a block count or from a fraction of the device's memory,
+in the model's dtype or (``kv_cache_dtype="fp8"``) in FP8 e4m3 with per-layer K/V scales
+(``kv_quant.py``): one byte per element, so twice the blocks of FP16 in the same memory.
 """
 
 from __future__ import annotations
@@ -8,19 +10,25 @@ from __future__ import annotations
 import torch
 
 from kiln.errors import KilnError
+from kiln.llm import kv_quant
 from kiln.llm.attention import TorchPagedAttention, build_meta
 from kiln.llm.model import LlamaModel
 from kiln.llm.sampling import Sampler
 from kiln.llm.scheduler import SchedulerOutput
 
 
-def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: torch.dtype | None = None
+                       ) -> int:
+    """Bytes of one block's K and V over all layers, in ``kv_dtype`` (default: the model's)."""
     c = model.cfg
-    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+    itemsize = (kv_dtype or model.dtype).itemsize
+    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * itemsize
 
 
-def blocks_from_memory(model: LlamaModel, block_size: int, fraction: float) -> int:
-    """Blocks that fit in ``fraction`` of the device memory left after the weights."""
+def blocks_from_memory(model: LlamaModel, block_size: int, fraction: float,
+                       kv_dtype: torch.dtype | None = None) -> int:
+    """Blocks that fit in ``fraction`` of the device memory left after the weights (blocks of
+    ``kv_dtype``, default the model's dtype: an FP8 cache fits twice the blocks of FP16)."""
     if not 0 < fraction <= 1:
         raise KilnError(f"gpu_memory_utilization={fraction}: must be in (0, 1]")
     if model.device.type == "cuda":
@@ -33,30 +41,45 @@ def blocks_from_memory(model: LlamaModel, block_size: int, fraction: float) -> i
         avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         # the host is shared with everything else: at most half of what is free, and 1 GiB
         budget = min(avail * 0.5, total * fraction, 1 << 30)
-    n = int(budget // kv_bytes_per_block(model, block_size))
+    per_block = kv_bytes_per_block(model, block_size, kv_dtype)
+    n = int(budget // per_block)
     if n < 1:
         raise KilnError(f"no memory left for the KV cache ({budget / 2**20:.0f} MiB for blocks of "
-                        f"{kv_bytes_per_block(model, block_size) / 2**20:.1f} MiB); raise the "
+                        f"{per_block / 2**20:.1f} MiB); raise the "
                         "memory fraction or give num_blocks")
     return n
 
 
 class ModelRunner:
     """``native_decode``: run steps made only of decodes as one native call
-    (``LlamaModel.decode_native``) where the model allows it."""
+    (``LlamaModel.decode_native``) where the model allows it (not over an FP8 cache: the native
+    stack reads float32 K/V). ``kv_cache_dtype``: ``auto`` (the model's dtype) or ``fp8``;
+    ``calculate_kv_scales``: FP8 scales from the first step's K/V amax instead of 1.0."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
-                 native_decode: bool = True):
+                 native_decode: bool = True, kv_cache_dtype: str = "auto",
+                 calculate_kv_scales: bool = False):
         c = model.cfg
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
-        self.native_decode = native_decode and model.native_decode_ok()
+        self.kv_dtype = kv_quant.resolve(kv_cache_dtype, model.dtype)
+        fp8_kv = self.kv_dtype == kv_quant.FP8
+        self.native_decode = native_decode and model.native_decode_ok() and not fp8_kv
         self.cache = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads,
-                                 c.head_dim, dtype=model.dtype, device=model.device)
+                                 c.head_dim, dtype=self.kv_dtype, device=model.device)
+        self.kv_scales = (kv_quant.KVScales(c.num_layers, model.device, calculate_kv_scales)
+                          if fp8_kv else None)
         self.attn = self._make_attention()
         self.sampler = Sampler(model.device)
 
     def _make_attention(self):
-        return TorchPagedAttention(self.cache, self.model.cfg.num_heads)
+        return TorchPagedAttention(self.cache, self.model.cfg.num_heads, self.kv_scales)
+
+    def describe_kv(self) -> dict:
+        """The cache's dtype and, for FP8, the range of its scales."""
+        d = {"kv_cache_dtype": str(self.kv_dtype).replace("torch.", "")}
+        if self.kv_scales is not None:
+            d.update(self.kv_scales.describe())
+        return d
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:

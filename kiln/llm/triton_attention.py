@@ -7,6 +7,11 @@ packed into one tile (GQA), then a reduction over the splits.
 Each split covers ceil(len / SPLITS) tokens rounded up to whole blocks, computed in the kernel
 from the sequence's length, so the launch has no per-step arguments (CUDA-graph safe). Tested
 under ``TRITON_INTERPRET=1`` on small shapes; the speed is the GPU's business.
+
+An FP8 (e4m3) cache (``kv_scale`` given: [K scale, V scale] float32 on the device) is loaded as
+FP8 tiles and widened to the queries' dtype in registers (exact: every e4m3 value is an FP16
+value); the K scale is folded into the softmax scale, the V scale applied to the partial
+output, so dequantizing costs two multiplies per program. Half the bytes of an FP16 cache.
 """
 
 from __future__ import annotations
@@ -17,34 +22,50 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
+def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, kv_scale_ptr,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, scale,
                   HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                  D: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr):
+                  D: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr,
+                  FP8_KV: tl.constexpr, TILE: tl.constexpr):
+    # TILE tokens per iteration: one block (TILE == BS), or whole blocks looked up per token
+    # where blocks are shorter than the 16 rows tl.dot needs (TILE = 16, a multiple of BS)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     n = tl.load(lens_ptr + b)
-    per = ((n + SPLITS - 1) // SPLITS + BS - 1) // BS * BS
+    per = ((n + SPLITS - 1) // SPLITS + TILE - 1) // TILE * TILE
     start = sp * per
     end = tl.minimum(start + per, n)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D)
-    t = tl.arange(0, BS)
+    t = tl.arange(0, TILE)
     heads = kvh * GROUP + g
     gmask = g < GROUP
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None], other=0.0)
+    qk_scale = scale
+    if FP8_KV:  # s = q . (k8 * sk) * scale = (q . k8) * (scale * sk)
+        qk_scale = scale * tl.load(kv_scale_ptr)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    for pos in range(start, end, BS):
-        blk = tl.load(tables_ptr + b * stride_tb + pos // BS).to(tl.int64)
+    for pos in range(start, end, TILE):
         valid = pos + t < end
-        off = blk * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+        if TILE == BS:
+            blk = tl.load(tables_ptr + b * stride_tb + pos // BS).to(tl.int64)
+            off = blk * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+        else:
+            tok = pos + t
+            blks = tl.load(tables_ptr + b * stride_tb + tok // BS, mask=valid,
+                           other=0).to(tl.int64)
+            off = (blks[:, None] * stride_kb + (tok % BS)[:, None] * stride_kt
+                   + kvh * stride_kh + d[None, :])
         k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        if FP8_KV:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
@@ -52,10 +73,61 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
         lsum = lsum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m = m_new
+    if FP8_KV:  # sum p (v8 * sv) = sv * sum p v8
+        acc = acc * tl.load(kv_scale_ptr + 1)
     row = (b * HEADS + heads) * SPLITS + sp
     tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
     tl.store(ml_ptr + row * 2, m, mask=gmask)
     tl.store(ml_ptr + row * 2 + 1, lsum, mask=gmask)
+
+
+@triton.jit
+def _decode_split_tiles(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
+                        kv_scale_ptr, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
+                        stride_tb, scale, HEADS: tl.constexpr, D: tl.constexpr,
+                        BS: tl.constexpr, SPLITS: tl.constexpr, TILE: tl.constexpr,
+                        FP8_KV: tl.constexpr):
+    """The MHA variant (one query head per KV head): TILE tokens per iteration, each token's
+    block looked up on its own (a tile spans TILE / BS blocks), scores and the weighted sum of
+    V as elementwise products and sums in float32 instead of a 16-row padded tl.dot."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    n = tl.load(lens_ptr + b)
+    per = ((n + SPLITS - 1) // SPLITS + TILE - 1) // TILE * TILE
+    start = sp * per
+    end = tl.minimum(start + per, n)
+    d = tl.arange(0, D)
+    t = tl.arange(0, TILE)
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d).to(tl.float32)
+    qk_scale = scale
+    if FP8_KV:
+        qk_scale = scale * tl.load(kv_scale_ptr)
+    m = float("-inf")
+    lsum = 0.0
+    acc = tl.zeros([D], tl.float32)
+    for pos in range(start, end, TILE):
+        tok = pos + t
+        valid = tok < end
+        blk = tl.load(tables_ptr + b * stride_tb + tok // BS, mask=valid, other=0).to(tl.int64)
+        off = (blk[:, None] * stride_kb + (tok % BS)[:, None] * stride_kt + h * stride_kh
+               + d[None, :])
+        k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(q[None, :] * k, 1) * qk_scale
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
+        lsum = lsum * alpha + tl.sum(p, 0)
+        v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        m = m_new
+    if FP8_KV:
+        acc = acc * tl.load(kv_scale_ptr + 1)
+    row = (b * HEADS + h) * SPLITS + sp
+    tl.store(acc_ptr + row * D + d, acc)
+    tl.store(ml_ptr + row * 2, m)
+    tl.store(ml_ptr + row * 2 + 1, lsum)
 
 
 @triton.jit
@@ -83,23 +155,62 @@ def decode_splits(batch: int, kv_heads: int, sms: int = 132) -> int:
     return max(1, min(8, -(-4 * sms // max(batch * kv_heads, 1))))
 
 
+def mha_tile_from_env() -> tuple[int, int] | None:
+    """``KILN_LLM_DECODE_TILE=N`` or ``N:W``: MHA decode (no GQA) in the tiled kernel, N tokens
+    per iteration (a power of two; tiles need not line up with blocks), W warps (default 4);
+    unset or 0: the tl.dot kernel."""
+    import os
+
+    v = os.environ.get("KILN_LLM_DECODE_TILE", "")
+    if not v or v == "0":
+        return None
+    try:
+        n, _, w = v.partition(":")
+        n, w = int(n), int(w or 4)
+    except ValueError:
+        n = w = 0
+    if n < 1 or n & (n - 1) or w not in (1, 2, 4, 8, 16):
+        raise ValueError(f"KILN_LLM_DECODE_TILE={v}: N or N:W, N a power of two (tokens per "
+                         "iteration), W warps (1, 2, 4, 8 or 16)")
+    return n, w
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, scale: float,
-                 splits: int = 8) -> torch.Tensor:
+                 splits: int = 8, kv_scale: torch.Tensor | None = None,
+                 mha_tile: int | tuple[int, int] | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its cached keys.
 
-    q [B, H, D]; k_cache, v_cache [blocks, block_size, KV, D]; tables [B, max_blocks] int32;
-    lens [B] int32 (tokens in the cache, the new one included). Returns [B, H, D].
+    q [B, H, D]; k_cache, v_cache [blocks, block_size, KV, D] (q's dtype, or float8_e4m3fn
+    with ``kv_scale`` = float32 [K scale, V scale]); tables [B, max_blocks] int32; lens [B]
+    int32 (tokens in the cache, the new one included). Returns [B, H, D]. ``mha_tile``: where
+    H == KV, the tiled kernel (``_decode_split_tiles``) with that many tokens per iteration,
+    or (tokens, warps).
     """
     b, heads, d = q.shape
     _, bs, kv, _ = k_cache.shape
     group = heads // kv
+    fp8_kv = k_cache.dtype == torch.float8_e4m3fn
+    if fp8_kv != (kv_scale is not None) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"paged_decode: K cache {k_cache.dtype}, V cache {v_cache.dtype}, "
+                         f"kv_scale {'given' if kv_scale is not None else 'None'}: an FP8 cache "
+                         "needs kv_scale, any other none")
     acc = torch.empty(b * heads * splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(b * heads * splits, 2, dtype=torch.float32, device=q.device)
-    _decode_split[(b, kv, splits)](
-        q, k_cache, v_cache, tables, lens, acc, ml, q.stride(0), q.stride(1), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), tables.stride(0), scale, HEADS=heads, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BS=bs, SPLITS=splits)
+    if mha_tile and group == 1:
+        tile, warps = mha_tile if isinstance(mha_tile, tuple) else (mha_tile, 4)
+        _decode_split_tiles[(b, kv, splits)](
+            q, k_cache, v_cache, tables, lens, acc, ml, kv_scale if fp8_kv else lens,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            tables.stride(0), scale, HEADS=heads, D=d, BS=bs, SPLITS=splits,
+            TILE=tile, FP8_KV=fp8_kv, num_warps=warps)
+    else:
+        _decode_split[(b, kv, splits)](
+            q, k_cache, v_cache, tables, lens, acc, ml, kv_scale if fp8_kv else lens,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            tables.stride(0), scale, HEADS=heads, GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BS=bs, SPLITS=splits,
+            FP8_KV=fp8_kv, TILE=max(16, bs))
     out = torch.empty_like(q)
     _decode_reduce[(b, heads)](acc, ml, out, out.stride(0), out.stride(1), HEADS=heads, D=d,
                                SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))

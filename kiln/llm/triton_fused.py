@@ -3,7 +3,8 @@
     add_rms_norm   x, r -> s = x + r; y = s * rsqrt(mean(s^2) + eps) * w        grid (T,)
     silu_mul       [g | u] -> silu(g) * u                                         grid (T, I / B)
     rope_kv        qkv -> q rotated to q_out; k rotated and v written to their    grid (T, H + KV)
-                   cache slots (rotate-half RoPE, cos/sin rows gathered by position)
+                   cache slots (rotate-half RoPE, cos/sin rows gathered by position;
+                   an FP8 cache gets k / sk and v / sv saturated at +-448 in e4m3)
 
 Each computes in float32 and rounds once to the activations' dtype. ``fused.py`` picks these
 or the torch ops they replace; tested under ``TRITON_INTERPRET=1`` against those torch ops.
@@ -65,8 +66,21 @@ def silu_mul(gu: torch.Tensor, block: int = 1024) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, stride_t,
-             stride_slot, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr):
+def _to_e4m3(x, scale):
+    """x / scale saturated at +-448, rounded to 3 mantissa bits (to nearest, ties to even)
+    in float32 bits, so the cast to e4m3 that follows is exact (normal range). The cast alone
+    would round the same on the GPU; Triton's interpreter does not carry a round-up into the
+    exponent (30.6 became 16), and the tests run there."""
+    y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+    bits = y.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # drop 20 of 23 mantissa bits
+    return bits.to(tl.float32, bitcast=True).to(tl.float8e4nv)
+
+
+@triton.jit
+def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, kv_scale_ptr,
+             stride_t, stride_slot, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
+             FP8_KV: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)  # heads 0..H-1 are q, H..H+KV-1 are k (with their v)
     d = tl.arange(0, D)
@@ -84,23 +98,32 @@ def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, 
     else:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         dst = slot * stride_slot + (j - H) * D + d
-        tl.store(k_ptr + dst, out.to(k_ptr.dtype.element_ty))
         v = tl.load(src + KV * D + d)
-        tl.store(v_ptr + dst, v)
+        if FP8_KV:  # no reassignment: Triton wants one type per name across the branches
+            tl.store(k_ptr + dst, _to_e4m3(out, tl.load(kv_scale_ptr)))
+            tl.store(v_ptr + dst, _to_e4m3(v, tl.load(kv_scale_ptr + 1)))
+        else:
+            tl.store(k_ptr + dst, out.to(k_ptr.dtype.element_ty))
+            tl.store(v_ptr + dst, v.to(v_ptr.dtype.element_ty))
 
 
 def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
             slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
-            kv_heads: int, head_dim: int) -> torch.Tensor:
+            kv_heads: int, head_dim: int, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, heads, head_dim] rotated; k rotated and v written at ``slots`` of the caches.
 
     qkv [T, (heads + 2 kv_heads) * head_dim] (rows may be strided, each row contiguous);
     cos, sin [max_position, head_dim] contiguous; positions, slots [T]; k_cache, v_cache
-    [slots, kv_heads, head_dim] with contiguous (kv_heads, head_dim).
+    [slots, kv_heads, head_dim] with contiguous (kv_heads, head_dim), in qkv's dtype or
+    float8_e4m3fn with ``kv_scale`` (float32 [K scale, V scale] on the device).
     """
     t = qkv.shape[0]
+    fp8_kv = k_cache.dtype == torch.float8_e4m3fn
+    if fp8_kv and kv_scale is None:
+        raise ValueError("rope_kv: an FP8 KV cache needs kv_scale")
     q = torch.empty(t, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _rope_kv[(t, heads + kv_heads)](qkv, cos, sin, positions, slots, q, k_cache, v_cache,
-                                    qkv.stride(0), k_cache.stride(0), H=heads, KV=kv_heads,
-                                    D=head_dim)
+                                    kv_scale if fp8_kv else cos, qkv.stride(0),
+                                    k_cache.stride(0), H=heads, KV=kv_heads, D=head_dim,
+                                    FP8_KV=fp8_kv)
     return q

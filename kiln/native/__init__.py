@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import os
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ from kiln.ops.rules import broadcast_ints
 
 # kiln activation name -> the kernel's code (ACT_* in kernels.h); the kernel applies it in registers
 ACTIVATIONS = {"": 0, "Relu": 1, "Gelu": 2, "GeluTanh": 3, "Sigmoid": 4, "Silu": 5, "Tanh": 6,
-               "Clip": 7, "LeakyRelu": 8, "HardSwish": 9}
+               "Clip": 7, "LeakyRelu": 8, "HardSwish": 9, "HardSwishAffine": 20}
 _HERE = Path(__file__).resolve().parent
 _L, _P, _I, _F = ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ALIGN = 32  # bytes: packed panels are read with aligned 256-bit loads
@@ -68,6 +69,8 @@ def _load():
     lib.kiln_wino3x3.restype = _I
     lib.kiln_chain_run.argtypes = [_P, _L, _P, _P, _I]
     lib.kiln_chain_run.restype = _L
+    lib.kiln_chain_run_timed.argtypes = [_P, _L, _P, _P, _I, _P]
+    lib.kiln_chain_run_timed.restype = _L
     lib.kiln_pointwise.argtypes = [_I, _I, _P, _P, _P, _P, _P, _P, _P, _F, _F, _I]
     lib.kiln_pointwise.restype = None
     lib.kiln_pool2d.argtypes = [_I, _P, _P, _P, _P, _P, _I]
@@ -111,8 +114,12 @@ def _load():
     lib.kiln_qgemm_packed_size.restype = _L
     lib.kiln_qgemm_pack.argtypes = [_I, _L, _L, _P, _P]
     lib.kiln_qgemm_pack.restype = None
-    lib.kiln_qgemm.argtypes = [_I, _L, _L, _L, _P, _L, _I, _P, _P, _F, _P, _L, _P, _P, _L, _I]
+    lib.kiln_qgemm.argtypes = [_I, _L, _L, _L, _P, _L, _I, _P, _P, _F, _P, _L, _P, _P, _L, _I,
+                               _P, _P, _L, _I]
     lib.kiln_qgemm.restype = _I
+    lib.kiln_qgemm_f32.argtypes = [_I, _L, _L, _L, _P, _L, _F, _I, _P, _P, _P, _L, _P, _P, _L,
+                                   _I, _P, _P, _L, _I]
+    lib.kiln_qgemm_f32.restype = _I
     return lib, ""
 
 
@@ -303,8 +310,15 @@ def chain_run(prog, n: int, fparams, table, nthreads: int | None = None) -> int:
                                torch.get_num_threads() if nthreads is None else nthreads)
 
 
+def chain_run_timed(prog, n: int, fparams, table, nthreads: int, acc) -> int:
+    """:func:`chain_run`, adding each record's seconds to ``acc`` (the address of a float64
+    array, indexed by record position from ``prog``)."""
+    return _lib.kiln_chain_run_timed(prog, n, fparams, table, nthreads, acc)
+
+
 # elementwise op name -> kiln_pointwise's code (pointwise.c); activations keep their ACT_ codes
-POINTWISE = {**{k: v for k, v in ACTIVATIONS.items() if k}, "Copy": 0, "Exp": 10, "Neg": 11,
+POINTWISE = {**{k: v for k, v in ACTIVATIONS.items() if k and k != "HardSwishAffine"},
+             "Copy": 0, "Exp": 10, "Neg": 11,
              "Abs": 12, "Sqrt": 13, "Reciprocal": 14, "HardSigmoid": 15,
              "QuantizeDequantizeU8": 16, "QuantizeDequantizeS8": 17, "Add": 32, "Sub": 33,
              "Mul": 34, "Div": 35, "Max": 36, "Min": 37, "PRelu": 38}
@@ -395,13 +409,14 @@ def qgemm_paths() -> list[str]:
 
 class QGemmWeight:
     """An int8 weight [K, N] (zero point 0) packed for qgemm.c's ``path`` (None: the fastest
-    this CPU has; "scalar", "avx2", "vnni" force one), with its column sums."""
+    this CPU has, or the environment's ``KILN_QGEMM_PATH``; "scalar", "avx2", "vnni" force
+    one), with its column sums."""
 
     def __init__(self, wq: torch.Tensor, path: str | None = None):
         if wq.dtype != torch.int8 or wq.dim() != 2 or wq.device.type != "cpu":
             raise ValueError(f"QGemmWeight: expected an int8 CPU [K, N] weight, got "
                              f"{wq.dtype} {tuple(wq.shape)} on {wq.device}")
-        path = path or qgemm_paths()[-1]
+        path = path or os.environ.get("KILN_QGEMM_PATH") or qgemm_paths()[-1]
         if path not in QGEMM_PATHS or path not in qgemm_paths():
             raise ValueError(f"QGemmWeight: path {path!r} is not one this CPU runs "
                              f"({', '.join(qgemm_paths())})")
@@ -414,28 +429,108 @@ class QGemmWeight:
         self.colsum = w.sum(0, dtype=torch.int32).contiguous()
 
 
-def qgemm(codes: torch.Tensor, a_zero: int, a_scale: float, w: QGemmWeight,
-          w_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``float(codes @ wq - a_zero * colsum(wq)) * (a_scale * w_scale) (+ bias)`` of uint8
-    ``codes`` [M, K] (rows contiguous) and a packed int8 weight (qgemm.c): the int32 sums
-    exact, the float steps onnxruntime's MatMulInteger -> Cast -> Mul (-> Add). ``w_scale``
-    float32 of 1 or N values, ``bias`` float32 [N]."""
-    if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] != w.k or \
-            codes.stride(1) != 1:
-        raise ValueError(f"qgemm: expected uint8 codes [M, {w.k}] with contiguous rows, got "
-                         f"{codes.dtype} {tuple(codes.shape)}")
+QACT_REQUANT = 100  # qgemm.c's epilogue that requantizes (QLinearMatMul) instead
+QACT_INT32 = 101  # qgemm.c's epilogue that stores the int32 sums (MatMulInteger)
+
+
+def _qgemm_epilogue(w, w_scale, bias, residual, m, activation, alpha, beta, requant, out):
+    """Checked arguments of qgemm.c's epilogue: (w_scale, bias, residual, its row stride, act
+    code, float params, out)."""
     ws = w_scale.reshape(-1)
     if ws.dtype != torch.float32 or ws.numel() not in (1, w.n) or not ws.is_contiguous():
         raise ValueError(f"qgemm: w_scale must be float32 of 1 or {w.n} values")
     if bias is not None and (bias.dtype != torch.float32 or bias.numel() != w.n or
                              not bias.is_contiguous()):
         raise ValueError(f"qgemm: bias must be contiguous float32 of {w.n} values")
+    if residual is not None and (residual.dtype != torch.float32 or residual.dim() != 2 or
+                                 tuple(residual.shape) != (m, w.n) or residual.stride(1) != 1):
+        raise ValueError(f"qgemm: residual must be float32 [{m}, {w.n}] with contiguous rows")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"qgemm: activation {activation!r} is not one of kiln's "
+                         f"({', '.join(k for k in ACTIVATIONS if k)})")
+    ep = (ctypes.c_float * 6)(*_epilogue_params(activation, alpha, beta), 0.0, 0.0, 0.0, 0.0)
+    act = ACTIVATIONS[activation]
+    if requant is not None:
+        if bias is not None or residual is not None or activation:
+            raise ValueError("qgemm: requant takes no bias, residual or activation")
+        act = QACT_REQUANT
+        ep[2:6] = [float(v) for v in requant]
+    if out is None:
+        out = torch.empty(m, w.n, dtype=torch.float32)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (m, w.n) or out.stride(1) != 1:
+        raise ValueError(f"qgemm: out must be float32 [{m}, {w.n}] with contiguous rows")
+    return ws, bias, residual, 0 if residual is None else residual.stride(0), act, ep, out
+
+
+def qgemm(codes: torch.Tensor, a_zero: int, a_scale: float, w: QGemmWeight,
+          w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+          residual: torch.Tensor | None = None, activation: str = "", alpha=None, beta=None,
+          requant: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(float(codes @ wq - a_zero * colsum(wq)) * (a_scale * w_scale) (+ bias) (+
+    residual))`` of uint8 ``codes`` [M, K] (rows contiguous) and a packed int8 weight
+    (qgemm.c): the int32 sums exact, the float steps onnxruntime's MatMulInteger -> Cast -> Mul
+    (-> Add). ``w_scale`` float32 of 1 or N values, ``bias`` float32 [N], ``residual`` float32
+    [M, N], ``activation`` a key of :data:`ACTIVATIONS` (``alpha``/``beta`` as in
+    :func:`gemm`). ``requant`` = (y_scale, y_zero, lo, hi): instead, ``(clamp(round(float(...)
+    * w_scale) + y_zero, lo, hi) - y_zero) * y_scale`` (``w_scale`` the whole multipliers,
+    ``a_scale`` unused), QLinearMatMul's requantization dequantized."""
+    if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] != w.k or \
+            codes.stride(1) != 1:
+        raise ValueError(f"qgemm: expected uint8 codes [M, {w.k}] with contiguous rows, got "
+                         f"{codes.dtype} {tuple(codes.shape)}")
     m = codes.shape[0]
-    y = torch.empty(m, w.n, dtype=torch.float32)
+    ws, bias, r, ldr, act, ep, y = _qgemm_epilogue(w, w_scale, bias, residual, m, activation,
+                                                   alpha, beta, requant, out)
     _lib.kiln_qgemm(w.code, m, w.n, w.k, codes.data_ptr(), codes.stride(0), int(a_zero),
                     w.packed.data_ptr(), w.colsum.data_ptr(), float(a_scale), ws.data_ptr(),
-                    ws.numel(), None if bias is None else bias.data_ptr(), y.data_ptr(), w.n,
+                    ws.numel(), None if bias is None else bias.data_ptr(),
+                    None if r is None else r.data_ptr(), ldr, act, ctypes.addressof(ep),
+                    y.data_ptr(), y.stride(0), torch.get_num_threads())
+    return y
+
+
+def qgemm_int32(codes: torch.Tensor, a_zero: int, w: QGemmWeight) -> torch.Tensor:
+    """``codes @ wq - a_zero * colsum(wq)`` as int32 [M, N] (MatMulInteger's result, exact) of
+    uint8 ``codes`` [M, K] with contiguous rows and a packed int8 weight (qgemm.c)."""
+    if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] != w.k or \
+            codes.stride(1) != 1:
+        raise ValueError(f"qgemm_int32: expected uint8 codes [M, {w.k}] with contiguous rows, "
+                         f"got {codes.dtype} {tuple(codes.shape)}")
+    m = codes.shape[0]
+    y = torch.empty(m, w.n, dtype=torch.int32)
+    one = torch.ones(1)
+    ep = (ctypes.c_float * 6)()
+    _lib.kiln_qgemm(w.code, m, w.n, w.k, codes.data_ptr(), codes.stride(0), int(a_zero),
+                    w.packed.data_ptr(), w.colsum.data_ptr(), 1.0, one.data_ptr(), 1, None,
+                    None, 0, QACT_INT32, ctypes.addressof(ep), y.data_ptr(), w.n,
                     torch.get_num_threads())
+    return y
+
+
+def qgemm_f32(x: torch.Tensor, x_scale: float, x_zero: int, w: QGemmWeight,
+              w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+              residual: torch.Tensor | None = None, activation: str = "", alpha=None,
+              beta=None, requant: tuple | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`qgemm` of float32 rows ``x`` [M, K] (rows contiguous) quantized to uint8 in C
+    first: ``clamp(round(x / x_scale) + x_zero, 0, 255)`` (QuantizeLinear), or where
+    ``x_scale`` is 0 by x's own range (DynamicQuantizeLinear, the codes of
+    :func:`dynamic_quantize`)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or \
+            x.shape[1] != w.k or x.stride(1) != 1:
+        raise ValueError(f"qgemm_f32: expected float32 CPU rows [M, {w.k}] with contiguous "
+                         f"rows, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    m = x.shape[0]
+    ws, bias, r, ldr, act, ep, y = _qgemm_epilogue(w, w_scale, bias, residual, m, activation,
+                                                   alpha, beta, requant, out)
+    rc = _lib.kiln_qgemm_f32(w.code, m, w.n, w.k, x.data_ptr(), x.stride(0), float(x_scale),
+                             int(x_zero), w.packed.data_ptr(), w.colsum.data_ptr(),
+                             ws.data_ptr(), ws.numel(), None if bias is None else bias.data_ptr(),
+                             None if r is None else r.data_ptr(), ldr, act,
+                             ctypes.addressof(ep), y.data_ptr(), y.stride(0),
+                             torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"qgemm_f32: no memory for the {m} x {w.k} codes")
     return y
 
 
@@ -446,11 +541,7 @@ def dynamic_qgemm(x: torch.Tensor, w: QGemmWeight, w_scale: torch.Tensor,
     if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or \
             x.dim() != 2:
         raise ValueError("dynamic_qgemm: expected a contiguous float32 CPU [M, K] tensor")
-    codes = torch.empty(x.shape, dtype=torch.uint8)
-    sz = (ctypes.c_float * 2)()
-    _lib.kiln_dynamic_quantize(x.numel(), x.data_ptr(), codes.data_ptr(), ctypes.addressof(sz),
-                               ctypes.addressof(sz) + 4, torch.get_num_threads())
-    return qgemm(codes, int(sz[1]), sz[0], w, w_scale, bias)
+    return qgemm_f32(x, 0.0, 0, w, w_scale, bias)
 
 
 def requantize_(acc: torch.Tensor, mult: torch.Tensor, scale: float, zero: int, lo: int,

@@ -9,7 +9,7 @@
 
 /* record kinds: kiln/engine/program_ops.py, program_gemm.py and program_rnn.py name the same */
 enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, OP_WINO = 7,
-       OP_RNN = 8, OP_RMS = 9, OP_CONV = 10 };
+       OP_RNN = 8, OP_RMS = 9, OP_CONV = 10, OP_QGEMM = 11 };
 #define GEMM_LEN 17 /* kind M N K a aoff lda w bias r roff ldr c coff ldc act fparam */
 #define LN_LEN 12   /* kind M N x xoff ldx y yoff ldy gamma beta fparam (OP_RMS too, no beta) */
 #define ATTN_LEN 36 /* kind B H Hkv Sq Skv D Dv, (buf off b h s) for q k v, (buf off b h q k) for
@@ -21,15 +21,35 @@ enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, O
 #define WINO_LEN 20 /* kind N H W C K Ho Wo pt pl x xoff w bias r roff y yoff act fparam */
 #define RNN_LEN (2 + RNN_FIELDS + 2 * RNN_RECORD_BUFS) /* see kiln_rnn_record (rnn.c) */
 #define CONV_LEN 26 /* kind g[15] x xoff w bias r roff y yoff act fparam */
+#define QGEMM_LEN 23 /* kind path M N K x xoff ldx fparam(x_scale) x_zero w colsum w_scale
+                      * w_scale_n bias r roff ldr y yoff ldy act fparam(epilogue's 6) */
+
+#include <time.h>
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 /* Returns n, or the position of the first op it does not know or could not run (nothing
- * from there on ran). */
-long kiln_chain_run(const long *prog, long n, const float *fp, float *const *bufs, int nthreads)
+ * from there on ran). acc (NULL: not timed): acc[i] += the seconds the record at position i
+ * took (the per-record profile of a native program, kiln/engine/program.py). */
+static long chain_run(const long *prog, long n, const float *fp, float *const *bufs,
+                      int nthreads, double *acc)
 {
 #define PTR(b, off) ((b) >= 0 ? bufs[b] + (off) : NULL)
-    long i = 0;
+    long i = 0, at = 0;
+    double t0 = 0.0;
     while (i < n) {
         const long *p = prog + i;
+        if (acc != NULL) {
+            if (i > 0)
+                acc[at] += now_s() - t0;
+            at = i;
+            t0 = now_s();
+        }
         if (p[0] == OP_GEMM && i + GEMM_LEN <= n) {
             kiln_sgemm(p[1], p[2], p[3], PTR(p[4], p[5]), p[6], PTR(p[7], 0), PTR(p[8], 0),
                        PTR(p[9], p[10]), p[11], PTR(p[12], p[13]), p[14], (int)p[15],
@@ -86,10 +106,31 @@ long kiln_chain_run(const long *prog, long n, const float *fp, float *const *buf
                           PTR(q[6], q[7]), (int)q[8], fp[q[9]], fp[q[9] + 1], nthreads) != 0)
                 return i;  /* out of memory */
             i += CONV_LEN;
+        } else if (p[0] == OP_QGEMM && i + QGEMM_LEN <= n) {
+            if (kiln_qgemm_f32((int)p[1], p[2], p[3], p[4], PTR(p[5], p[6]), p[7], fp[p[8]],
+                               (int)p[9], PTR(p[10], 0), (const int *)PTR(p[11], 0),
+                               PTR(p[12], 0), p[13], PTR(p[14], 0), PTR(p[15], p[16]), p[17],
+                               (int)p[21], fp + p[22], PTR(p[18], p[19]), p[20],
+                               nthreads) != 0)
+                return i;  /* out of memory */
+            i += QGEMM_LEN;
         } else {
             return i;
         }
     }
+    if (acc != NULL && n > 0)
+        acc[at] += now_s() - t0;
     return n;
 #undef PTR
+}
+
+long kiln_chain_run(const long *prog, long n, const float *fp, float *const *bufs, int nthreads)
+{
+    return chain_run(prog, n, fp, bufs, nthreads, NULL);
+}
+
+long kiln_chain_run_timed(const long *prog, long n, const float *fp, float *const *bufs,
+                          int nthreads, double *acc)
+{
+    return chain_run(prog, n, fp, bufs, nthreads, acc);
 }

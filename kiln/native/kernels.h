@@ -35,9 +35,11 @@ TGT static inline float hsum256(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-/* Activations, applied to the tile in registers (codes as in kiln/native/__init__.py). */
+/* Activations, applied to the tile in registers (codes as in kiln/native/__init__.py).
+ * ACT_HARD_SWISH_AFFINE: alpha * hardswish(x) + beta (an activation with a scale and shift
+ * after it, PP-LCNetV3's); its code is clear of the pointwise ops' (10..17, 32..). */
 enum { ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SIGMOID, ACT_SILU, ACT_TANH, ACT_CLIP,
-       ACT_LEAKY_RELU, ACT_HARD_SWISH };
+       ACT_LEAKY_RELU, ACT_HARD_SWISH, ACT_HARD_SWISH_AFFINE = 20 };
 
 /* e^x: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for exactness), e^r by a degree-7
  * polynomial (the Cephes expf coefficients), 2^n by building the exponent bits; about 1 ulp.
@@ -123,6 +125,11 @@ TGT static inline __m256 act256(__m256 v, int act, float alpha, float beta)
         g = _mm256_min_ps(_mm256_set1_ps(1.0f), _mm256_max_ps(zero, g));
         return _mm256_mul_ps(v, g);
     }
+    case ACT_HARD_SWISH_AFFINE: {
+        __m256 g = _mm256_fmadd_ps(v, _mm256_set1_ps(1.0f / 6.0f), _mm256_set1_ps(0.5f));
+        g = _mm256_min_ps(_mm256_set1_ps(1.0f), _mm256_max_ps(zero, g));
+        return _mm256_fmadd_ps(_mm256_mul_ps(v, g), _mm256_set1_ps(alpha), _mm256_set1_ps(beta));
+    }
     default: return v;
     }
 }
@@ -171,6 +178,17 @@ TGT int kiln_conv(const long *g, const float *x, const float *wp, const float *b
                   const float *r, float *y, int act, float p0, float p1, int nthreads);
 TGT void kiln_depthwise(const long *g, const float *x, const float *wp, const float *bias,
                         const float *r, float *y, int act, float p0, float p1, int nthreads);
+
+/* quant.c: uint8 codes of float32 rows, by a given or (dynamic) their own scale and zero */
+void kiln_quantize_rows(long M, long K, const float *x, long ldx, unsigned char *y,
+                        float *scale, float *zero, int dynamic, int nthreads);
+
+/* qgemm.c: float32 rows quantized to uint8 (x_scale 0: by their own range), times an int8
+ * weight packed by kiln_qgemm_pack, with its epilogue */
+int kiln_qgemm_f32(int path, long M, long N, long K, const float *X, long ldx, float x_scale,
+                   int x_zero, const void *B, const int *colsum, const float *w_scale,
+                   long w_scale_n, const float *bias, const float *R, long ldr, int act,
+                   const float *ep, float *C, long ldc, int nthreads);
 
 #define RNN_FIELDS 37 /* kiln_rnn's long array (rnn.c's P_COUNT) */
 #define RNN_RECORD_BUFS 7 /* program buffers a recurrent record names: xw x h0 c0 y yh yc */

@@ -1,6 +1,7 @@
-/* u8 x s8 integer GEMM with a float epilogue: C[m, n] = float(sum_k A[m, k] B[k, n] - a_zero *
- * colsum[n]) * (a_scale * w_scale[n]) (+ bias[n]), the int32 sums exact (no int16 pair
- * saturation), the float steps those of onnxruntime's MatMulInteger -> Cast -> Mul (-> Add).
+/* u8 x s8 integer GEMM with a float epilogue: C[m, n] = act(float(sum_k A[m, k] B[k, n] -
+ * a_zero * colsum[n]) * (a_scale * w_scale[n]) (+ bias[n]) (+ R[m, n])), the int32 sums exact
+ * (no int16 pair saturation), the float steps those of onnxruntime's MatMulInteger -> Cast ->
+ * Mul (-> Add); or that product requantized to 8 bits and back (QLinearMatMul's steps).
  * A is uint8 activation codes [M, K] (row stride lda), B int8 weight codes [K, N] with zero
  * point 0, packed once by kiln_qgemm_pack for one path:
  *
@@ -9,17 +10,21 @@
  * - AVX2 (vpmaddwd on int16): panels of 16 columns; per pair of k, 16 x 2 int16 (the codes
  *   sign-extended), A's pair zero-extended into one int32 broadcast: each vpmaddwd adds 2
  *   products per column in int32, exactly (vpmaddubsw would saturate their int16 sum);
- * - scalar: B transposed, [N, K] int8.
+ * - scalar: B transposed, [N, K] int8 (the epilogue is AVX2's, as kiln's library needs it).
  *
  * kiln_qgemm_best_path picks the fastest path the CPU has; any path can be forced (tests run
- * each one the CPU can). The row blocks x column panels are items of kiln's team (team.c). */
+ * each one the CPU can). The row blocks x column panels are items of kiln's team (team.c).
+ * kiln_qgemm_f32 quantizes float32 rows first (quant.c), by a fixed or their own range. */
 /* no fused multiply-adds in the epilogue: onnxruntime rounds the product, then adds the bias */
 #pragma GCC optimize("fp-contract=off")
 #include "kernels.h"
 #include <stdint.h>
 
 enum { QP_SCALAR = 1, QP_AVX2 = 2, QP_VNNI = 3 };
-#define QMR 4 /* rows of a register tile */
+#define QACT_REQUANT 100 /* the epilogue requantizes (QLinearMatMul) instead of bias/act */
+#define QACT_INT32 101 /* the epilogue stores the int32 sums (MatMulInteger), C an int32 [M, N] */
+#define QMR 4 /* rows of a register tile (scalar, AVX2) */
+#define QMRV 8 /* rows of VNNI's: 16 accumulators */
 #define QSERIAL_WORK (1L << 18) /* multiply-adds below which one thread does it all */
 
 int kiln_qgemm_best_path(void)
@@ -87,18 +92,52 @@ struct qjob {
     const float *w_scale;
     long w_scale_n; /* 1: one scale for every column */
     const float *bias;
+    const float *R; /* residual [M, N] (row stride ldr) or none */
+    long ldr;
+    int act; /* kernels.h's ACT_* after the residual, or QACT_REQUANT */
+    float alpha, beta; /* the activation's parameters */
+    float y_scale, y_zero, lo, hi; /* QACT_REQUANT's */
     float *C;
 };
 
-static inline float col_scale(const struct qjob *j, long n)
+/* The epilogue of 8 columns n0 .. n0 + 7 (``valid`` of them inside N) of row m: masked loads
+ * and stores at the right edge, the same float steps at every column. */
+TGT static void store8(const struct qjob *j, long m, long n0, long valid, __m256i acc)
 {
-    return j->a_scale * j->w_scale[j->w_scale_n == 1 ? 0 : n];
-}
-
-static inline float finish(const struct qjob *j, long n, int32_t acc)
-{
-    float y = (float)(acc - j->a_zero * j->colsum[n]) * col_scale(j, n);
-    return j->bias ? y + j->bias[n] : y;
+    __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid > 8 ? 8 : (int)valid),
+                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i cs = _mm256_maskload_epi32(j->colsum + n0, mask);
+    __m256i t = _mm256_sub_epi32(acc, _mm256_mullo_epi32(_mm256_set1_epi32(j->a_zero), cs));
+    if (j->act == QACT_INT32) {
+        int *c = (int *)j->C + m * j->ldc + n0;
+        if (valid >= 8)
+            _mm256_storeu_si256((__m256i *)c, t);
+        else
+            _mm256_maskstore_epi32(c, mask, t);
+        return;
+    }
+    __m256 s = j->w_scale_n == 1 ? _mm256_set1_ps(j->a_scale * j->w_scale[0]) :
+        _mm256_mul_ps(_mm256_set1_ps(j->a_scale), _mm256_maskload_ps(j->w_scale + n0, mask));
+    __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(t), s);
+    if (j->act == QACT_REQUANT) {
+        __m256 vz = _mm256_set1_ps(j->y_zero);
+        __m256 q = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, vz), _mm256_set1_ps(j->lo)),
+                          _mm256_set1_ps(j->hi));
+        y = _mm256_mul_ps(_mm256_sub_ps(q, vz), _mm256_set1_ps(j->y_scale));
+    } else {
+        if (j->bias)
+            y = _mm256_add_ps(y, _mm256_maskload_ps(j->bias + n0, mask));
+        if (j->R)
+            y = _mm256_add_ps(y, _mm256_maskload_ps(j->R + m * j->ldr + n0, mask));
+        if (j->act)
+            y = act256(y, j->act, j->alpha, j->beta);
+    }
+    float *c = j->C + m * j->ldc + n0;
+    if (valid >= 8)
+        _mm256_storeu_ps(c, y);
+    else
+        _mm256_maskstore_ps(c, mask, y);
 }
 
 /* A's codes k0 .. k0 + len - 1 of one row (len <= 4) as one little-endian word, zeros past K. */
@@ -117,40 +156,21 @@ static inline uint32_t a_word(const uint8_t *a, long k0, long K, int len)
     return w;
 }
 
-static void scalar_items(void *ctx, long i0, long i1)
+TGT static void scalar_items(void *ctx, long i0, long i1)
 {
     const struct qjob *j = ctx;
     const int8_t *B = j->B;
     for (long i = i0; i < i1; i++) {
-        long n = i / j->rb, m0 = (i % j->rb) * QMR;
+        long n0 = (i / j->rb) * 8, m0 = (i % j->rb) * QMR;
         for (long m = m0; m < m0 + QMR && m < j->M; m++) {
             const uint8_t *a = j->A + m * j->lda;
-            int32_t acc = 0;
-            for (long k = 0; k < j->K; k++)
-                acc += (int32_t)a[k] * (int32_t)B[n * j->K + k];
-            j->C[m * j->ldc + n] = finish(j, n, acc);
+            int32_t acc[8] = {0};
+            for (long c = 0; c < 8 && n0 + c < j->N; c++)
+                for (long k = 0; k < j->K; k++)
+                    acc[c] += (int32_t)a[k] * (int32_t)B[(n0 + c) * j->K + k];
+            store8(j, m, n0, j->N - n0, _mm256_loadu_si256((const __m256i *)acc));
         }
     }
-}
-
-/* The epilogue of 8 columns n0 .. n0 + 7 (``valid`` of them inside N) of one row. */
-TGT static void store8(const struct qjob *j, long m, long n0, long valid, __m256i acc)
-{
-    if (valid >= 8) {
-        __m256i cs = _mm256_loadu_si256((const __m256i *)(j->colsum + n0));
-        __m256i t = _mm256_sub_epi32(acc, _mm256_mullo_epi32(_mm256_set1_epi32(j->a_zero), cs));
-        __m256 s = j->w_scale_n == 1 ? _mm256_set1_ps(j->a_scale * j->w_scale[0]) :
-            _mm256_mul_ps(_mm256_set1_ps(j->a_scale), _mm256_loadu_ps(j->w_scale + n0));
-        __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(t), s);
-        if (j->bias)
-            y = _mm256_add_ps(y, _mm256_loadu_ps(j->bias + n0));
-        _mm256_storeu_ps(j->C + m * j->ldc + n0, y);
-        return;
-    }
-    int32_t v[8];
-    _mm256_storeu_si256((__m256i *)v, acc);
-    for (long c = 0; c < valid; c++)
-        j->C[m * j->ldc + n0 + c] = finish(j, n0 + c, v[c]);
 }
 
 TGT static void avx2_items(void *ctx, long i0, long i1)
@@ -186,54 +206,81 @@ TGT static void avx2_items(void *ctx, long i0, long i1)
 
 #define TGTV __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
 
+/* One tile: rows m0 .. m0 + R - 1 (those past M read row m0 and are not stored) x panel p. */
+TGTV static inline __attribute__((always_inline)) void vnni_tile(const struct qjob *j, long m0,
+                                                               long p, const int R)
+{
+    long kp = (j->K + 3) / 4, kfull = j->K / 4;
+    const int8_t *b = (const int8_t *)j->B + p * 32 * kp * 4;
+    const uint8_t *a[QMRV];
+    for (int r = 0; r < R; r++)
+        a[r] = j->A + (m0 + r < j->M ? m0 + r : m0) * j->lda;
+    __m512i acc[QMRV][2];
+    for (int r = 0; r < R; r++)
+        acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+    for (long g = 0; g < kp; g++) {
+        __m512i b0 = _mm512_loadu_si512(b + g * 128);
+        __m512i b1 = _mm512_loadu_si512(b + g * 128 + 64);
+        for (int r = 0; r < R; r++) {
+            uint32_t w;
+            if (g < kfull)
+                memcpy(&w, a[r] + 4 * g, 4);
+            else
+                w = a_word(a[r], 4 * g, j->K, 4);
+            __m512i av = _mm512_set1_epi32((int)w);
+            acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], av, b0);
+            acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], av, b1);
+        }
+    }
+    for (int r = 0; r < R && m0 + r < j->M; r++)
+        for (int h = 0; h < 4; h++) {
+            long n0 = p * 32 + h * 8;
+            if (n0 >= j->N)
+                break;
+            __m512i v = acc[r][h / 2];
+            __m256i q = (h & 1) ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v);
+            store8(j, m0 + r, n0, j->N - n0, q);
+        }
+}
+
+/* Items of QMRV-row blocks x 32-column panels; a block of at most 4 rows takes the 4-row
+ * tile (a GEMV-like layer does not compute 8 rows for one). */
 TGTV static void vnni_items(void *ctx, long i0, long i1)
 {
     const struct qjob *j = ctx;
-    long kp = (j->K + 3) / 4;
     for (long i = i0; i < i1; i++) {
-        long p = i / j->rb, m0 = (i % j->rb) * QMR;
-        const int8_t *b = (const int8_t *)j->B + p * 32 * kp * 4;
-        const uint8_t *a[QMR];
-        for (int r = 0; r < QMR; r++)
-            a[r] = j->A + (m0 + r < j->M ? m0 + r : m0) * j->lda;
-        __m512i acc[QMR][2];
-        for (int r = 0; r < QMR; r++)
-            acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-        for (long g = 0; g < kp; g++) {
-            __m512i b0 = _mm512_loadu_si512(b + g * 128);
-            __m512i b1 = _mm512_loadu_si512(b + g * 128 + 64);
-            for (int r = 0; r < QMR; r++) {
-                __m512i av = _mm512_set1_epi32((int)a_word(a[r], 4 * g, j->K, 4));
-                acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], av, b0);
-                acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], av, b1);
-            }
-        }
-        for (int r = 0; r < QMR && m0 + r < j->M; r++)
-            for (int h = 0; h < 4; h++) {
-                long n0 = p * 32 + h * 8;
-                if (n0 >= j->N)
-                    break;
-                __m512i v = acc[r][h / 2];
-                __m256i q = (h & 1) ? _mm512_extracti64x4_epi64(v, 1) :
-                    _mm512_castsi512_si256(v);
-                store8(j, m0 + r, n0, j->N - n0, q);
-            }
+        long p = i / j->rb, m0 = (i % j->rb) * QMRV;
+        if (j->M - m0 <= 4)
+            vnni_tile(j, m0, p, 4);
+        else
+            vnni_tile(j, m0, p, QMRV);
     }
 }
 
-/* C [M, N] (row stride ldc) from A's codes and B packed for ``path`` (0: the best); w_scale has
- * w_scale_n values (1 or N), bias N or none. Returns -1 for a path this CPU cannot run. */
+/* C [M, N] (row stride ldc) = act(float(A B - a_zero colsum) * (a_scale w_scale) + bias + R)
+ * from A's codes and B packed for ``path`` (0: the best); w_scale has w_scale_n values (1 or
+ * N), bias N or none, R [M, N] (row stride ldr) or none; ep = {alpha, beta} of ``act``, and
+ * for act QACT_REQUANT {., ., y_scale, y_zero, lo, hi}: (clamp(round(float(...) * w_scale) +
+ * y_zero, lo, hi) - y_zero) * y_scale (w_scale the whole multipliers: a_scale, bias and R
+ * unused); for act QACT_INT32, C is int32 and gets the sums A B - a_zero colsum themselves.
+ * Returns -1 for a path this CPU cannot run. */
 int kiln_qgemm(int path, long M, long N, long K, const uint8_t *A, long lda, int a_zero,
                const void *B, const int32_t *colsum, float a_scale, const float *w_scale,
-               long w_scale_n, const float *bias, float *C, long ldc, int nthreads)
+               long w_scale_n, const float *bias, const float *R, long ldr, int act,
+               const float *ep, float *C, long ldc, int nthreads)
 {
     if (path == 0)
         path = kiln_qgemm_best_path();
     if (path < QP_SCALAR || path > kiln_qgemm_best_path())
         return -1;
-    long pc = panel_cols(path), rb = (M + QMR - 1) / QMR;
+    long pc = path == QP_SCALAR ? 8 : panel_cols(path);
+    long mr = path == QP_VNNI ? QMRV : QMR, rb = (M + mr - 1) / mr;
     struct qjob j = {path, M, N, K, lda, ldc, rb, A, a_zero, B, colsum, a_scale, w_scale,
-                     w_scale_n, bias, C};
+                     w_scale_n, bias, R, ldr, act, ep[0], ep[1],
+                     act == QACT_REQUANT ? ep[2] : 0.0f, act == QACT_REQUANT ? ep[3] : 0.0f,
+                     act == QACT_REQUANT ? ep[4] : 0.0f, act == QACT_REQUANT ? ep[5] : 0.0f, C};
+    if (act == QACT_REQUANT)
+        j.a_scale = 1.0f;
     kiln_range_fn fn = path == QP_VNNI ? vnni_items : path == QP_AVX2 ? avx2_items :
         scalar_items;
     long items = rb * ((N + pc - 1) / pc);
@@ -242,4 +289,23 @@ int kiln_qgemm(int path, long M, long N, long K, const uint8_t *A, long lda, int
     else
         kiln_parallel(items, fn, &j, nthreads);
     return 0;
+}
+
+/* kiln_qgemm of float32 rows X [M, K] (row stride ldx) quantized to uint8 first
+ * (kiln_quantize_rows, quant.c): by x_scale and x_zero, or, where x_scale is 0, by X's own
+ * range (DynamicQuantizeLinear). Returns -1 for a path this CPU cannot run or no memory. */
+int kiln_qgemm_f32(int path, long M, long N, long K, const float *X, long ldx, float x_scale,
+                   int x_zero, const void *B, const int32_t *colsum, const float *w_scale,
+                   long w_scale_n, const float *bias, const float *R, long ldr, int act,
+                   const float *ep, float *C, long ldc, int nthreads)
+{
+    uint8_t *codes = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64 + 64));
+    if (!codes)
+        return -1;
+    float scale = x_scale, zero = (float)x_zero;
+    kiln_quantize_rows(M, K, X, ldx, codes, &scale, &zero, x_scale == 0.0f, nthreads);
+    int rc = kiln_qgemm(path, M, N, K, codes, K, (int)zero, B, colsum, scale, w_scale,
+                        w_scale_n, bias, R, ldr, act, ep, C, ldc, nthreads);
+    free(codes);
+    return rc;
 }

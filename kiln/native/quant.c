@@ -77,6 +77,15 @@ static int threads_for(long n, int nthreads)
     return nt > 64 ? 64 : nt < 1 ? 1 : nt;
 }
 
+/* DynamicQuantizeLinear's scale and zero point of the range [lo, hi] (lo <= 0 <= hi) */
+static void from_range(float lo, float hi, float *scale, float *zero)
+{
+    float s = hi == lo ? 1.0f : (hi - lo) / 255.0f;
+    float z = -lo / s;
+    *scale = s;
+    *zero = nearbyintf(z < 0.0f ? 0.0f : z > 255.0f ? 255.0f : z);
+}
+
 /* scale and zero point (a float holding an integer 0..255) of x's range, widened to hold 0 */
 static void scale_zero(long n, const float *x, int nt, float *scale, float *zero)
 {
@@ -91,10 +100,7 @@ static void scale_zero(long n, const float *x, int nt, float *scale, float *zero
         lo = los[t] < lo ? los[t] : lo;
         hi = his[t] > hi ? his[t] : hi;
     }
-    float s = hi == lo ? 1.0f : (hi - lo) / 255.0f;
-    float z = -lo / s;
-    *scale = s;
-    *zero = nearbyintf(z < 0.0f ? 0.0f : z > 255.0f ? 255.0f : z);
+    from_range(lo, hi, scale, zero);
 }
 
 /* Writes codes y[n], *scale and *zero (as a float holding an integer 0..255). */
@@ -172,4 +178,28 @@ TGT void kiln_requantize(long rows, long cols, float *acc, const float *mult, fl
             a[j] = (q - zero) * scale;
         }
     }
+}
+
+/* uint8 codes y [M, K] (row stride K) of the rows of x [M, K] (row stride ldx): with the
+ * given *scale and *zero (QuantizeLinear's steps, as codes() takes them), or, where
+ * ``dynamic``, with those of x's own range, written to *scale and *zero (DynamicQuantizeLinear:
+ * the same codes as kiln_dynamic_quantize gives a contiguous x). */
+void kiln_quantize_rows(long M, long K, const float *x, long ldx, unsigned char *y,
+                        float *scale, float *zero, int dynamic, int nthreads)
+{
+    int nt = threads_for(M * K, nthreads);
+    if (dynamic) {
+        float lo = 0.0f, hi = 0.0f;
+        for (long m = 0; m < M; m++) {
+            float a, b;
+            range(K, x + m * ldx, &a, &b);
+            lo = a < lo ? a : lo;
+            hi = b > hi ? b : hi;
+        }
+        from_range(lo, hi, scale, zero);
+    }
+    float s = *scale, z = *zero;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (long m = 0; m < M; m++)
+        codes(K, x + m * ldx, y + m * K, s, z);
 }

@@ -4,7 +4,9 @@ their bias, activation and residual add folded in.
 Every fused op computes ``act(op(x, W) + bias + residual)``: the residual (when
 ``has_residual``) is added *before* the activation, as in ResNet's ``relu(conv(x) + identity)``.
 ``activation`` names the epilogue ("" for none); ``alpha`` / ``beta`` are its parameters
-(Clip: min / max, LeakyRelu: alpha). The activations are listed in :data:`ACTIVATIONS`.
+(Clip: min / max, LeakyRelu: alpha, HardSwishAffine: ``alpha * HardSwish(y) + beta``, the
+scale and shift PP-LCNetV3 writes after its activations; CPU kernels only). The activations
+are listed in :data:`ACTIVATIONS`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from kiln.ops.schema import kiln_op
 
 # the epilogues the fused ops (and their kernels) know; "" is none
 ACTIVATIONS = ("", "Relu", "Clip", "Sigmoid", "Tanh", "Silu", "Gelu", "GeluTanh", "HardSwish",
-               "LeakyRelu")
+               "LeakyRelu", "HardSwishAffine")
 
 _EPILOGUE = {
     "activation": Attr("string", ""),

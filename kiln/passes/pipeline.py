@@ -17,12 +17,14 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     # The one ordered list. Each module exposes PASSES: list of (name, fn) in its order.
     from kiln.passes import eliminate, fold, refine
     from kiln.passes.fusion import (
+        act_affine,
         activation,
         attention,
         conv_bias,
         conv_bias_act,
         conv_bn,
         gelu,
+        input_affine,
         layernorm,
         layout,
         matmul_add,
@@ -38,10 +40,10 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     # matmul_norm and packed_qkv only where they pay: on the CPU each saves a PyTorch call per
     # block; the CUDA backend tunes FusedMatMul's Triton kernels, its own norm kernels and its
     # attention on separate q, k, v instead
-    cpu_only = [matmul_norm, packed_qkv] if device == "cpu" else []
+    cpu_only = [act_affine, matmul_norm, packed_qkv] if device == "cpu" else []
     order = [refine, fold, eliminate, pad_conv, conv_bn, conv_bias, layernorm, rmsnorm, gelu,
-             activation, attention, qkv, matmul_add, squeeze_excite, conv_bias_act, *cpu_only,
-             pointwise, layout, eliminate]
+             activation, input_affine, attention, qkv, matmul_add, squeeze_excite,
+             conv_bias_act, *cpu_only, pointwise, layout, eliminate]
     # refine, fold and eliminate walk subgraphs themselves; a fusion sees one graph, so it is
     # run again on every subgraph (an If branch or Loop body of Conv + Relu fuses as the outer
     # graph does, and its layers run as the outer graph's would)

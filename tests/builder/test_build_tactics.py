@@ -257,3 +257,53 @@ def test_cuda_engine_naming_triton_kernels_needs_triton(monkeypatch):
     with pytest.raises(EngineFileError, match="TritonMatMul.*Triton cannot be imported"):
         engine_mod._register_cuda_kernels("m.kiln", {"fc1": "TritonMatMul", "r": "TorchRelu"})
     engine_mod._register_cuda_kernels("m.kiln", {"fc1": "TorchMatMul"})  # PyTorch only: fine
+
+
+@pytest.mark.parametrize("tune_at", ["all", "opt"])
+def test_one_dynamic_profile_runs_kernels_tuned_at_min_opt_and_max(fake_gpu, monkeypatch,
+                                                                   tmp_path, tune_at):
+    """One profile batch 1..64 (opt 8): BLOCK 16 is fastest at b1, 32 at b8, 64 at b64.
+    tune_at="all" times all three and each batch runs the tactic of the first tuning point at
+    least as large (b1 -> 16, b5 -> 32, b30 and b64 -> 64), also after a save and load;
+    tune_at="opt" runs BLOCK 32 everywhere."""
+    seen: list = []
+
+    def fn(call, a, b):
+        seen.append((call.node_name, call.tactic, a.shape[0]))
+        return a @ b
+    fake = Kernel(MATMUL, "cuda", fn, "FakeMatMul", tactics=TACTICS)
+    monkeypatch.setitem(registry._KERNELS, (MATMUL, "cuda"), [fake])
+    monkeypatch.setitem(registry._KERNELS, (MATMUL, "cpu"),
+                        kernels_for(MATMUL, "cpu") + [dataclasses.replace(fake, backend="cpu")])
+    best = {1: 16, 8: 32, 64: 64}
+
+    def clock(f) -> float:
+        n = len(seen)
+        f()
+        if len(seen) == n:
+            return 1.0  # the PyTorch kernel
+        _, tactic, batch = seen[-1]
+        return 0.1 if tactic["BLOCK"] == best[batch] else 0.5
+
+    profile = kiln.Profile({"x": (1, 8)}, {"x": (8, 8)}, {"x": (64, 8)})
+    b = Builder(BuilderConfig(device="cuda", optimize=False, profiles=[profile],
+                              tune_at=tune_at), timer=clock)
+    eng = b.build(mlp())
+    path = tmp_path / "m.kiln"
+    eng.save(path)
+    loaded = kiln.load(path)
+    want = ({1: 16, 5: 32, 8: 32, 30: 64, 64: 64} if tune_at == "all" else
+            {1: 32, 5: 32, 30: 32, 64: 32})
+    assert len(b.report.get("autotune_profiles", [None])) == (3 if tune_at == "all" else 1)
+    assert [len(x) for x in loaded.buckets] == ([3] if tune_at == "all" else [])
+    for engine in (eng, loaded):
+        ctx = engine.create_context()
+        for batch, block in want.items():
+            seen.clear()
+            x = np.random.default_rng(batch).standard_normal((batch, 8)).astype(np.float32)
+            y = ctx.run({"x": x})["y"]
+            np.testing.assert_allclose(y, mlp_reference(x, mlp()), rtol=1e-4, atol=1e-4)
+            assert {t["BLOCK"] for _, t, _ in seen} == {block}, batch
+            assert ctx.last_profile == 0
+    with pytest.raises(ValueError, match="tune_at"):
+        BuilderConfig(tune_at="max")

@@ -113,6 +113,13 @@ def test_engine_refuses_shape_outside_profiles(model):
         ctx.run({"x": np.ones((9, 8), np.float32)})
 
 
+def test_builder_takes_profiles_none_as_no_profiles(model):
+    """``profiles=None`` (bench.corpus passed it on CUDA) builds as the default does."""
+    eng = kiln.Builder(kiln.BuilderConfig(profiles=None)).build(model)
+    assert eng.profiles == []
+    assert eng.create_context().run({"x": np.ones((3, 8), np.float32)})["y"].shape == (3, 4)
+
+
 def test_engine_pinned_profile(model):
     cfg = kiln.BuilderConfig(profiles=[Profile.fixed({"x": (2, 8)}),
                                        Profile.fixed({"x": (4, 8)})])

@@ -81,6 +81,7 @@ def _act_ref(y, act, alpha=None, beta=None):
         "Clip": lambda y: y if alpha is None and beta is None else y.clamp(alpha, beta),
         "LeakyRelu": lambda y: F.leaky_relu(y, alpha),
         "HardSwish": F.hardswish,
+        "HardSwishAffine": lambda y: alpha * F.hardswish(y) + beta,
     }[act](y)
 
 
@@ -269,7 +270,7 @@ ACTS = [
     ("", None, None), ("Relu", None, None), ("Gelu", None, None), ("GeluTanh", None, None),
     ("Sigmoid", None, None), ("Silu", None, None), ("Tanh", None, None),
     ("Clip", -0.5, 0.7), ("Clip", None, None), ("Clip", None, 0.3), ("Clip", -0.3, None),
-    ("LeakyRelu", 0.1, None), ("HardSwish", None, None),
+    ("LeakyRelu", 0.1, None), ("HardSwish", None, None), ("HardSwishAffine", 0.7, -0.2),
 ]
 
 

@@ -91,3 +91,79 @@ def test_dynamic_qgemm_matches_onnxruntime_steps(path):
     got = native.dynamic_qgemm(torch.from_numpy(x), native.QGemmWeight(torch.from_numpy(wq), path),
                                torch.from_numpy(ws)).numpy()
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_qgemm_epilogue_residual_and_activation(path):
+    """bias, then the residual, then the activation, on the exact dequantized products; the
+    right edge (N not a multiple of 8) through the masked loads and stores."""
+    _need(path)
+    rng = np.random.default_rng(6)
+    m, k, n = 11, 37, 21
+    a = rng.integers(0, 256, (m, k)).astype(np.uint8)
+    wq = rng.integers(-128, 128, (k, n)).astype(np.int8)
+    ws = rng.uniform(0.001, 0.02, n).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    big = rng.standard_normal((m, n + 5)).astype(np.float32)
+    r = torch.from_numpy(big)[:, 2:2 + n]  # rows n + 5 apart
+    w = native.QGemmWeight(torch.from_numpy(wq), path)
+    base = _ref(a, 17, 0.03, wq, ws, bias) + r.numpy()
+    got = native.qgemm(torch.from_numpy(a), 17, 0.03, w, torch.from_numpy(ws),
+                       torch.from_numpy(bias), r, "Relu").numpy()
+    np.testing.assert_array_equal(got, np.maximum(base, 0))
+    got = native.qgemm(torch.from_numpy(a), 17, 0.03, w, torch.from_numpy(ws),
+                       torch.from_numpy(bias), r, "Gelu").numpy()
+    want = torch.nn.functional.gelu(torch.from_numpy(base)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    out = torch.full((m, n + 3), 7.0)
+    native.qgemm(torch.from_numpy(a), 17, 0.03, w, torch.from_numpy(ws), out=out[:, 1:1 + n])
+    np.testing.assert_array_equal(out[:, 1:1 + n].numpy(), _ref(a, 17, 0.03, wq, ws, None))
+    assert (out[:, 0] == 7).all() and (out[:, 1 + n:] == 7).all()  # nothing past the edge
+    with pytest.raises(ValueError, match="activation 'Swish'"):
+        native.qgemm(torch.from_numpy(a), 0, 1.0, w, torch.from_numpy(ws), activation="Swish")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_qgemm_requant_matches_qlinear_steps(path):
+    """QACT_REQUANT: the int32 products times the whole multiplier, rounded half to even,
+    offset, saturated and dequantized: kiln's requantize_ over the exact products."""
+    _need(path)
+    rng = np.random.default_rng(7)
+    m, k, n = 9, 50, 19
+    a = rng.integers(0, 256, (m, k)).astype(np.uint8)
+    wq = rng.integers(-128, 128, (k, n)).astype(np.int8)
+    mult = rng.uniform(1e-4, 3e-3, n).astype(np.float32)
+    w = native.QGemmWeight(torch.from_numpy(wq), path)
+    for signed, zero in ((1, -3), (0, 120)):
+        lo, hi = (-128, 127) if signed else (0, 255)
+        acc = (a.astype(np.int64) @ wq.astype(np.int64)) - 40 * wq.astype(np.int64).sum(0)
+        want = native.requantize_(torch.from_numpy(acc.astype(np.float32)),
+                                  torch.from_numpy(mult), 0.05, zero, lo, hi).numpy()
+        got = native.qgemm(torch.from_numpy(a), 40, 123.0, w, torch.from_numpy(mult),
+                           requant=(0.05, zero, lo, hi)).numpy()
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="requant takes no bias"):
+        native.qgemm(torch.from_numpy(a), 0, 1.0, w, torch.from_numpy(mult),
+                     torch.from_numpy(mult), requant=(1.0, 0, 0, 255))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_qgemm_f32_quantizes_rows_as_onnx(path):
+    """Float rows (a row stride wider than K) quantized in C: static codes those of
+    QuantizeLinear's steps, dynamic ones those of DynamicQuantizeLinear over the whole tensor."""
+    _need(path)
+    rng = np.random.default_rng(8)
+    m, k, n = 13, 29, 10
+    big = torch.from_numpy(rng.standard_normal((m, k + 4)).astype(np.float32))
+    x = big[:, 1:1 + k]
+    wq = rng.integers(-128, 128, (k, n)).astype(np.int8)
+    ws = rng.uniform(0.001, 0.02, n).astype(np.float32)
+    w = native.QGemmWeight(torch.from_numpy(wq), path)
+    codes = torch.clamp(torch.round(x / np.float32(0.02)) + 100, 0, 255).to(torch.uint8)
+    got = native.qgemm_f32(x, 0.02, 100, w, torch.from_numpy(ws)).numpy()
+    np.testing.assert_array_equal(got, _ref(codes.numpy(), 100, 0.02, wq, ws, None))
+    dc, scale, zero = native.dynamic_quantize(x.contiguous())
+    got = native.qgemm_f32(x, 0.0, 0, w, torch.from_numpy(ws)).numpy()
+    np.testing.assert_array_equal(got, _ref(dc.numpy(), int(zero), float(scale), wq, ws, None))
+    with pytest.raises(ValueError, match=r"float32 CPU rows \[M, 29\]"):
+        native.qgemm_f32(x.double(), 0.0, 0, w, torch.from_numpy(ws))

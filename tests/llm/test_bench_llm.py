@@ -67,3 +67,61 @@ def test_token_times_streamer_sees_prompt_then_each_token():
     st = _TokenTimes()
     hf_generate(hf, torch.tensor([[5, 6, 7]]), 4, streamer=st)
     assert len(st.times) == 1 + 4 and st.times == sorted(st.times)
+
+
+def test_kv_cache_rows_side_by_side(monkeypatch):
+    """--kv-cache-dtype auto,fp8: each weight format runs with both caches; an FP8-KV row is
+    judged against its own weights' FP16-KV row and gets a side-by-side 'kv cache' row."""
+    import argparse
+
+    import bench.llm as bl
+    from kiln.llm.config import ModelConfig
+
+    calls = []
+
+    def fake_row(name, row, cfg, sd, tok, args, weights, refs=None, kv="auto", ref_row="kiln"):
+        calls.append((row, refs, ref_row))
+        tps = {"auto": 100.0, "fp8": 150.0}[kv]
+        return {"model": name, "row": row, "throughput_256_tok_s": tps, "kv_blocks": 10,
+                "decode_b1_tok_s": 1.0}, [[len(calls)]]
+
+    monkeypatch.setattr(bl, "kiln_cuda_row", fake_row)
+    monkeypatch.setattr(bl, "free_cuda", lambda: None)
+    monkeypatch.setattr(bl.ROWS, "path", None)
+    args = argparse.Namespace(cuda_weights="dtype,fp8", kv_cache_dtype="auto,fp8", peers=0)
+    rows = bl.cuda_model_rows("7b", "m", lambda: (None, {}), None, args)
+    assert [r["row"] for r in rows] == ["kiln", "kiln kv-fp8", "kv cache fp16 vs fp8",
+                                        "kiln fp8", "kiln fp8 kv-fp8", "kv cache fp16 vs fp8"]
+    # references: none for the first row, then the FP16-KV row of the same weights
+    assert calls == [("kiln", None, "kiln"), ("kiln kv-fp8", [[1]], "kiln"),
+                     ("kiln fp8", [[1]], "kiln"), ("kiln fp8 kv-fp8", [[3]], "kiln fp8")]
+    assert rows[1]["throughput_256_vs_fp16_kv"] == 1.5
+    side = rows[2]
+    assert side["throughput_256_tok_s"] == [100.0, 150.0]
+    assert side["throughput_256_fp8_over_fp16"] == 1.5 and side["rows"] == ["kiln",
+                                                                            "kiln kv-fp8"]
+    cfg = ModelConfig(vocab_size=8, hidden_size=4096, intermediate_size=8, num_layers=32,
+                      num_heads=32, num_kv_heads=32, head_dim=128)
+    assert bl.kv_token_bytes(cfg) == 2 * bl.kv_token_bytes(cfg, "fp8") == 512 * 1024
+
+
+def test_attention_bench_rows_under_the_interpreter():
+    import os
+
+    import pytest
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels: TRITON_INTERPRET=1 on the CPU")
+    from bench.llm_attention import run
+
+    rows = run(batch=2, ctx=40, heads=2, kv_heads=2, head_dim=16, kvs=("auto", "fp8"),
+               tiles=(0, 32), iters=1, device="cpu")
+    assert [(r["kv_cache_dtype"], r["kernel"]) for r in rows] == [
+        ("auto", "dot"), ("auto", "tile32"), ("fp8", "dot"), ("fp8", "tile32")]
+    assert rows[0]["max_diff_vs_fp16_dot"] == 0 and rows[1]["max_diff_vs_fp16_dot"] < 1e-5
+    assert all(0 < r["max_diff_vs_fp16_dot"] < 0.1 * r["ref_max"] for r in rows[2:])
+    assert all(r["gb_s"] > 0 for r in rows)
+    gqa = run(batch=1, ctx=16, heads=4, kv_heads=2, head_dim=16, kvs=("auto",), tiles=(32,),
+              iters=1, device="cpu")
+    assert "skipped" in gqa[0]

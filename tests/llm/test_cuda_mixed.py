@@ -83,3 +83,34 @@ def test_mixed_attention_matches_torch_attention():
     got = CudaAttention(cache, heads)(0, q, k, v, meta)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
+
+
+def test_mixed_attention_fp8_cache_matches_torch_attention():
+    """The same step over an e4m3 cache with calibrated-style scales: the same cache bytes as
+    the torch path's write; decode rows and the continued chunk (both read the dequantized
+    cache) its output to float rounding; the fresh prompt, which attends to its unquantized
+    K/V, within e4m3's error of it."""
+    from kiln.llm import kv_quant
+    from kiln.llm.attention import TorchPagedAttention, build_meta
+    from kiln.llm.cuda_runner import MixedMeta
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv, d, bs = 4, 2, 16, 4
+    scales = kv_quant.KVScales(1, "cpu")
+    scales.t[0] = torch.tensor([0.02, 0.01])
+    cache = kv_quant.quantize(torch.randn(1, 2, 16, bs, kv, d, generator=g), scales.t[0, 0])
+    entries = [(6, 1, [3, 9]), (0, 5, [4, 11]), (19, 4, [0, 5, 7, 2, 14, 8]), (2, 1, [13])]
+    t = sum(n for _, n, _ in entries)
+    q = torch.randn(t, heads, d, generator=g)
+    k = torch.randn(t, kv, d, generator=g)
+    v = torch.randn(t, kv, d, generator=g)
+    ref_cache = cache.clone()
+    want = TorchPagedAttention(ref_cache, heads, scales)(0, q, k, v,
+                                                         build_meta(entries, bs, "cpu"))
+    got = CudaAttention(cache, heads, scales)(0, q, k, v, MixedMeta(entries, bs, "cpu"))
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    cached_rows = [0, 6, 7, 8, 9, 10]  # the decodes and the chunk after 19 cached tokens
+    torch.testing.assert_close(got[cached_rows], want[cached_rows], rtol=1e-4, atol=1e-4)
+    fresh = slice(1, 6)
+    err = (got[fresh] - want[fresh]).abs().max().item()
+    assert 0 < err < 0.1, err  # fresh K/V against their e4m3 copies

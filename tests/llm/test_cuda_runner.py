@@ -58,3 +58,40 @@ def test_cuda_fp8_runs_its_paths_and_stays_near_fp16(tiny_dir):
     assert all(len(o.outputs[0].token_ids) == 8 for o in got)
     d = llm.engine.runner.describe()
     assert d["graphs"] and "error" not in d["gemv"], d
+
+
+@pytest.mark.parametrize("calculate", [False, True])
+def test_cuda_fp8_kv_cache_in_graphs_stays_near_fp16_kv(tiny_dir, calculate):
+    """FP16 model, e4m3 KV cache (the fused RoPE + KV write quantizing, the Triton decode
+    kernel reading FP8, CUDA graphs): greedy tokens near the FP16 cache's, twice its blocks
+    from the same memory, no fallback taken."""
+    p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    fp16 = LLM(tiny_dir, num_blocks=64, device="cuda", dtype="float16").generate(PROMPTS, p)
+    llm = LLM(tiny_dir, num_blocks=64, device="cuda", dtype="float16", kv_cache_dtype="fp8",
+              calculate_kv_scales=calculate, max_num_seqs=32)
+    got = llm.generate(PROMPTS * 5, p)  # 20 rows: a larger graph
+    first = [o.outputs[0].token_ids for o in got[:len(PROMPTS)]]
+    want = [o.outputs[0].token_ids for o in fp16]
+    # the first token comes from the prefill, which attends to the fresh FP16 K/V
+    assert [a[0] for a in first] == [b[0] for b in want]
+    if calculate:  # measured on the CPU torch path: 8 tokens each
+        assert [a[:4] for a in first] == [b[:4] for b in want]
+    assert all(len(o.outputs[0].token_ids) == 10 for o in got)
+    d = llm.engine.runner.describe()
+    assert d["graphs"] and d["decode"] == "cuda-graph", d
+    assert d["kv_cache_dtype"] == "float8_e4m3fn" and d["fused"]["rope_kv"] == "triton", d
+    assert d["calculated"] == calculate
+    assert llm.engine.runner.cache.element_size() == 1
+
+
+def test_cuda_fp8_kv_pool_is_twice_fp16():
+    from kiln.llm import kv_quant
+    from kiln.llm.runner import blocks_from_memory, kv_bytes_per_block
+    from tests.llm.test_kv_fp8 import _model
+
+    m = _model(torch.float16)
+    m.device = torch.device("cuda")  # sizing only reads the device's free memory
+    assert kv_bytes_per_block(m, 16, kv_quant.FP8) * 2 == kv_bytes_per_block(m, 16)
+    n16 = blocks_from_memory(m, 16, 0.5)
+    n8 = blocks_from_memory(m, 16, 0.5, kv_quant.FP8)
+    assert abs(n8 - 2 * n16) <= 2 * max(1, n16 // 1000)  # free memory may move a little

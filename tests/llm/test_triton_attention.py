@@ -35,6 +35,20 @@ def reference(q, kc, vc, tables, lens, scale):
     (6, 1, 4, [64, 16]),  # MQA, split boundaries on block boundaries
 ])
 def test_paged_decode_matches_sdpa(heads, kv, splits, lens):
+    _check_paged_decode(heads, kv, splits, lens)
+
+
+@pytest.mark.parametrize("tile", [8, (32, 8), 64])  # within a block, two blocks (8 warps), past
+# the longest sequence
+@pytest.mark.parametrize("splits,lens", [(1, [33, 5]), (3, [1, 17, 40]), (4, [64, 16])])
+def test_paged_decode_tiled_mha_matches_sdpa(tile, splits, lens):
+    """The MHA variant: tiles of ``tile`` tokens across block boundaries, splits rounded to
+    tiles (some empty), the GQA case still on the tl.dot kernel."""
+    _check_paged_decode(3, 3, splits, lens, tile=tile)
+    _check_paged_decode(4, 2, splits, lens, tile=tile)  # GQA: mha_tile ignored
+
+
+def _check_paged_decode(heads, kv, splits, lens, tile=None):
     g = torch.Generator().manual_seed(0)
     d, bs, blocks = 16, 16, 12
     dtype = torch.float16 if DEV == "cuda" else torch.float32
@@ -49,7 +63,8 @@ def test_paged_decode_matches_sdpa(heads, kv, splits, lens):
         used += nb
     q = torch.randn(len(lens), heads, d, generator=g).to(DEV, dtype)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    got = paged_decode(q, kc, vc, tables.to(DEV), lens_t, d ** -0.5, splits=splits)
+    got = paged_decode(q, kc, vc, tables.to(DEV), lens_t, d ** -0.5, splits=splits,
+                       mha_tile=tile)
     want = reference(q, kc, vc, tables.to(DEV), lens_t, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1e-5
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
@@ -80,3 +95,150 @@ def test_decode_splits_fill_the_gpu_then_stop():
     assert decode_splits(256, 32) == 1  # 8192 programs already
     assert decode_splits(64, 8) == 2  # GQA: fewer KV heads, more splits
     assert all(1 <= decode_splits(b, kv) <= 8 for b in (1, 3, 1000) for kv in (1, 8, 64))
+
+
+@pytest.mark.parametrize("heads,kv,splits,lens,calibrated,tile", [
+    (4, 2, 3, [1, 17, 40], False, None),  # GQA 2, scale 1.0 (vLLM's default)
+    (3, 3, 2, [33, 5], True, None),  # MHA, scales from the amax
+    (3, 3, 2, [33, 5], True, 32),  # MHA, the tiled kernel
+    (6, 1, 4, [64, 16], True, None),  # MQA
+])
+def test_paged_decode_fp8_cache(heads, kv, splits, lens, calibrated, tile):
+    """An e4m3 cache with per-tensor K/V scales: the kernel (FP8 tiles widened in registers,
+    the scales folded in) equals attention over the dequantized cache to float rounding, and
+    the unquantized cache within e4m3's error."""
+    from kiln.llm import kv_quant
+
+    g = torch.Generator().manual_seed(1)
+    d, bs, blocks = 16, 16, 12
+    dtype = torch.float16 if DEV == "cuda" else torch.float32
+    k32 = torch.randn(blocks, bs, kv, d, generator=g) * 2
+    v32 = torch.randn(blocks, bs, kv, d, generator=g) * 0.5
+    sc = torch.tensor([1.0, 1.0])
+    if calibrated:
+        sc = torch.stack([k32.abs().amax(), v32.abs().amax()]) / kv_quant.FP8_MAX
+    k8, v8 = kv_quant.quantize(k32, sc[0]), kv_quant.quantize(v32, sc[1])
+    perm = torch.randperm(blocks, generator=g)
+    need = [-(-n // bs) for n in lens]
+    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(need):
+        tables[i, :nb] = perm[used:used + nb]
+        used += nb
+    q = torch.randn(len(lens), heads, d, generator=g).to(DEV, dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    tables = tables.to(DEV)
+    got = paged_decode(q, k8.to(DEV), v8.to(DEV), tables, lens_t, d ** -0.5, splits=splits,
+                       kv_scale=sc.to(DEV), mha_tile=tile).float()
+    deq = reference(q, (k8.float() * sc[0]).to(DEV), (v8.float() * sc[1]).to(DEV), tables,
+                    lens_t, d ** -0.5)
+    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(got, deq, rtol=tol, atol=tol)
+    exact = reference(q, k32.to(DEV), v32.to(DEV), tables, lens_t, d ** -0.5)
+    # e4m3 keeps 3 mantissa bits (relative error up to 1/16 per element); averaged over the
+    # context the output moves by a few percent of V's scale
+    err = (got - exact).abs().max().item() / v32.abs().max().item()
+    assert err < 0.06, err
+
+
+def test_paged_decode_refuses_fp8_cache_without_scales():
+    from kiln.llm import kv_quant
+
+    c = torch.zeros(2, 16, 1, 16).to(kv_quant.FP8).to(DEV)
+    q = torch.zeros(1, 1, 16, device=DEV)
+    with pytest.raises(ValueError, match="kv_scale"):
+        paged_decode(q, c, c, torch.zeros(1, 1, dtype=torch.int32, device=DEV),
+                     torch.ones(1, dtype=torch.int32, device=DEV), 0.25)
+
+
+@pytest.mark.parametrize("fused_ops", [False, True])
+def test_cuda_runner_fp8_kv_keeps_fp32_kv_tokens(tiny_dir, fused_ops):
+    """The CUDA runner over an FP8 cache with calibrated scales (Triton decode reading e4m3,
+    the RoPE + KV-write kernel quantizing, whole prompts attending to their fresh K/V), no
+    graphs: the first tokens of the FP32-cache torch path."""
+    from kiln.llm import LLM, SamplingParams
+    from kiln.llm.cuda_runner import CudaModelRunner
+
+    prompts = ["Hello there", "The capital of France is", "1, 2, 3"]
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_dir, num_blocks=32).generate(prompts, p)]
+    llm = LLM(tiny_dir, num_blocks=32)
+    eng = llm.engine
+    eng.runner = CudaModelRunner(eng.model, 32, eng.config.block_size, cuda_graphs=False,
+                                 max_model_len=256, fused_ops=fused_ops, kv_cache_dtype="fp8",
+                                 calculate_kv_scales=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+    assert [g[:4] for g in got] == [w[:4] for w in want]
+    d = eng.runner.describe()
+    assert d["kv_cache_dtype"] == "float8_e4m3fn" and d["calculated"], d
+    assert d["decode"] == "eager-triton"  # no fallback to the torch path
+
+
+def test_decode_tile_from_env(monkeypatch):
+    from kiln.llm.triton_attention import mha_tile_from_env
+
+    monkeypatch.delenv("KILN_LLM_DECODE_TILE", raising=False)
+    assert mha_tile_from_env() is None
+    monkeypatch.setenv("KILN_LLM_DECODE_TILE", "0")
+    assert mha_tile_from_env() is None
+    monkeypatch.setenv("KILN_LLM_DECODE_TILE", "64")
+    assert mha_tile_from_env() == (64, 4)
+    monkeypatch.setenv("KILN_LLM_DECODE_TILE", "32:8")
+    assert mha_tile_from_env() == (32, 8)
+    for bad in ("48", "64:3", "x"):
+        monkeypatch.setenv("KILN_LLM_DECODE_TILE", bad)
+        with pytest.raises(ValueError, match=f"KILN_LLM_DECODE_TILE={bad}: N or N:W"):
+            mha_tile_from_env()
+
+
+@pytest.fixture(scope="module")
+def mha_dir(tmp_path_factory):
+    """The tiny Llama with as many KV heads as query heads (MHA, as Llama-2-7B)."""
+    from tests.llm.conftest import SMOLLM2
+    from tests.llm.helpers import TINY, tiny_state_dict, write_hf_dir
+
+    cfg = {**TINY, "num_key_value_heads": TINY["num_attention_heads"]}
+    if SMOLLM2 is not None:
+        from kiln.llm.gguf import GGUFFile
+        from kiln.llm.tokenizer import from_gguf
+
+        tok = from_gguf(GGUFFile(SMOLLM2).metadata)
+    else:
+        from bench.llm import placeholder_tokenizer
+
+        tok = placeholder_tokenizer(cfg["vocab_size"])
+        tok.chat_template = ""
+    return write_hf_dir(tmp_path_factory.mktemp("tiny-mha"), cfg, tiny_state_dict(cfg), tok)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_cuda_runner_tiled_mha_decode(mha_dir, kv_dtype, monkeypatch):
+    """An MHA model's decode steps in the tiled kernel (decode_tile=(32, 4)), fused kernels on:
+    the torch path's tokens (FP32 cache on the CPU: all 6; FP8 with calibrated scales, or FP16
+    on a GPU: the first 4)."""
+    from kiln.llm import LLM, SamplingParams, cuda_runner
+    from kiln.llm.cuda_runner import CudaModelRunner
+
+    tiled = []
+
+    def spy(q, k_cache, *a, mha_tile=None, **kw):
+        tiled.append(mha_tile if q.shape[1] == k_cache.shape[2] else None)
+        return paged_decode(q, k_cache, *a, mha_tile=mha_tile, **kw)
+
+    monkeypatch.setattr(cuda_runner, "paged_decode", spy)
+
+    prompts = ["Hello there", "The capital of France is", "1, 2, 3"]
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(mha_dir, num_blocks=32).generate(prompts, p)]
+    tiled.clear()  # on a GPU the reference run above decodes in the tl.dot kernel
+    llm = LLM(mha_dir, num_blocks=32)
+    eng = llm.engine
+    eng.runner = CudaModelRunner(eng.model, 32, eng.config.block_size, cuda_graphs=False,
+                                 max_model_len=256, fused_ops=True, kv_cache_dtype=kv_dtype,
+                                 calculate_kv_scales=True, decode_tile=(32, 4))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+    n = 6 if kv_dtype == "auto" and DEV == "cpu" else 4
+    assert [g[:n] for g in got] == [w[:n] for w in want]
+    d = eng.runner.describe()
+    assert d["decode_tile"] == (32, 4) and d["decode"] == "eager-triton", d
+    assert tiled and all(t == (32, 4) for t in tiled)  # every decode call: MHA, tiled

@@ -71,6 +71,35 @@ def test_rope_kv_matches_torch(dtype):
     assert torch.equal(kc[untouched], kc_ref[untouched])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_kv_fp8_cache_matches_torch(dtype):
+    """An e4m3 cache: the kernel writes k / sk (rotated) and v / sv, saturated at 448, as the
+    torch op's quantize does (equal codes but where the rotated k, rounded to FP16 first by the
+    torch op and not by the kernel, sits on a tie: one e4m3 step then); a value past 448 * s
+    saturates instead of turning NaN."""
+    from kiln.llm import kv_quant
+
+    qkv, cos, sin, positions, slots, _, dims = _rope_case(dtype)
+    heads, kv, d = dims
+    qkv = qkv.clone()
+    qkv[0, (heads + kv) * d] = 1000.0  # a v element far past 448 * sv
+    kc, vc = (torch.zeros(40, kv, d, device=DEV).to(kv_quant.FP8) for _ in range(2))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    sc = torch.tensor([0.01, 0.5], device=DEV)
+    q = triton_fused.rope_kv(qkv, cos, sin, positions, slots, kc, vc, *dims, sc)
+    q_ref = fused.rope_kv(qkv, cos, sin, positions, slots, kc_ref, vc_ref, *dims, sc)
+    torch.testing.assert_close(q, q_ref, **TOL[dtype])
+    diff = kc.float() != kc_ref.float()
+    assert diff.float().mean() < 0.01, diff.sum()  # a tie moved by k's rounding, at most
+    # one e4m3 step is 1/8 of the value's power of two (subnormals: 2^-9)
+    torch.testing.assert_close(kc.float(), kc_ref.float(), rtol=0.13, atol=2 ** -9)
+    torch.testing.assert_close(vc.float(), vc_ref.float(), rtol=0, atol=0)
+    assert vc[slots[0], 0, 0].float().item() == 448.0
+    assert torch.isfinite(kc.float()).all() and torch.isfinite(vc.float()).all()
+    untouched = [i for i in range(40) if i not in slots.tolist()]
+    assert not kc[untouched].float().any()
+
+
 def test_fused_op_falls_back_to_torch_for_good(monkeypatch, caplog):
     ops = FusedOps()
     x, w = _randn(2, 32, seed=6), _randn(32, seed=7)

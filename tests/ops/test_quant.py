@@ -252,6 +252,7 @@ def test_matmul_integer_u8_weights_split_exact(monkeypatch):
     cache, calls = {}, []
     split = QL._int_matmul_u8_split
     monkeypatch.setattr(QL, "_int_matmul_u8_split", lambda *a: calls.append(1) or split(*a))
+    monkeypatch.setattr(QL, "_qgemm_weight", lambda b, z: None)  # FBGEMM's path, not qgemm's
     t = torch.from_numpy
     got = QL.int_matmul(t(a), t(b), t(np.array(3, np.uint8)), t(np.array(119, np.uint8)), cache)
     assert len(cache["int_matmul_w"][2][2]) == 2 and calls  # both pieces, FBGEMM's path
@@ -262,6 +263,47 @@ def test_matmul_integer_u8_weights_split_exact(monkeypatch):
     bt[:, 1] = 7  # the same tensor written in place (an activation buffer): not the cache's
     again = QL.int_matmul(t(a), bt, None, None, cache).numpy()
     np.testing.assert_array_equal(again, a.astype(np.int64) @ bt.numpy().astype(np.int64))
+
+
+@pytest.mark.parametrize("path", ["scalar", "avx2", "vnni"])
+@pytest.mark.parametrize("wdtype,wz", [("uint8", 119), ("uint8", 128), ("int8", 0),
+                                       ("int8", 5)])
+def test_matmul_integer_on_qgemm_exact(path, wdtype, wz, monkeypatch):
+    """MatMulInteger of uint8 codes by a constant 8-bit weight on kiln's qgemm (each path):
+    int8 codes minus zero point as they are, uint8 ones beyond int8 shifted by 128 with the
+    rows' code sums times the offset added back: the exact integers."""
+    from kiln import native
+    from kiln.kernels.torch import int8 as K
+    from kiln.kernels.torch import quant_linear as QL
+
+    if not native.available or path not in native.qgemm_paths():
+        pytest.skip(f"no native {path} path")
+    monkeypatch.setenv("KILN_QGEMM_PATH", path)
+    monkeypatch.setattr(K, "u8s8_saturates", lambda: False)
+    rng = np.random.default_rng(11)
+    a = rng.integers(0, 256, (2, 7, 75)).astype(np.uint8)
+    a[0, 0] = 255
+    lo, hi = (0, 256) if wdtype == "uint8" else (-128 + wz, 128)
+    b = rng.integers(lo, hi, (75, 30)).astype(wdtype)
+    cache, t = {}, torch.from_numpy
+    got = QL.int_matmul(t(a), t(b), t(np.array(9, np.uint8)), t(np.array(wz, wdtype)), cache)
+    w, off = cache["int_matmul_qgemm"][2]
+    assert w.path == path and (off is None) == (wdtype == "int8" or wz == 128)
+    want = (a.astype(np.int64) - 9) @ (b.astype(np.int64) - wz)
+    assert got.dtype == torch.int32
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_matmul_integer_qgemm_not_on_saturating_full_range_int8(monkeypatch):
+    """Must not fire: int8 weights beyond the 7-bit grid where the CPU's u8s8 GEMMs saturate
+    (onnxruntime's integers there are the saturated ones, not qgemm's)."""
+    from kiln.kernels.torch import int8 as K
+    from kiln.kernels.torch import quant_linear as QL
+
+    monkeypatch.setattr(K, "u8s8_saturates", lambda: True)
+    b = torch.from_numpy(np.random.default_rng(12).integers(-128, 128, (16, 8)).astype(np.int8))
+    assert QL._qgemm_weight(b, None) is None
+    assert QL._qgemm_weight(b // 4, None) is not None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -225,6 +225,39 @@ def test_fp16_build_names_first_nonfinite_layer(tmp_path):
     assert any("layer 'scale_up' outputs NaN or Inf" in m for m in logs)
 
 
+def test_fp16_check_accepts_inf_that_stays_inside(tmp_path):
+    """Where(mask, -inf, x) -> Softmax, as attention masks are written: the -inf is by design
+    and the outputs are finite, so no warning; the check still names a NaN's layer."""
+    nodes = [helper.make_node("Where", ["m", "ninf", "x"], ["s"], name="mask_fill"),
+             helper.make_node("Softmax", ["s"], ["p"], axis=-1, name="softmax"),
+             helper.make_node("Sub", ["p", "p"], ["z"], name="zero"),
+             helper.make_node("Div", ["z", "z"], ["q"], name="nan_maker"),
+             helper.make_node("Add", ["p", "q"], ["y"], name="out")]
+    ninf = numpy_helper.from_array(np.array(-np.inf, np.float32), "ninf")
+    g = helper.make_graph(
+        nodes[:2], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+                         helper.make_tensor_value_info("m", TensorProto.BOOL, [2, 4])],
+        [helper.make_tensor_value_info("p", TensorProto.FLOAT, [2, 4])], [ninf])
+    path = tmp_path / "mask.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    feeds = {"x": np.ones((2, 4), np.float32),
+             "m": np.array([[True, False, False, False]] * 2)}
+    logs = []
+    b = Builder(BuilderConfig(fp16=True, calib=[feeds]), log=logs.append)
+    b.build(path)
+    assert b.report["nonfinite"] is None
+    assert any("every layer's output is finite" in m or "Inf" in m for m in logs)
+
+    g = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+                     helper.make_tensor_value_info("m", TensorProto.BOOL, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], [ninf])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    b = Builder(BuilderConfig(fp16=True, calib=[feeds]), log=logs.append)
+    b.build(path)
+    assert b.report["nonfinite"] is not None and "nan_maker" in b.report["nonfinite"][0]
+
+
 def test_calibration_data_errors(tmp_path):
     with pytest.raises(KilnError, match="no such file"):
         load_batches(tmp_path / "nope", ["x"])

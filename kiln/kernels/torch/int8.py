@@ -21,7 +21,13 @@ import threading
 import torch
 
 from kiln.kernels.registry import register
-from kiln.kernels.torch.fused_conv import _ONEDNN_ACT, _TORCH_ACT, epilogue, symmetric_geometry
+from kiln.kernels.torch.fused_conv import (
+    _AFTER_ONEDNN,
+    _ONEDNN_ACT,
+    _TORCH_ACT,
+    epilogue,
+    symmetric_geometry,
+)
 from kiln.ops import int8 as I8
 
 _HAS_ONEDNN = hasattr(torch.ops.onednn, "qlinear_pointwise") and \
@@ -29,7 +35,7 @@ _HAS_ONEDNN = hasattr(torch.ops.onednn, "qlinear_pointwise") and \
 _HAS_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
     torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32")
 _LOCK = threading.Lock()
-_FORCED = os.environ.get("KILN_CPU_INT8", "")  # fbgemm | onednn: no timing (benchmarks)
+_FORCED = os.environ.get("KILN_CPU_INT8", "")  # fbgemm | onednn | qgemm: no timing (benchmarks)
 
 
 def u8s8_saturates() -> bool:
@@ -92,7 +98,7 @@ def _cached(n, key, make):
 
 def _post_op(a, r):
     """oneDNN's post-op for the epilogue, when it can run there (no residual)."""
-    if r is None:
+    if r is None and a.activation not in _AFTER_ONEDNN:
         attr, scalars, algo = _ONEDNN_ACT[a.activation]
         return attr, scalars(a), algo, False
     return "none", [], "", True
@@ -198,44 +204,107 @@ def _native_epilogue(y, a, r):
 @register(I8.Int8MatMul)
 def int8_matmul(n, x, wq, w_scale, b=None, r=None):
     a = n.a
-    if a.x_scale == 0.0:  # dynamic: this call's own range
-        x, s, z = _dynamic_input(x)
-        a = _Over(a, x_scale=s, x_zero=z)
-        n = _WithAttrs(n, a)
     if _cpu_half(x):
         b, r = (None if t is None else t.float() for t in (b, r))
         return int8_matmul(n, x.float(), wq, w_scale, b, r).to(x.dtype)
-    if not _onednn(x) and not _fbgemm_ok(x):
+    if not _onednn(x) and not _fbgemm_ok(x) and not _qgemm_ok(n, x, wq):
+        if a.x_scale == 0.0:  # dynamic: this call's own range
+            x, s, z = _dynamic_input(x)
+            n = _WithAttrs(n, _Over(a, x_scale=s, x_zero=z))
         return _int8_matmul_emulated(n, x, wq, w_scale, b, r)
-    tactic = _tactic(n, a, x, wq, w_scale, b, r)
-    if tactic == "fbgemm":
-        return _int8_matmul_fbgemm(n, a, x, wq, w_scale, b, r)
-    return _int8_matmul_onednn(n, a, x, wq, w_scale, b, r)
+    return _TACTICS[_tactic(n, x, wq, w_scale, b, r)](n, x, wq, w_scale, b, r)
 
 
-def _tactic(n, a, x, wq, w_scale, b, r) -> str:
-    """FBGEMM or oneDNN for this node and input shape: the faster of the two, timed on the
-    first call (best of 3 each), kept in ``n.cache["lin_tactics"]``. Weights beyond kiln's
-    7-bit grid (an onnxruntime-quantized model's own codes) always take FBGEMM, whose
-    saturating int16 pair sums are the ones onnxruntime computes."""
+def _qgemm_ok(n, x, wq) -> bool:
+    """Can kiln's u8 x s8 GEMM (qgemm.c) run this layer and compute onnxruntime's integers? It
+    sums exactly, as onnxruntime does with AVX512-VNNI; on a CPU whose u8s8 GEMMs saturate
+    int16 pair sums it takes only weights on kiln's 7-bit grid, where nothing saturates."""
+    from kiln import native
+
+    if not (native.available and x.device.type == "cpu" and x.dtype == torch.float32 and
+            wq.dtype == torch.int8 and wq.dim() == 2 and x.dim() >= 2 and
+            getattr(n.a, "activation", "") in native.ACTIVATIONS):
+        return False
+    return not u8s8_saturates() or not _cached(n, "w_full_range",
+                                               lambda: bool(wq.abs().max() > 63))
+
+
+def _with_input(fn):
+    """``fn(n, a, x, ...)`` of a float input, a dynamic layer's quantized by its own range."""
+    def run(n, x, wq, w_scale, b, r):
+        a = n.a
+        if a.x_scale == 0.0:  # dynamic: this call's own range
+            x, s, z = _dynamic_input(x)
+            a = _Over(a, x_scale=s, x_zero=z)
+            n = _WithAttrs(n, a)
+        return fn(n, a, x, wq, w_scale, b, r)
+    return run
+
+
+def _int8_matmul_qgemm(n, x, wq, w_scale, b, r):
+    """qgemm.c: the input quantized in C (by x_scale/x_zero, or a dynamic layer's own range:
+    DynamicQuantizeLinear's codes), exact int32 products, dequantize + bias + residual +
+    activation in its epilogue."""
+    from kiln import native
+
+    a = n.a
+    k, m = wq.shape
+    w = _cached(n, "w_qgemm", lambda: native.QGemmWeight(wq))
+    ws = _cached(n, "w_scale_qgemm", lambda: w_scale.float().reshape(-1).contiguous())
+    bias = None if b is None else _cached(n, "b_qgemm", lambda: b.float().contiguous())
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    shape = (*x.shape[:-1], m)
+    r2 = None
+    if r is not None and tuple(r.shape) == shape and r.dtype == torch.float32:
+        r2 = r.reshape(-1, m)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+    act = a.activation if r is None or r2 is not None else ""
+    y = native.qgemm_f32(x2, a.x_scale, a.x_zero, w, ws, bias, r2, act, a.alpha, a.beta)
+    y = y.reshape(shape)
+    return y if r is None or r2 is not None else epilogue(y, a, r)
+
+
+_TACTICS = {}  # filled below: name -> fn(n, x, wq, w_scale, b, r)
+
+
+def _tactic(n, x, wq, w_scale, b, r) -> str:
+    """FBGEMM, oneDNN or kiln's qgemm for this node and input shape: the fastest of those that
+    can run it, timed on the first call (best of 3 each), kept in ``n.cache["lin_tactics"]``.
+    Weights beyond kiln's 7-bit grid (an onnxruntime-quantized model's own codes) take FBGEMM
+    or qgemm: FBGEMM's saturating int16 pair sums are the ones onnxruntime computes without
+    AVX512-VNNI, where qgemm (exact) is left out; with it, both are exact, as onnxruntime
+    is. ``KILN_CPU_INT8`` (fbgemm | onednn | qgemm) forces one where it can run."""
     picks = n.cache.get("lin_tactics")
     key = tuple(x.shape)
     if picks is not None and key in picks:
         return picks[key]
-    if _FORCED in ("fbgemm", "onednn") and (_fbgemm_ok(x) if _FORCED == "fbgemm" else True):
+    full = _cached(n, "w_full_range", lambda: bool(wq.abs().max() > 63))
+    can = [name for name, ok in (("fbgemm", _fbgemm_ok(x)),
+                                 ("onednn", _onednn(x) and not full),
+                                 ("qgemm", _qgemm_ok(n, x, wq))) if ok]
+    if not can:  # full-range weights where neither exact path runs: oneDNN, as before
+        can = ["onednn"]
+    return _pick(n, key, can, lambda name: _TACTICS[name](n, x, wq, w_scale, b, r))
+
+
+def _pick(n, key, can: list, run) -> str:
+    """The tactic of ``can`` for input shape ``key``: ``KILN_CPU_INT8``'s where it is one of
+    them, else the fastest of ``run(name)`` (best of 3 each), kept in n.cache["lin_tactics"]."""
+    if _FORCED in can:
         name = _FORCED
-    elif not _fbgemm_ok(x) or not _onednn(x):
-        name = "fbgemm" if _fbgemm_ok(x) else "onednn"
-    elif _cached(n, "w_full_range", lambda: bool(wq.abs().max() > 63)):
-        name = "fbgemm"
+    elif len(can) == 1:
+        name = can[0]
     else:
         import time
 
         best = {}
         for _ in range(3):
-            for name, fn in (("fbgemm", _int8_matmul_fbgemm), ("onednn", _int8_matmul_onednn)):
+            for name in can:
                 t0 = time.perf_counter()
-                fn(n, a, x, wq, w_scale, b, r)
+                run(name)
                 best[name] = min(best.get(name, 1e9), time.perf_counter() - t0)
         name = min(best, key=best.get)
     with _LOCK:
@@ -257,8 +326,50 @@ def _int8_matmul_onednn(n, a, x, wq, w_scale, b, r):
     return epilogue(y, a, r) if after else y
 
 
+_TACTICS.update(fbgemm=_with_input(_int8_matmul_fbgemm),
+                onednn=_with_input(_int8_matmul_onednn), qgemm=_int8_matmul_qgemm)
+
+
 @register(I8.Int8MatMulQDQ)
 def int8_matmul_qdq(n, x, wq, w_scale):
+    """FBGEMM's products requantized by kiln (:func:`_qdq_fbgemm`) or kiln's qgemm with the
+    requantization in its epilogue (:func:`_qdq_qgemm`), the faster at this shape where both
+    compute onnxruntime's integers (timed on the first call, as :func:`_tactic`)."""
+    if x.dtype == torch.float32 and _qgemm_ok(n, x, wq):
+        picks = n.cache.get("lin_tactics")
+        name = picks.get(tuple(x.shape)) if picks else None
+        if name is None:
+            name = _pick(n, tuple(x.shape), ["fbgemm", "qgemm"] if _fbgemm_ok(x) else
+                         ["qgemm"], lambda t: _QDQ[t](n, x, wq, w_scale))
+        return _QDQ[name](n, x, wq, w_scale)
+    return _qdq_fbgemm(n, x, wq, w_scale)
+
+
+def _qdq_mult(n, a, w_scale):
+    """QLinearMatMul's requantization multipliers x_scale * w_scale / y_scale (float32)."""
+    return _cached(n, ("mult", w_scale.device), lambda: (
+        torch.tensor(a.x_scale, dtype=torch.float32) * w_scale.float().reshape(-1)) /
+        torch.tensor(a.y_scale, dtype=torch.float32))
+
+
+def _qdq_qgemm(n, x, wq, w_scale):
+    """qgemm.c: x's codes by x_scale/x_zero in C, exact int32 products, the requantization and
+    dequantization in its epilogue (the float32 steps of :func:`_qdq_fbgemm`)."""
+    from kiln import native
+
+    a = n.a
+    k, m = wq.shape
+    w = _cached(n, "w_qgemm", lambda: native.QGemmWeight(wq))
+    mult = _qdq_mult(n, a, w_scale).contiguous()
+    lo, hi = (-128, 127) if a.y_signed else (0, 255)
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = native.qgemm_f32(x2, a.x_scale, a.x_zero, w, mult, requant=(a.y_scale, a.y_zero, lo, hi))
+    return y.reshape(*x.shape[:-1], m)
+
+
+def _qdq_fbgemm(n, x, wq, w_scale):
     """The int32 products ``acc`` of x's codes (minus x_zero) and the weight codes, requantized
     in onnxruntime's float32 steps (QLinearMatMul's MlasRequantizeOutput): ``round(acc *
     mult) + y_zero`` saturated, ``mult = x_scale * w_scale / y_scale`` per column; then
@@ -282,15 +393,16 @@ def int8_matmul_qdq(n, x, wq, w_scale):
             codes.contiguous(), 1.0, a.x_zero, packed)
     else:
         acc = torch.matmul(codes, wq.float())
-    mult = _cached(n, ("mult", w_scale.device), lambda: (
-        torch.tensor(a.x_scale, dtype=torch.float32) * w_scale.float().reshape(-1)) /
-        torch.tensor(a.y_scale, dtype=torch.float32))
+    mult = _qdq_mult(n, a, w_scale)
     lo, hi = (-128, 127) if a.y_signed else (0, 255)
     if fast and acc.is_contiguous() and mult.is_contiguous():
         y = native.requantize_(acc, mult, a.y_scale, a.y_zero, lo, hi)
     else:
         y = acc.mul_(mult).round_().add_(a.y_zero).clamp_(lo, hi).sub_(a.y_zero).mul_(a.y_scale)
     return y.reshape(*x.shape[:-1], m).to(x.dtype)
+
+
+_QDQ = {"fbgemm": _qdq_fbgemm, "qgemm": _qdq_qgemm}
 
 
 class _WithAttrs:

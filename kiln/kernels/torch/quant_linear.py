@@ -228,10 +228,59 @@ def _int_matmul_u8_split(af: torch.Tensor, a_zp, packs) -> torch.Tensor:
     return y.to(torch.int32).reshape(*af.shape[:-1], y.shape[-1])
 
 
+def _qgemm_weight(b, b_zp):
+    """kiln's qgemm form of a constant 2-D weight, or None: (QGemmWeight of int8 codes w,
+    int32 column offsets c or None) with ``b - b_zp = w + c``. uint8 codes beyond int8 after
+    their zero point are shifted by 128 (c = 128 - b_zp). None where qgemm's exact sums would
+    not be onnxruntime's: int8 weights beyond the 7-bit grid on a CPU whose u8s8 GEMMs
+    saturate int16 pairs (onnxruntime's u8 x u8 GEMM is exact everywhere)."""
+    from kiln import native
+    from kiln.kernels.torch import int8 as K
+
+    if not native.available or b.dim() != 2 or b.device.type != "cpu" or \
+            b.dtype not in (torch.int8, torch.uint8) or b.numel() == 0:
+        return None
+    if b_zp is not None and (b_zp.dim() > 1 or b_zp.numel() not in (1, b.shape[1])):
+        return None
+    z = torch.zeros(1, dtype=torch.int32) if b_zp is None else b_zp.to(torch.int32).reshape(-1)
+    d = b.to(torch.int32) - z
+    if b.dtype == torch.int8 and K.u8s8_saturates() and int(d.abs().max()) > 63:
+        return None
+    if int(d.min()) >= -128 and int(d.max()) <= 127:
+        return native.QGemmWeight(d.to(torch.int8)), None
+    if b.dtype != torch.uint8:
+        return None
+    off = (128 - z).expand(b.shape[1]).contiguous()
+    return native.QGemmWeight((b.to(torch.int32) - 128).to(torch.int8)), off
+
+
+def _int_matmul_qgemm(a: torch.Tensor, a_zp, got) -> torch.Tensor:
+    """(a - a_zp) @ (w + c) by qgemm: the int32 sums of w, plus the rows' code sums times c."""
+    from kiln import native
+
+    w, off = got
+    k = a.shape[-1]
+    a2 = a.reshape(-1, k)
+    if a2.stride(-1) != 1:
+        a2 = a2.contiguous()
+    z = 0 if a_zp is None else int(a_zp.reshape(()))
+    y = native.qgemm_int32(a2, z, w)
+    if off is not None:
+        rows = a2.sum(1, dtype=torch.int32) - k * z
+        y.add_(rows[:, None] * off[None, :])
+    return y.reshape(*a.shape[:-1], w.n)
+
+
 def int_matmul(a, b, a_zp, b_zp, cache: dict | None = None) -> torch.Tensor:
-    """(a - a_zp) @ (b - b_zp), exact, as an int32 tensor (float32 GEMMs over K-chunks that
-    cannot round, see :func:`exact_chunks`, summed in int32). ``cache``: a node's cache, to
-    keep the shifted weight of a constant ``b``."""
+    """(a - a_zp) @ (b - b_zp), exact, as an int32 tensor: kiln's qgemm for uint8 codes by a
+    constant 8-bit weight on the CPU (:func:`_qgemm_weight`), else float32 GEMMs over K-chunks
+    that cannot round (see :func:`exact_chunks`), summed in int32. ``cache``: a node's cache,
+    to keep the shifted weight of a constant ``b``."""
+    if cache is not None and a.dtype == torch.uint8 and a.device.type == "cpu" and \
+            a.dim() >= 2 and np.ndim(b) == 2 and (a_zp is None or a_zp.numel() == 1):
+        got = _prepared(cache, "int_matmul_qgemm", (b, b_zp), lambda: _qgemm_weight(b, b_zp))
+        if got is not None:
+            return _int_matmul_qgemm(a, a_zp, got)
     af = shifted(a, a_zp, per_row=True)
     if np.ndim(b) == 1:
         return int_matmul_vec(af, shifted(b, b_zp))

@@ -17,6 +17,21 @@ Fires only when the conv output feeds the Add alone (and is no graph output), W 
 constants, c has one value (or one per output channel) and broadcasts along the channel axis
 alone, so that the Add's result has the conv's shape. ``Sub(c, y)`` (the conv subtracted) does
 not fire.
+
+``fold_conv_mul`` (run before) folds a per-channel constant factor the same way:
+
+        x                                   x
+        │                                   │
+      Conv(W, b)                 ==>      Conv(W * c, b * c)      "conv + mul"
+        │                                   │
+      Mul(c) | Div(c)                       y                     (Div: 1 / c)
+        │
+        y
+
+PaddleOCR's PP-LCNetV3 writes a "learnable affine block" after its convs as ``Mul(scalar)``
+then ``Add(scalar)``: with both folded, the conv's activation that follows fuses into it. The
+same conditions hold (and ``Div(c, y)`` does not fire, nor a Div by a zero or a non-finite
+factor).
 """
 
 from __future__ import annotations
@@ -85,4 +100,51 @@ def fold_conv_add(graph: Graph, log) -> int:
     return n
 
 
-PASSES = [("fold_conv_add", fold_conv_add)]
+def _scaled(conv: Node, mul: Node) -> np.ndarray | None:
+    """The per-channel factor ``mul`` multiplies the conv's output by (1/c for a Div)."""
+    if len(mul.inputs) != 2 or getattr(mul.attrs, "broadcast", None):
+        return None
+    y = conv.outputs[0]
+    if mul.op is M.Div and mul.inputs[0] is not y:
+        return None
+    other = mul.inputs[1] if mul.inputs[0] is y else mul.inputs[0]
+    if other is y:
+        return None
+    w = conv.inputs[1].const if conv.inputs[1] is not None else None
+    if w is None or w.dtype.kind != "f" or w.ndim < 3:
+        return None
+    c = channel_constant(const_of(other), getattr(y.type, "rank", None), w.shape[0])
+    if c is None or not np.all(np.isfinite(c)) or (mul.op is M.Div and np.any(c == 0)):
+        return None
+    return 1.0 / c if mul.op is M.Div else c
+
+
+def fold_conv_mul(graph: Graph, log) -> int:
+    users, n = graph.users(), 0
+    for conv in [x for x in graph.nodes if x.op is N.Conv]:
+        mul = single_user(graph, conv.outputs[0], users)
+        if mul is None or mul.op not in (M.Mul, M.Div):
+            continue
+        c = _scaled(conv, mul)
+        b_in = conv.inputs[2] if len(conv.inputs) > 2 else None
+        if c is None or (b_in is not None and b_in.const is None):
+            continue
+        w_val = conv.inputs[1]
+        w = w_val.const
+        w2 = (w.astype(np.float64) * c.reshape(-1, *([1] * (w.ndim - 1)))).astype(w.dtype)
+        ins = [conv.inputs[0], graph.add_weight(graph.fresh_name(f"{w_val.name}_scaled"), w2,
+                                                TensorType(w_val.type.dtype, w2.shape))]
+        if b_in is not None:
+            b = (np.asarray(b_in.const, np.float64).reshape(-1) * c).astype(w.dtype)
+            ins.append(graph.add_weight(graph.fresh_name(f"{mul.name}_bias"), b,
+                                        TensorType(w_val.type.dtype, b.shape)))
+        fused = Node(N.Conv, f"{conv.name} + {mul.name}", ins, [mul.outputs[0]], conv.attrs)
+        insert_before(graph, conv, fused)
+        remove_nodes(graph, [conv, mul])
+        users = graph.users()
+        log(f"fused {conv.name} + {mul.name} -> Conv")
+        n += 1
+    return n
+
+
+PASSES = [("fold_conv_mul", fold_conv_mul), ("fold_conv_add", fold_conv_add)]

@@ -1,0 +1,93 @@
+"""INT8 layers (``Int8MatMul``, ``Int8MatMulQDQ``) whose CPU tactic at the traced shape is
+kiln's qgemm, as one qgemm record of the native program: the input quantized in C (by the
+layer's x_scale/x_zero, or a dynamic layer's own range on every run), exact int32 products on
+the weight the tactic packed, and the epilogue (dequantize, bias, residual, activation; or
+QLinearMatMul's requantization) in the same call. A layer that took FBGEMM or oneDNN stays a
+torch record, so that planned runs compute what the traced one did; so does a layout the
+record cannot take (a broadcast residual). ``QuantizeDequantize`` becomes an elementwise
+record.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kiln import native
+from kiln.engine.program import contiguous_strides
+from kiln.engine.program_linear import _rows
+from kiln.engine.program_ops import _dense_like, emit_pw
+from kiln.ops import int8 as I8
+
+OP_QGEMM = 11  # chain.c's record kind
+_CPU = torch.device("cpu")
+
+
+def _int8(pc, st, ins, outs):
+    x = ins[0] if ins else None
+    if x is None or len(outs) != 1 or not native.available or len(x.shape) < 2:
+        return None
+    cache = st.call.cache
+    if (cache.get("lin_tactics") or {}).get(tuple(x.shape)) != "qgemm":
+        return None
+    w = cache.get("w_qgemm")
+    a = st.node.attrs
+    qdq = st.node.op is I8.Int8MatMulQDQ
+    ws = cache.get(("mult", _CPU)) if qdq else cache.get("w_scale_qgemm")
+    if w is None or ws is None:
+        return None
+    shape = tuple(outs[0].shape)
+    if x.shape[-1] != w.k or shape != (*x.shape[:-1], w.n) or math.prod(shape) == 0:
+        return None
+    bias = None
+    if not qdq and len(st.ins) > 3 and st.ins[3] >= 0:
+        bias = cache.get("b_qgemm")
+        if bias is None:
+            return None
+    r = ins[4] if not qdq and len(ins) > 4 else None
+    if not qdq and len(st.ins) > 4 and st.ins[4] >= 0 and (r is None or r.shape != shape):
+        return None  # a constant or broadcast residual: the torch record's
+    x, ldx = _rows(pc, x)
+    ldr = 0
+    if r is not None:
+        r, ldr = _rows(pc, r)
+    ws = ws.reshape(-1).contiguous()
+    for t in (w.packed, w.colsum, ws):
+        pc.keep.append(t)
+    y = pc.alloc(shape, contiguous_strides(shape))
+    if qdq:
+        lo, hi = (-128, 127) if a.y_signed else (0, 255)
+        act, ep = native.QACT_REQUANT, (0.0, 0.0, a.y_scale, a.y_zero, lo, hi)
+    else:
+        act = native.ACTIVATIONS[a.activation]
+        ep = (*native._epilogue_params(a.activation, a.alpha, a.beta), 0.0, 0.0, 0.0, 0.0)
+    rec = [OP_QGEMM, w.code, math.prod(shape[:-1]), w.n, w.k]
+    pc.put(rec, x)
+    rec += [ldx, pc.fparam(a.x_scale), a.x_zero, pc.fixed(w.packed), pc.fixed(w.colsum),
+            pc.fixed(ws), ws.numel(), -1 if bias is None else pc.fixed(bias)]
+    pc.put(rec, r)
+    rec.append(ldr)
+    pc.put(rec, y)
+    rec += [w.n, act, pc.fparam(*ep)]
+    pc.emit(rec)
+    return [y]
+
+
+def _quantize_dequantize(pc, st, ins, outs):
+    """QuantizeDequantize (a Q/DQ pair kept between float ops) as the elementwise record of
+    the C kernel its CPU kernel calls (the same float32 steps)."""
+    x = ins[0] if ins else None
+    if x is None or len(outs) != 1:
+        return None
+    a = st.node.attrs
+    code = native.POINTWISE["QuantizeDequantizeS8" if a.signed else "QuantizeDequantizeU8"]
+    shape = outs[0].shape
+    y = pc.alloc(shape, _dense_like(shape, x))
+    if not emit_pw(pc, code, y, x, None, a.scale, float(a.zero)):
+        return None
+    return [y]
+
+
+PLANNERS = {I8.Int8MatMul: _int8, I8.Int8MatMulQDQ: _int8,
+            I8.QuantizeDequantize: _quantize_dequantize}
