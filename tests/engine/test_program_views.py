@@ -262,3 +262,47 @@ def test_dynamo_attention_key_stays_in_the_program(tmp_path, monkeypatch):
     # every record the plan holds: those, and the output's copy out of the arena
     assert sorted(plan.kinds) == sorted([RECORD_KINDS_BY_NAME[k] for k in (
         "gemm", "gemm", "attention", "pointwise", "pointwise")])
+
+
+def _attention_core(k_transposed: bool) -> onnx.ModelProto:
+    """The attention core alone (num_heads 0): q [1, H, S, D] and v as given, the key a graph
+    input [1, H, D, S] (its head dim strided: the record copies it) or [1, H, S, D] transposed
+    by the graph (head dim contiguous: read in place)."""
+    mk = helper.make_node
+    sc = numpy_helper.from_array(np.array(D ** -0.5, np.float32), "sc")
+    kshape = [1, H, S, D] if k_transposed else [1, H, D, S]
+    nodes = ([mk("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2], name="kt")] if k_transposed
+             else [mk("Identity", ["k"], ["kt"], name="kt")])
+    nodes += [mk("MatMul", ["q", "kt"], ["sco"]), mk("Mul", ["sco", "sc"], ["s2"]),
+              mk("Softmax", ["s2"], ["pr"], axis=-1), mk("MatMul", ["pr", "v"], ["y"])]
+    ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s)
+           for n, s in (("q", [1, H, S, D]), ("k", kshape), ("v", [1, H, S, D]))]
+    g = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info(
+        "y", TensorProto.FLOAT, [1, H, S, D])], [sc])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.skipif(not native.available, reason=native.why_not or "no kiln.native")
+@pytest.mark.parametrize("k_transposed", [False, True])
+def test_attention_record_copies_a_strided_head_dim(tmp_path, k_transposed):
+    path = tmp_path / "m.onnx"
+    onnx.save(_attention_core(k_transposed), path)
+    engine = kiln.Builder(kiln.BuilderConfig(device="cpu")).build(str(path))
+    steps = [st.node.op.name for st in engine._executor.steps]
+    assert "Attention" in steps and "Softmax" not in steps
+    kshape = (1, H, S, D) if k_transposed else (1, H, D, S)
+
+    def feeds(seed):
+        rng = np.random.default_rng(seed)
+        return {"q": rng.standard_normal((1, H, S, D)).astype(np.float32),
+                "k": rng.standard_normal(kshape).astype(np.float32),
+                "v": rng.standard_normal((1, H, S, D)).astype(np.float32)}
+
+    _check(path, feeds, engine)
+    plan = _plan_of(engine)
+    assert plan.fallbacks == []
+    att = [r for st in plan.steps if st.node.op.name == "Attention"
+           for r in [_records(plan).get(st.node.name)]]
+    # a contiguous [1, H, D, S] key has its head dim strided: copied (must fire); a transposed
+    # [1, H, S, D] one has it contiguous: read in place (must not)
+    assert att == [["attention"]] if k_transposed else att == [["copy", "attention"]]
