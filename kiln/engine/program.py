@@ -78,6 +78,41 @@ def contiguous_strides(shape) -> tuple:
     return tuple(reversed(out))
 
 
+def view_strides(shape, strides, new_shape) -> tuple | None:
+    """Strides that show the elements of a (``shape``, ``strides``) value, read in row-major
+    order, as ``new_shape`` without moving them (a reshape as a view), or None where no strides
+    can: dims are merged only where they step evenly into each other and split only within
+    such a run, torch's rule for ``view`` (a transposed [H, S, D] value seen as [H*S, D] can
+    not be, as [H, S, 2, D/2] can)."""
+    new_shape = tuple(new_shape)
+    if math.prod(shape) == 0 or math.prod(shape) != math.prod(new_shape):
+        return contiguous_strides(new_shape) if math.prod(shape) == math.prod(new_shape) \
+            else None
+    # runs of dims that step evenly into each other (size-1 dims dropped): (size, stride)
+    runs: list[list[int]] = []
+    for n, s in zip(shape, strides):
+        if n == 1:
+            continue
+        if runs and runs[-1][1] == s * n:
+            runs[-1] = [runs[-1][0] * n, s]
+        else:
+            runs.append([n, s])
+    out = [0] * len(new_shape)
+    d = len(new_shape) - 1
+    for size, stride in reversed(runs):
+        got = 1
+        while d >= 0 and (got < size or new_shape[d] == 1):
+            out[d] = got * stride
+            got *= new_shape[d]
+            d -= 1
+        if got != size:
+            return None  # a new dim straddles two runs
+    while d >= 0:  # leading size-1 dims
+        out[d] = 1 if not runs else runs[0][0] * runs[0][1]
+        d -= 1
+    return tuple(out)
+
+
 def channels_last_strides(shape) -> tuple:
     n, c, h, w = shape
     return (h * w * c, 1, w * c, c)

@@ -10,8 +10,10 @@ costs the return to Python, the kernel's wrapper and torch's dispatch (tens of m
 busy machine, a GEMM's OpenMP region far more), which was most of its time. The records compute
 what the chains do: kiln's GEMM (its epilogue: bias, residual, activation), kiln's LayerNorm,
 kiln's attention kernel (any strides with contiguous rows, grouped key/value heads, a broadcast
-additive mask, the causal flag). A layout they cannot take (rows that do not collapse to one
-stride, a broadcasting residual, a computed weight) leaves the step to its torch record.
+additive mask, the causal flag). An input whose rows do not collapse to one stride (a strided
+view a Reshape or Transpose left), or an attention operand whose head dim is not contiguous, is
+copied into a layout they take first; what they cannot take at all (a broadcasting residual, a
+computed weight) leaves the step to its torch record.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from kiln import native
-from kiln.engine.program import Val, contiguous_strides
+from kiln.engine.program import Val, _Decline, contiguous_strides
+from kiln.engine.program_ops import emit_copy
 from kiln.ops import fused_conv as FC
 from kiln.ops import fused_transformer as FT
 from kiln.ops import nn as NN
@@ -50,6 +53,33 @@ def _rows(v: Val | None):
     return rows, lead[-1][1]
 
 
+def _row_major(pc, v: Val):
+    """(``v``, its (rows, row stride)), or where its rows do not collapse (a strided view that
+    a Reshape or Transpose left) a contiguous copy of it and the copy's. Called once the
+    planner has checked everything else: it emits the copy."""
+    r = _rows(v)
+    if r is not None:
+        return v, r
+    c = pc.alloc(v.shape)
+    if not emit_copy(pc, v, c):
+        raise _Decline  # (past the copy record's 6 dims: program values have at most 6)
+    return c, _rows(c)
+
+
+def _unit_stride(pc, v: Val, dim: int) -> Val | None:
+    """``v`` where its ``dim`` has stride 1 (or size 1), else a copy laid out so: the other dims
+    in their order outside it."""
+    if v.strides[dim] == 1 or v.shape[dim] == 1:
+        return v
+    order = [d for d in range(len(v.shape)) if d != dim] + [dim]
+    dense = contiguous_strides([v.shape[d] for d in order])
+    strides = [0] * len(v.shape)
+    for d, s in zip(order, dense):
+        strides[d] = s
+    c = pc.alloc(v.shape, tuple(strides))
+    return c if emit_copy(pc, v, c) else None
+
+
 def _const_f32(pc, st, i: int, shape: tuple | None = None):
     """Input ``i`` as a contiguous float32 CPU constant (of ``shape``, when given); None where
     it is absent, False where it is computed or another kind of tensor."""
@@ -75,35 +105,37 @@ def _packed(pc, key, w: torch.Tensor, src: torch.Tensor) -> native.PackedWeight:
     return pw
 
 
-def _residual(pc, st, ins, i: int, shape: tuple):
-    """Input ``i``, an optional residual of the product's ``shape``: (value, row stride),
-    (None, 0) where absent, None where the record cannot take it (computed outside the program,
-    broadcasting, rows that do not collapse)."""
+def _residual(st, ins, i: int, shape: tuple):
+    """Input ``i``, an optional residual of the product's ``shape``: the value, None where
+    absent, False where the record cannot take it (computed outside the program,
+    broadcasting)."""
     if len(st.ins) <= i or st.ins[i] < 0:
-        return None, 0
-    r = ins[i]
-    rr = _rows(r)
-    if r is None or r.shape != shape or rr is None:
         return None
-    return r, rr[1]
+    r = ins[i]
+    return False if r is None or r.shape != shape else r
 
 
-def _emit_gemm(pc, x: Val, rows: int, lda: int, pw, bias, res, shape: tuple, act: str,
-               alpha, beta) -> Val:
-    """``y = act(x @ w + bias + r)``: one GEMM record into a new value of ``shape``."""
+def _emit_gemm(pc, x: Val, pw, bias, res: Val | None, shape: tuple, act: str,
+               alpha, beta) -> tuple[Val, int]:
+    """``y = act(x @ w + bias + r)``: one GEMM record into a new value of ``shape`` (``x`` and
+    ``r`` copied contiguous first where their rows do not collapse); (y, its rows)."""
     n = shape[-1]
     k = x.shape[-1]
+    x, (rows, lda) = _row_major(pc, x)
+    ldr = 0
+    if res is not None:
+        res, (_, ldr) = _row_major(pc, res)
     y = pc.alloc(shape)
     lo, hi = native._epilogue_params(act, alpha, beta)
     rec = [OP_GEMM, rows, n, k]
     pc.put(rec, x)
     rec += [lda, pc.fixed(pw.data), -1 if bias is None else pc.fixed(bias)]
-    pc.put(rec, res[0])
-    rec.append(res[1])
+    pc.put(rec, res)
+    rec.append(ldr)
     pc.put(rec, y)
     rec += [n, native.ACTIVATIONS[act], pc.fparam(lo, hi)]
     pc.emit(rec)
-    return y
+    return y, rows
 
 
 def _gemm_ok() -> bool:
@@ -121,8 +153,7 @@ def _gemm(pc, st, ins, outs):
     op, x = st.node.op, ins[0]
     fused = op is not NN.MatMul
     w = _const_f32(pc, st, 1)
-    xr = _rows(x)
-    if not isinstance(w, torch.Tensor) or w.dim() != 2 or xr is None or len(x.shape) < 2 \
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or x is None or len(x.shape) < 2 \
             or x.shape[-1] != w.shape[0]:
         return None
     n = w.shape[1]
@@ -130,8 +161,8 @@ def _gemm(pc, st, ins, outs):
     act = a.activation if fused else ""
     bias = _const_f32(pc, st, 2, (n,)) if fused else None
     shape = outs[0].shape
-    res = _residual(pc, st, ins, 3, shape) if fused else (None, 0)
-    if act not in native.ACTIVATIONS or bias is False or res is None \
+    res = _residual(st, ins, 3, shape) if fused else None
+    if act not in native.ACTIVATIONS or bias is False or res is False \
             or shape != x.shape[:-1] + (n,):
         return None
     ln = None
@@ -140,10 +171,10 @@ def _gemm(pc, st, ins, outs):
         if not isinstance(ln[0], torch.Tensor) or ln[1] is False:
             return None
     pw = _packed(pc, st.ins[1], w, w)
-    y = _emit_gemm(pc, x, xr[0], xr[1], pw, bias, res, shape, act,
-                   a.alpha if fused else None, a.beta if fused else None)
+    y, rows = _emit_gemm(pc, x, pw, bias, res, shape, act, a.alpha if fused else None,
+                         a.beta if fused else None)
     if ln is not None:
-        _emit_ln(pc, y, y, xr[0], n, ln[0], ln[1], a.epsilon)
+        _emit_ln(pc, y, y, rows, n, ln[0], ln[1], a.epsilon)
     return [y]
 
 
@@ -156,8 +187,7 @@ def _gemm2d(pc, st, ins, outs):
     a, x = st.node.attrs, ins[0]
     fused = st.node.op is FC.FusedGemm
     b = _const_f32(pc, st, 1)
-    xr = _rows(x)
-    if a.transA or not isinstance(b, torch.Tensor) or b.dim() != 2 or xr is None \
+    if a.transA or not isinstance(b, torch.Tensor) or b.dim() != 2 or x is None \
             or len(x.shape) != 2:
         return None
     w = b.t() if a.transB else b
@@ -170,13 +200,13 @@ def _gemm2d(pc, st, ins, outs):
                                or c.dim() > 2)):
         return None
     bias = None if c is None else (c.reshape(-1).expand(n) * beta).contiguous()
-    res = _residual(pc, st, ins, 3, outs[0].shape) if fused else (None, 0)
+    res = _residual(st, ins, 3, outs[0].shape) if fused else None
     act = a.activation if fused else ""
-    if res is None or act not in native.ACTIVATIONS:
+    if res is False or act not in native.ACTIVATIONS:
         return None
     pw = _packed(pc, (st.ins[1], bool(a.transB), alpha), (w * alpha) if alpha != 1 else w, b)
-    return [_emit_gemm(pc, x, xr[0], xr[1], pw, bias, res, outs[0].shape, act,
-                       a.alpha if fused else None, a.beta if fused else None)]
+    return [_emit_gemm(pc, x, pw, bias, res, outs[0].shape, act, a.alpha if fused else None,
+                       a.beta if fused else None)[0]]
 
 
 def _emit_ln(pc, x: Val, y: Val, rows: int, n: int, scale, bias, eps: float,
@@ -193,14 +223,14 @@ def _layer_norm(pc, st, ins, outs):
     """LayerNormalization over the last axis with constant scale and bias: a LayerNorm
     record."""
     a, x = st.node.attrs, ins[0]
-    xr = _rows(x)
-    if not native.available or len(outs) != 1 or xr is None or (
+    if not native.available or len(outs) != 1 or x is None or not x.shape or (
             a.axis is not None and a.axis not in (-1, len(x.shape) - 1)):
         return None
     n = x.shape[-1]
     scale, bias = _const_f32(pc, st, 1, (n,)), _const_f32(pc, st, 2, (n,))
     if not isinstance(scale, torch.Tensor) or bias is False or outs[0].shape != x.shape:
         return None
+    x, xr = _row_major(pc, x)
     y = pc.alloc(x.shape)
     _emit_ln(pc, x, y, xr[0], n, scale, bias, 1e-5 if a.epsilon is None else float(a.epsilon))
     return [y]
@@ -209,13 +239,13 @@ def _layer_norm(pc, st, ins, outs):
 def _rms_norm(pc, st, ins, outs):
     """RMSNormalization over the last axis with a constant scale: an RMSNorm record."""
     a, x = st.node.attrs, ins[0]
-    xr = _rows(x)
-    if not native.available or len(outs) != 1 or xr is None or (
+    if not native.available or len(outs) != 1 or x is None or not x.shape or (
             a.axis is not None and a.axis not in (-1, len(x.shape) - 1)):
         return None
     scale = _const_f32(pc, st, 1, (x.shape[-1],))
     if not isinstance(scale, torch.Tensor) or outs[0].shape != x.shape:
         return None
+    x, xr = _row_major(pc, x)
     y = pc.alloc(x.shape)
     _emit_ln(pc, x, y, xr[0], x.shape[-1], scale, None,
              1e-5 if a.epsilon is None else float(a.epsilon), OP_RMS)
@@ -277,17 +307,21 @@ def _attention(pc, st, ins, outs):
             return None
         b, h, sq, d = q.shape
         hkv, skv, dv = k.shape[1], k.shape[3], v.shape[3]
-        if (k.shape != (b, hkv, d, skv) or v.shape != (b, hkv, skv, dv) or h % hkv
-                or q.strides[3] != 1 or k.strides[2] != 1 or v.strides[3] != 1):
+        if k.shape != (b, hkv, d, skv) or v.shape != (b, hkv, skv, dv) or h % hkv:
             return None
-        parts = [(q, 0, list(q.strides[:3])), (k, 0, [k.strides[0], k.strides[1], k.strides[3]]),
-                 (v, 0, list(v.strides[:3]))]
+        parts = None  # (made once the mask is checked: it may copy)
         shape = (b, h, sq, dv)
         ystrides = list(contiguous_strides(shape)[:3])
     full = (b, h, sq, skv)
     if outs[0].shape != shape or (mask is not None and (len(mask.shape) > 4 or any(
             m not in (1, f) for m, f in zip(mask.shape[::-1], full[::-1])))):
         return None
+    if parts is None:  # the head dim read contiguous: a strided view copied so where not
+        q, k, v = _unit_stride(pc, q, 3), _unit_stride(pc, ins[1], 2), _unit_stride(pc, v, 3)
+        if q is None or k is None or v is None:
+            return None
+        parts = [(q, 0, list(q.strides[:3])), (k, 0, [k.strides[0], k.strides[1], k.strides[3]]),
+                 (v, 0, list(v.strides[:3]))]
     y = pc.alloc(shape)
     rec = [OP_ATTN, b, h, hkv, sq, skv, d, dv]
     for v, off, strides in parts:

@@ -18,6 +18,7 @@ from kiln.engine.program import (
     contiguous_strides,
     is_channels_last,
     is_contiguous,
+    view_strides,
 )
 from kiln.ir import REGISTRY
 from kiln.ops import fused_conv as FC
@@ -204,18 +205,22 @@ def _broadcast(*vs: Val) -> tuple:
 # ---- views and copies -------------------------------------------------------------------------
 
 def _reshape(pc, st, ins, outs):
-    """Reshape, Flatten, Squeeze, Unsqueeze, Identity: a view of a contiguous value, else a
-    contiguous copy seen in the new shape."""
+    """Reshape, Flatten, Squeeze, Unsqueeze: a view, no record, wherever the new shape can be
+    read off the input's strides (:func:`view_strides`: a transposed key split or merged along
+    dims that stay contiguous with each other, as the dynamo exporter's Reshape -> Transpose
+    -> Reshape writes it), else a contiguous copy seen in the new shape. Planners that need
+    contiguous rows copy where a view's rows do not collapse."""
     x = ins[0]
     if x is None or len(outs) != 1:
         return None
     shape = outs[0].shape
-    if not is_contiguous(x):
+    strides = view_strides(x.shape, x.strides, shape)
+    if strides is None:
         y = pc.alloc(x.shape)
         if not emit_copy(pc, x, y):
             return None
-        x = y
-    return [Val(shape, contiguous_strides(shape), x.buf, x.off, x.root)]
+        x, strides = y, contiguous_strides(shape)
+    return [Val(shape, strides, x.buf, x.off, x.root)]
 
 
 def _identity(pc, st, ins, outs):
