@@ -38,12 +38,13 @@ _MAX_PLANS = 4
 # loaded 2-core VM, 9 us on one; a [1, 128] x [128, 512] matmul 134 us against 14 us)
 SMALL_WORK = 1 << 17
 # A plan whose steps touch more than this many activation elements on average (weights not
-# counted: a transformer's GEMMs read more weight than activation, and the program runs them
-# with kiln's GEMM either way) runs on the Python loop: per-layer dispatch is then a small
-# part of each layer's time, and on this 2-core VM the program's layout copies and parallel C
-# regions did not pay there (PaddleOCR det v4 at 640x640: 5.3 s against 2.4 s on the loop, a
-# busy machine)
-MAX_MEAN_WORK = 1 << 17
+# counted) runs on the Python loop, where per-layer dispatch is a negligible part of each
+# layer's time. Was 1 << 17 (PaddleOCR det v4 at 640x640 ran slower as a program in session 6);
+# since the conv records and folds of session 8 the program wins at every size tried
+# (2026-12-03, 2 threads, interleaved in one process, OMP_WAIT_POLICY=PASSIVE: ppocr_det_v4
+# 320x320 14.5 -> 11.8 ms, 640x640 37.6 -> 32.6 ms, tv_mobilenet_v3_large_dynamo 6.4 -> 4.0 ms;
+# onnxruntime 15.0, 40.9, 3.8 ms), so only very large activations stay on the loop
+MAX_MEAN_WORK = 1 << 24
 # integer results up to this many elements are kept from the traced run, for _foldable
 FOLD_MAX = 64
 # a program keyed on input values traces at most this many signatures (values that change
