@@ -74,7 +74,11 @@ def _to_e4m3(x, scale):
     y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
     bits = y.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # drop 20 of 23 mantissa bits
-    return bits.to(tl.float32, bitcast=True).to(tl.float8e4nv)
+    normal = bits.to(tl.float32, bitcast=True)
+    # below 2^-6 e4m3 is subnormal, in steps of 2^-9: round there (adding and taking away
+    # 1.5 * 2^23 rounds to an integer, ties to even), or the GPU's cast rounds a second time
+    sub = ((y * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
+    return tl.where(tl.abs(y) < 0.015625, sub, normal).to(tl.float8e4nv)
 
 
 @triton.jit
