@@ -11,8 +11,10 @@ Triton resolves a kernel's globals (``tl``, the ``@jit`` helpers it calls) from 
 globals when it compiles, and accepts only modules, ``JITFunction``\\ s and constexprs there; so
 materializing a kernel also rebinds, in its module's globals, :data:`tl` to the real
 ``triton.language`` and every lazy kernel to its materialized function (helpers imported from
-another module materialize with theirs). Kernel modules use ``from __future__ import
-annotations`` so that ``x: tl.constexpr`` stays a string, which Triton reads as a constexpr.
+another module materialize with theirs). So a kernel calls a helper by a name of its own
+module (``from kiln.kernels.triton.common import act``), never as ``common.act``. Kernel
+modules use ``from __future__ import annotations`` so that ``x: tl.constexpr`` stays a string,
+which Triton reads as a constexpr.
 """
 
 from __future__ import annotations
