@@ -36,7 +36,7 @@ warm = sys.argv[3]
 t = time.perf_counter()
 if warm in ("cublas", "both"):
     a = torch.randn(64, 64, device="cuda", dtype=torch.half); (a @ a).sum().item()
-if warm == "triton":  # what importing Triton costs the load (kiln.load imports it today)
+if warm == "triton":  # what importing Triton would cost: kiln imports it only to compile
     import triton  # noqa: F401
 if warm in ("cudnn", "both"):
     x = torch.randn(1, 8, 16, 16, device="cuda", dtype=torch.half)

@@ -89,10 +89,10 @@ class Selection:
 
 def device_key() -> dict:
     """The machine a timing belongs to: a cached time is reused only on an identical one."""
-    import triton
+    from kiln.runtime.cuda import triton_version  # package metadata: no triton import
 
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"device": name, "torch": torch.__version__, "triton": triton.__version__,
+    return {"device": name, "torch": torch.__version__, "triton": triton_version(),
             "cuda": torch.version.cuda}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 from dataclasses import dataclass
@@ -333,11 +334,16 @@ def _install_binaries(engine: Engine, section: dict, tensors: dict, path) -> Non
 def _register_cuda_kernels(path, choices: dict[str, str]) -> None:
     """Import the Triton kernels a CUDA engine's plan may name; without Triton, an engine that
     names one cannot run here (one that names only PyTorch kernels still can). An engine of
-    PyTorch kernels alone imports no Triton module (avoidable work at a cold start)."""
+    PyTorch kernels alone imports no Triton module (avoidable work at a cold start). Triton
+    itself is imported only when a kernel first compiles (:mod:`kiln.kernels.triton.lazy`), never
+    for an engine whose kernels all run from its embedded binaries."""
     if not any(k.startswith("Triton") for k in choices.values()):
         return
     try:
         import kiln.kernels.triton  # noqa: F401  (registers the CUDA kernels)
+
+        if importlib.util.find_spec("triton") is None:
+            raise ImportError("No module named 'triton'")
     except ImportError as e:
         triton_k = sorted({k for k in choices.values() if k.startswith("Triton")})
         if triton_k:

@@ -259,6 +259,15 @@ def test_cuda_engine_naming_triton_kernels_needs_triton(monkeypatch):
     engine_mod._register_cuda_kernels("m.kiln", {"fc1": "TorchMatMul"})  # PyTorch only: fine
 
 
+def test_cuda_engine_naming_triton_kernels_needs_triton_installed(monkeypatch):
+    # the kernels import without Triton (they make their Triton functions on first compile),
+    # so the load checks that Triton is there at all
+    pytest.importorskip("kiln.kernels.triton")
+    monkeypatch.setitem(sys.modules, "triton", None)  # not installed
+    with pytest.raises(EngineFileError, match="TritonMatMul.*Triton cannot be imported"):
+        engine_mod._register_cuda_kernels("m.kiln", {"fc1": "TritonMatMul"})
+
+
 @pytest.mark.parametrize("tune_at", ["all", "opt"])
 def test_one_dynamic_profile_runs_kernels_tuned_at_min_opt_and_max(fake_gpu, monkeypatch,
                                                                    tmp_path, tune_at):

@@ -119,7 +119,8 @@ _CHILD = textwrap.dedent("""
     x = np.load(sys.argv[2])
     y = e.create_context().run({"x": x})["y"]
     np.save(sys.argv[3], y)
-    print(json.dumps({"installed": binary.installed(), "note": e.binaries_note}))
+    print(json.dumps({"installed": binary.installed(), "note": e.binaries_note,
+                      "triton_imported": "triton" in sys.modules}))
 """)
 
 
@@ -149,5 +150,6 @@ def test_engine_runs_from_its_binaries_in_a_fresh_process(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     info = json.loads(p.stdout.strip().splitlines()[-1])
     assert info["installed"] == len(engine.binaries) and not info["note"]
+    assert not info["triton_imported"]  # load + first run: the binaries need no Triton
     assert list(cache.rglob("*")) == []  # Triton compiled nothing and looked up nothing
     np.testing.assert_allclose(np.load(tmp_path / "y.npy"), want, rtol=1e-3, atol=1e-4)

@@ -11,19 +11,18 @@ as kiln's Attention op defines it. Tactic: ``{"BLOCK_M", "BLOCK_N", "num_warps",
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kiln.kernels.registry import register
 from kiln.kernels.torch import fused_transformer as torch_ft
 from kiln.kernels.triton.common import HALF, launch, next_pow2, on_device, tactic_of
+from kiln.kernels.triton.lazy import cdiv, jit, tl
 from kiln.ops import fused_transformer as FT
 from kiln.ops.rules import broadcast_ints
 
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@jit
 def _attn_kernel(Q, K, V, Mask, Out, qk_scale, Sq, Sk, H, D, DV,
                  s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                  s_mb, s_mh, s_mm, s_mn, s_ob, s_oh, s_om, s_od,
@@ -145,7 +144,7 @@ def flash_attention(n, q, k, v, mask=None, causal=False, scale=None):
     else:
         m4, ms = q, [0, 0, 0, 0]
     scale = float(scale) if scale is not None else d ** -0.5
-    grid = (triton.cdiv(sq, t["BLOCK_M"]), b * h)
+    grid = (cdiv(sq, t["BLOCK_M"]), b * h)
     launch(_attn_kernel, grid, q, k, v, m4, o, scale * _LOG2E, sq, sk, h, d, dv,
            *q.stride(), *k.stride(), *v.stride(), *ms, *o.stride(),
            HAS_MASK=mask is not None, CAUSAL=bool(causal), BLOCK_M=t["BLOCK_M"],

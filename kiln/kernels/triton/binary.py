@@ -32,13 +32,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import inspect
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from kiln.kernels.triton import lazy
 
 # Triton versions (major.minor) whose NVIDIA launcher passes each non-constexpr argument and
 # then two scratch pointers (global, profile): checked against triton 3.6's launcher source
@@ -50,12 +51,10 @@ _RECORDER: Recorder | None = None
 
 
 def triton_abi() -> str | None:
-    """The launch convention of the installed Triton, or None when kiln does not know it."""
-    try:
-        import triton
-    except ImportError:
-        return None
-    return LAUNCH_ABI.get(".".join(triton.__version__.split(".")[:2]))
+    """The launch convention of the installed Triton, or None when kiln does not know it (read
+    from the package's metadata: loading an engine imports no Triton)."""
+    v = lazy.version()
+    return None if v is None else LAUNCH_ABI.get(".".join(v.split(".")[:2]))
 
 
 @functools.cache
@@ -73,19 +72,11 @@ def kernels_digest() -> str:
 
 
 def _info(kernel) -> tuple:
-    """(kernel id, parameter names, constexpr flags), kept on the JITFunction itself."""
+    """(kernel id, parameter names, constexpr flags) of a kernel (:func:`lazy.kernel_info`): a
+    lazy kernel and the JITFunction it materializes into carry the same tuple."""
     info = getattr(kernel, "_kiln_info", None)
-    if info is None:
-        if hasattr(kernel, "params"):  # a JITFunction
-            src = kernel.src if isinstance(kernel.src, str) else str(kernel.src)
-            constexpr = tuple(p.is_constexpr for p in kernel.params)
-        else:  # the interpreter's stand-in: no source or params of its own
-            src = inspect.getsource(kernel.fn)
-            constexpr = tuple("constexpr" in str(p.annotation) for p in
-                              inspect.signature(kernel.fn).parameters.values())
-        kid = f"{kernel.fn.__name__}:{hashlib.sha1(src.encode()).hexdigest()[:16]}"
-        info = (kid, tuple(kernel.arg_names), constexpr)
-        kernel._kiln_info = info
+    if info is None:  # a plain triton.jit function (or the interpreter's stand-in)
+        info = kernel._kiln_info = lazy.kernel_info(kernel.fn)
     return info
 
 
@@ -272,14 +263,12 @@ def clear() -> None:
 
 def pack(binaries: dict[str, Binary], tensors: dict[str, np.ndarray]) -> dict:
     """The engine header's ``triton_binaries`` section; the cubins go into ``tensors``."""
-    import triton
-
     kernels = []
     for i, (key, b) in enumerate(sorted(binaries.items())):
         name = f"triton{i}"
         tensors[name] = np.frombuffer(b.cubin, dtype=np.uint8)
         kernels.append(dict(b.to_json(name), key=key))
-    return {"digest": kernels_digest(), "triton_version": triton.__version__,
+    return {"digest": kernels_digest(), "triton_version": lazy.version(),
             "abi": triton_abi(), "kernels": kernels}
 
 
@@ -296,12 +285,11 @@ def usable(section: dict) -> str | None:
     abi = triton_abi()
     if abi is None or section.get("abi") != abi:
         return "this Triton's launch convention is not the build's"
-    try:
-        import triton
-    except ImportError:
+    here = lazy.version()
+    if here is None:
         return "Triton is not installed"
-    if section.get("triton_version") != triton.__version__:
-        return f"Triton {triton.__version__} here, {section.get('triton_version')} at build"
+    if section.get("triton_version") != here:
+        return f"Triton {here} here, {section.get('triton_version')} at build"
     return None
 
 

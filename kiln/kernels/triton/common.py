@@ -1,4 +1,4 @@
-"""What the Triton kernels share: device checks, tactic lookup, math helpers as ``@triton.jit``.
+"""What the Triton kernels share: device checks, tactic lookup, math helpers as ``@jit``.
 
 Triton's interpreter (``TRITON_INTERPRET=1``) runs kernels on CPU tensors, so CPU-only CI covers
 them; it has no libdevice, so tanh, pow and friends are written here from exp/log.
@@ -9,12 +9,11 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
 
 from kiln.kernels.triton.binary import launch  # noqa: F401  (every kernel launches through it)
+from kiln.kernels.triton.lazy import jit, tl
 
-# read once: the interpreter is chosen when triton is imported, not per call
+# read once: Triton picks the interpreter as each kernel is materialized (lazy.jit), not per call
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -46,29 +45,29 @@ def warps_for(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-@triton.jit
+@jit
 def sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
 
-@triton.jit
+@jit
 def tanh(x):
     t = tl.exp(-2.0 * tl.abs(x))
     r = (1.0 - t) / (1.0 + t)
     return tl.where(x < 0, -r, r)
 
 
-@triton.jit
+@jit
 def gelu(x):
     return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
 
 
-@triton.jit
+@jit
 def gelu_tanh(x):
     return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
 
 
-@triton.jit
+@jit
 def pow_(x, y):
     r = tl.exp2(y * tl.log2(tl.abs(x)))
     y_int = tl.floor(y) == y
@@ -78,7 +77,7 @@ def pow_(x, y):
     return tl.where(y == 0, 1.0, r)
 
 
-@triton.jit
+@jit
 def act(x, ACT: tl.constexpr, alpha, beta):
     """The fused-op epilogues, by ACT_CODE (alpha/beta: Clip's min/max, LeakyRelu's slope)."""
     if ACT == 1:
@@ -109,7 +108,7 @@ def channels_last_out(x, channels: int, oh: int, ow: int):
                        memory_format=torch.channels_last)
 
 
-@triton.jit
+@jit
 def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  GROUP_M: tl.constexpr):
     """(row block, column block) of program ``pid`` over an [M, N] output in grouped order:
@@ -121,7 +120,7 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     return first_m + (pid % width) % group_m, (pid % width) // group_m
 
 
-@triton.jit
+@jit
 def epilogue(acc, Bias, cols, n_cols, r_ptrs, mask, act_a, act_b,
              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr):
     """``act(acc + bias[cols] + residual)`` over a [rows, cols] fp32 tile: the fused epilogue

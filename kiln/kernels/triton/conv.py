@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from kiln.kernels.registry import register
 from kiln.kernels.torch import fused_conv as torch_fused
@@ -51,6 +49,7 @@ from kiln.kernels.triton.common import (
     tactic_of,
 )
 from kiln.kernels.triton.gemm import gemm2d, gemm_tactics
+from kiln.kernels.triton.lazy import cdiv, jit, tl
 from kiln.ops import fused_conv as FC
 
 CL = torch.channels_last
@@ -63,7 +62,7 @@ _HAVE_CUDNN_FUSED = (hasattr(torch, "cudnn_convolution_relu")
 
 
 # rows (P) vary per layer: one binary per tile and epilogue, not one per layer shape
-@triton.jit(do_not_specialize=["P"])
+@jit(do_not_specialize=["P"])
 def _bias_act_kernel(Y, Bias, R, P, C, alpha, beta,
                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
                      WIDE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -91,7 +90,7 @@ def bias_act_(y, bias=None, res=None, activation: str = "", alpha: float = 0.0,
     rows = y.numel() // c
     bc = min(next_pow2(c), block)
     bp = max(1, block // bc)
-    grid = (triton.cdiv(rows, bp), triton.cdiv(c, bc))
+    grid = (cdiv(rows, bp), cdiv(c, bc))
     launch(_bias_act_kernel, grid, y, y if bias is None else bias, y if res is None else res,
            rows, c, float(alpha), float(beta), HAS_BIAS=bias is not None,
            HAS_RES=res is not None, ACT=ACT_CODE[activation], WIDE=y.numel() >= 2**31,

@@ -15,9 +15,6 @@ at the first run.
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
-
 from kiln.kernels.triton.common import (
     ACT_CODE,
     channels_last_out,
@@ -25,6 +22,7 @@ from kiln.kernels.triton.common import (
     launch,
     next_pow2,
 )
+from kiln.kernels.triton.lazy import cdiv, jit, tl
 
 _KEYS = ("BLOCK_P", "BLOCK_C", "num_warps")
 # (pixels, channels, warps): wide channel tiles for coalesced loads, taller ones for few channels
@@ -35,7 +33,7 @@ DEFAULT = dict(zip(_KEYS, (32, 64, 4)), impl="depthwise")
 
 # the spatial extents vary per layer; specializing on them (== 1, % 16) compiled a kernel per
 # layer shape and tactic at build. Channels (the contiguous dim) stay specialized.
-@triton.jit(do_not_specialize=["P", "H", "W", "OH", "OW"])
+@jit(do_not_specialize=["P", "H", "W", "OH", "OW"])
 def _dw_kernel(X, Wt, Y, Bias, R, P, H, W, C, OH, OW, CO, MULT,
                stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, act_a, act_b,
                KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -92,7 +90,7 @@ def conv2d(t: dict, x, w, bias, res, geometry, activation: str = "", act_a: floa
     p = nb * oh * ow
     y = channels_last_out(x, co, oh, ow)
     w = w.reshape(co, kh * kw)  # [co, 1, kh, kw] in either layout holds kh*kw values per o
-    grid = (triton.cdiv(p, t["BLOCK_P"]), triton.cdiv(co, t["BLOCK_C"]))
+    grid = (cdiv(p, t["BLOCK_P"]), cdiv(co, t["BLOCK_C"]))
     launch(_dw_kernel, grid, x, w, y, y if bias is None else bias, y if res is None else res,
            p, h, wd, c, oh, ow, co, co // c, sh, sw, pad_h, pad_w, dh, dw, float(act_a),
            float(act_b), KH=kh, KW=kw, HAS_BIAS=bias is not None, HAS_RES=res is not None,

@@ -11,8 +11,6 @@ anything else (fp32, integer, batched B, odd residual shapes) runs the PyTorch k
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kiln.kernels.registry import register
 from kiln.kernels.torch import fused_conv as torch_fused
@@ -27,11 +25,12 @@ from kiln.kernels.triton.common import (
     on_device,
     tactic_of,
 )
+from kiln.kernels.triton.lazy import cdiv, jit, tl
 from kiln.ops import fused_conv as FC
 from kiln.ops import nn as N
 
 
-@triton.jit
+@jit
 def _gemm_kernel(A, B, C, Bias, R, P, M, N, K,
                  s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_rm, s_rn, alpha, act_a, act_b,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
@@ -68,7 +67,7 @@ def _gemm_kernel(A, B, C, Bias, R, P, M, N, K,
         tl.store(p_ptrs, acc, mask=mask)
 
 
-@triton.jit
+@jit
 def splitk_epilogue(P, C, Bias, R, M, N, s_cm, s_cn, s_rm, s_rn, alpha, act_a, act_b,
                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
                      SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
@@ -156,7 +155,7 @@ def gemm2d(n, a, b, bias=None, res=None, activation: str = "", alpha: float = 1.
     split = t["SPLIT_K"]
     p = torch.empty((split, m, nn), dtype=torch.float32, device=a.device) if split > 1 else c
     dummy = c
-    grid = (triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(nn, t["BLOCK_N"]), split)
+    grid = (cdiv(m, t["BLOCK_M"]) * cdiv(nn, t["BLOCK_N"]), split)
     codes = dict(HAS_BIAS=bias is not None, HAS_RES=res is not None,
                  ACT=ACT_CODE[activation])
     rs = res.stride() if res is not None else (0, 0)
@@ -169,7 +168,7 @@ def gemm2d(n, a, b, bias=None, res=None, activation: str = "", alpha: float = 1.
            num_stages=t["num_stages"])
     if split > 1:
         block = 1024
-        launch(splitk_epilogue, (triton.cdiv(m * nn, block),), p, c,
+        launch(splitk_epilogue, (cdiv(m * nn, block),), p, c,
                dummy if bias is None else bias, dummy if res is None else res, m, nn,
                c.stride(0), c.stride(1), *rs, float(alpha), float(act_a), float(act_b),
                **codes, SPLIT_K=split, BLOCK=block, num_warps=4)

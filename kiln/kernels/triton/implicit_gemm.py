@@ -22,8 +22,6 @@ run here loads and runs its first inference without any of that.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kiln.kernels.triton.common import (
     ACT_CODE,
@@ -40,6 +38,7 @@ from kiln.kernels.triton.gemm import (
     splitk_epilogue,
     tile_count,
 )
+from kiln.kernels.triton.lazy import cdiv, jit, tl
 
 # input channels below which K is walked flat (a BLOCK_K step of one tap would be mostly mask)
 FLAT_BELOW = 16
@@ -57,7 +56,7 @@ DEFAULT = dict(zip(KEYS, (64, 64, 32, 8, 1, 4, 3)), impl="igemm")
 
 # the spatial extents and rows vary per layer; specializing on them (== 1, % 16) compiled a
 # kernel per layer shape and tactic at build. Channels (the contiguous dim) stay specialized.
-@triton.jit(do_not_specialize=["P", "H", "W", "OH", "OW", "M"])
+@jit(do_not_specialize=["P", "H", "W", "OH", "OW", "M"])
 def _conv_kernel(X, Wt, Y, Bias, R, P, H, W, C, OH, OW, CO, M,
                  stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, act_a, act_b,
                  KH: tl.constexpr, KW: tl.constexpr, FLAT: tl.constexpr,
@@ -146,7 +145,7 @@ def conv2d(t: dict, x, w, bias, res, geometry, activation: str = "", act_a: floa
     split = t["SPLIT_K"]
     p = torch.empty((split, m, co), dtype=torch.float32, device=x.device) if split > 1 else y
     codes = dict(HAS_BIAS=bias is not None, HAS_RES=res is not None, ACT=ACT_CODE[activation])
-    grid = (triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(co, t["BLOCK_N"]), split)
+    grid = (cdiv(m, t["BLOCK_M"]) * cdiv(co, t["BLOCK_N"]), split)
     launch(_conv_kernel, grid, x, w, y, y if bias is None else bias, y if res is None else res,
            p, h, wd, c, oh, ow, co, m, sh, sw, pad_h, pad_w, dh, dw, float(act_a),
            float(act_b), KH=kh, KW=kw, FLAT=c < FLAT_BELOW, **codes,
@@ -155,7 +154,7 @@ def conv2d(t: dict, x, w, bias, res, geometry, activation: str = "", act_a: floa
            num_stages=t["num_stages"])
     if split > 1:
         block = 1024
-        launch(splitk_epilogue, (triton.cdiv(m * co, block),), p, y,
+        launch(splitk_epilogue, (cdiv(m * co, block),), p, y,
                y if bias is None else bias, y if res is None else res, m, co, co, 1, co, 1,
                1.0, float(act_a), float(act_b), **codes, SPLIT_K=split, BLOCK=block,
                num_warps=4)

@@ -12,8 +12,6 @@ CUDA, and anywhere under ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kiln.kernels.registry import register
 from kiln.kernels.torch import low_bit_cuda
@@ -27,10 +25,11 @@ from kiln.kernels.triton.common import (
     on_device,
     tactic_of,
 )
+from kiln.kernels.triton.lazy import cdiv, jit, tl
 from kiln.ops import int8 as I8
 
 
-@triton.jit
+@jit
 def _int8_gemm_kernel(X, W, Y, WS, CS, Bias, R, M, N, K, s_xm, s_xk, s_wk, s_wn, s_ym, s_yn,
                       s_rm, s_rn, x_scale, zshift, zint, act_a, act_b,
                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
@@ -97,7 +96,7 @@ def triton_int8_matmul(n, x, wq, w_scale, b=None, r=None):
     y = torch.empty((m, nn), dtype=x.dtype, device=x.device)
     r2 = None if r is None else r.reshape(m, nn)
     colsum = _cached(n, "colsum", lambda: wq.sum(0, dtype=torch.int32))
-    grid = (triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(nn, t["BLOCK_N"]),)
+    grid = (cdiv(m, t["BLOCK_M"]) * cdiv(nn, t["BLOCK_N"]),)
     rs = r2.stride() if r2 is not None else (0, 0)
     launch(_int8_gemm_kernel, grid, x2, wq, y, w_scale, colsum, y if b is None else b,
            y if r2 is None else r2, m, nn, k, x2.stride(0), x2.stride(1), wq.stride(0),

@@ -8,17 +8,16 @@ the row in BLOCK chunks (three reads). Tactic: ``{"BLOCK", "num_warps"}``.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kiln.kernels.registry import register
 from kiln.kernels.torch import nn_norm as torch_norm
 from kiln.kernels.triton.common import FLOATS, launch, next_pow2, on_device, tactic_of, warps_for
+from kiln.kernels.triton.lazy import jit, tl
 from kiln.ops import nn as N
 from kiln.ops.rules import norm_axis
 
 
-@triton.jit
+@jit
 def _norm_kernel(X, W, B, Y, stride_x, stride_y, n_cols, eps,
                  HAS_B: tl.constexpr, RMS: tl.constexpr, BLOCK: tl.constexpr,
                  ONE_BLOCK: tl.constexpr):

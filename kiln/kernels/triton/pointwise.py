@@ -31,13 +31,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from kiln.ir import DType
 from kiln.kernels.registry import register
 from kiln.kernels.torch import fused_transformer as torch_ft
 from kiln.kernels.torch.convert import TORCH_DTYPE
 from kiln.kernels.triton.common import FLOATS, launch, on_device, tactic_of
+from kiln.kernels.triton.lazy import cdiv
 from kiln.ops import fused_transformer as FT
 from kiln.ops.rules import broadcast_ints
 
@@ -243,9 +243,9 @@ def generate(program: Program, kinds: tuple, in_bool: tuple, rank: int) -> str:
     for j, o in enumerate(program.outputs):
         body.append(f"tl.store(O{j} + idx, {o}.to(O{j}.dtype.element_ty), mask=mask)")
     return "\n".join([
-        "import triton", "import triton.language as tl",
+        "from __future__ import annotations", "",
         "from kiln.kernels.triton.common import gelu, gelu_tanh, pow_, sigmoid, tanh  # noqa",
-        "", "", "@triton.jit",
+        "from kiln.kernels.triton.lazy import jit, tl", "", "", "@jit",
         f"def pointwise_kernel({', '.join(params)}, BLOCK: tl.constexpr):",
         *("    " + line for line in body), ""])
 
@@ -256,7 +256,7 @@ _SRC_DIR = Path(tempfile.gettempdir()) / "kiln_triton_pointwise"
 
 
 def compile_source(src: str):
-    """The ``@triton.jit`` function in ``src``, loaded once per distinct source."""
+    """The ``@jit`` kernel in ``src``, loaded once per distinct source."""
     key = hashlib.sha256(src.encode()).hexdigest()[:24]
     if key not in _COMPILED:
         _SRC_DIR.mkdir(parents=True, exist_ok=True)
@@ -305,7 +305,7 @@ def run(program: Program, inputs: list, out_dtypes: list, tactic: dict | None = 
     strides = [s for _, st in classes for s in st]
     t = dict({"BLOCK": 1024, "num_warps": 4}, **(tactic or {}))
     if numel:
-        grid = (triton.cdiv(numel, t["BLOCK"]),)
+        grid = (cdiv(numel, t["BLOCK"]),)
         launch(kernel, grid, *inputs, *outs, numel, *shape, *inner, *strides, BLOCK=t["BLOCK"],
                num_warps=t["num_warps"])
     return outs

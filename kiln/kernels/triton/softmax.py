@@ -8,17 +8,16 @@ rescaled sum, as flash attention does) and a second pass that writes. Tactic:
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kiln.kernels.registry import register
 from kiln.kernels.torch import nn_norm as torch_norm
 from kiln.kernels.triton.common import FLOATS, launch, next_pow2, on_device, tactic_of, warps_for
+from kiln.kernels.triton.lazy import jit, tl
 from kiln.ops import nn as N
 from kiln.ops.rules import norm_axis
 
 
-@triton.jit
+@jit
 def _softmax_kernel(X, Y, stride_x, stride_y, n_cols, LOG: tl.constexpr, BLOCK: tl.constexpr,
                     ONE_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
