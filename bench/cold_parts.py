@@ -1,6 +1,6 @@
 """Where a CUDA engine's cold start goes: fresh processes that load an engine and run it once,
 after first warming nothing, cuBLAS, cuDNN (a tiny matmul / conv before ``kiln.load``) or
-Triton (imported), so
+Triton (imported), or nothing under cProfile (``profile``: its table is kept in the row), so
 the library initialisations the first inference pays show up as differences.
 
     python -m bench.cold_parts --corpus .gpu/corpus --models hf_bert_sdpa_op17 \\
@@ -44,6 +44,10 @@ if warm in ("cudnn", "both"):
                                groups=8).sum().item()
 warm_ms = 1e3 * (time.perf_counter() - t)
 feeds = dict(np.load(sys.argv[2]))
+prof = None
+if warm == "profile":  # cProfile over load + first run: where the time goes
+    import cProfile
+    prof = cProfile.Profile(); prof.enable()
 t0 = time.perf_counter()
 engine = kiln.load(sys.argv[1])
 t1 = time.perf_counter()
@@ -52,6 +56,11 @@ fd = {i.name: feeds[i.name].astype(i.dtype.np, copy=False) for i in engine.input
 out = ctx.run(fd)
 {k: v.cpu() if hasattr(v, "cpu") else v for k, v in out.items()}
 t2 = time.perf_counter()
+if prof is not None:
+    import io, pstats
+    prof.disable(); buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(45)
+    print(buf.getvalue()[-9000:], file=sys.stderr)
 out = ctx.run(fd)
 {k: v.cpu() if hasattr(v, "cpu") else v for k, v in out.items()}
 t3 = time.perf_counter()
@@ -142,6 +151,8 @@ def main(argv=None) -> int:
                     row["fresh"].append({"warm": warm, "error": proc.stderr[-500:]})
                 else:
                     row["fresh"].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                    if warm == "profile":
+                        row["fresh"][-1]["profile"] = proc.stderr[-9000:]
             rows.append(row)
             print(json.dumps(row), flush=True)
     if a.json:
