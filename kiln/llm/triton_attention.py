@@ -158,7 +158,7 @@ def decode_splits(batch: int, kv_heads: int, sms: int = 132) -> int:
 def mha_tile_from_env() -> tuple[int, int] | None:
     """``KILN_LLM_DECODE_TILE=N`` or ``N:W``: MHA decode (no GQA) in the tiled kernel, N tokens
     per iteration (a power of two; tiles need not line up with blocks), W warps (default 4);
-    unset or 0: the tl.dot kernel."""
+    0: the tl.dot kernel; unset: None here (CudaModelRunner then picks by the cache's dtype)."""
     import os
 
     v = os.environ.get("KILN_LLM_DECODE_TILE", "")

@@ -242,3 +242,24 @@ def test_cuda_runner_tiled_mha_decode(mha_dir, kv_dtype, monkeypatch):
     d = eng.runner.describe()
     assert d["decode_tile"] == (32, 4) and d["decode"] == "eager-triton", d
     assert tiled and all(t == (32, 4) for t in tiled)  # every decode call: MHA, tiled
+
+
+@pytest.mark.parametrize("kv_dtype,env,want", [
+    ("fp8", None, (128, 4)),  # an FP8 cache: the tiled kernel by default
+    ("auto", None, None),     # FP16/FP32: the tl.dot kernel
+    ("fp8", "0", None),       # the environment still decides when set
+    ("auto", "64:8", (64, 8)),
+])
+def test_cuda_runner_default_decode_tile(mha_dir, kv_dtype, env, want, monkeypatch):
+    from kiln.llm import LLM
+    from kiln.llm.cuda_runner import CudaModelRunner
+
+    if env is None:
+        monkeypatch.delenv("KILN_LLM_DECODE_TILE", raising=False)
+    else:
+        monkeypatch.setenv("KILN_LLM_DECODE_TILE", env)
+    eng = LLM(mha_dir, num_blocks=8).engine
+    r = CudaModelRunner(eng.model, 8, eng.config.block_size, cuda_graphs=False,
+                        max_model_len=64, fused_ops=False, tune_gemv=False,
+                        kv_cache_dtype=kv_dtype)
+    assert r.decode_tile == want
