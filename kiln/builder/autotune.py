@@ -66,12 +66,13 @@ class Selection:
     cached: int = 0  # candidates whose time came from the cache
     failed: list[str] = field(default_factory=list)  # "label: why"
     pruned: int = 0  # candidates only estimated: slower than the ones timed in full
-    # kept over a faster runner-up that makes a cuDNN plan at first run (select's plan_margin)
+    # kept over a faster runner-up that loads a CUDA library at first run (plan_margin)
     plan_free: bool = False
-    # where the pick makes a cuDNN plan: the fastest candidate that doesn't (label, kernel
-    # name, tactic, ms), for the engine-wide rule (:func:`drop_plans`)
+    # the CUDA library the pick initialises at its first call (Kernel.library), and where it
+    # does, the fastest candidate that needs none (label, kernel name, tactic, ms), for the
+    # engine-wide rule (:func:`drop_plans`)
+    library: str | None = None
     planless: tuple[str, str, dict | None, float] | None = None
-    makes_plan: bool = False
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -79,7 +80,8 @@ class Selection:
     def line(self) -> str:
         s = f"{self.node}: {label(self.kernel, self.tactic)} {self.ms:.4f} ms"
         if self.runner_up:
-            why = ", which makes a cuDNN plan at first run" if self.plan_free else ""
+            why = (", which loads a CUDA library (cuDNN, cuBLAS or SDPA) at first run"
+                   if self.plan_free else "")
             s += f" (runner-up {self.runner_up[0]} {self.runner_up[1]:.4f} ms{why})"
         return s
 
@@ -344,37 +346,44 @@ def select(node_name: str, op, call: Call, inputs, cands: list[Candidate],
             timed.remove(planless[0])
             timed.insert(0, planless[0])
             sel.plan_free = True
-        elif planless:
-            ms, _, c = planless[0]
-            sel.planless = (c.label, c.kernel.name, c.tactic, ms)
     best = timed[0]
     sel.kernel, sel.tactic, sel.ms = best[2].kernel.name, best[2].tactic, best[0]
-    sel.makes_plan = best[2].kernel.plans(best[2].tactic)
+    sel.library = best[2].kernel.library(best[2].tactic)
+    if sel.library is not None:
+        free = [r for r in timed[:full_count] if r[2].kernel.library(r[2].tactic) is None]
+        if free:
+            ms, _, c = free[0]
+            sel.planless = (c.label, c.kernel.name, c.tactic, ms)
     if len(timed) > 1:
         sel.runner_up = (timed[1][2].label, timed[1][0])
     return sel
 
 
-def drop_plans(picks: dict[str, Selection], margin: float) -> tuple[int, float, float]:
-    """The engine-wide half of ``plan_margin``: a process pays cuDNN's initialisation once, at
-    the first layer that makes a plan (hundreds of ms in a fresh process, before the per-shape
-    plans), so the layers that picked a plan-making kernel keep it only if, together, they
-    save more than ``margin`` of the tuned layers' time. Otherwise each takes its fastest
-    plan-free candidate (``Selection.planless``), and the engine's first run makes no plan.
-    A layer with no plan-free candidate keeps its pick, and then so do the others (the
-    library is loaded anyway). Returns (layers switched, ms the plans would save, ms of all
-    tuned layers)."""
-    planned = [s for s in picks.values() if s.makes_plan]
+def drop_plans(picks: dict[str, Selection], margin: float) -> list[tuple[str, int, float, bool]]:
+    """The engine-wide half of ``plan_margin``. A process pays a CUDA library's initialisation
+    once, at the first layer that uses it (cuDNN, cuBLAS, PyTorch's SDPA kernels: 0.1-1 s in a
+    fresh process on the H200, ``python -m bench.cold_parts``), so the layers that picked a
+    kernel of one library keep it only if, together, they save more than ``margin`` of the
+    tuned layers' time. Otherwise each takes its fastest library-free candidate
+    (``Selection.planless``), and the engine's first run never loads that library. Where a
+    layer of the library has no library-free candidate, the library is loaded anyway and its
+    layers keep their picks. Returns, per library picked: (library, layers, ms they save per
+    run, whether they were switched); the tuned layers' total is ``sum(s.ms)``."""
     total = sum(s.ms for s in picks.values())
-    saved = sum(s.planless[3] - s.ms for s in planned if s.planless is not None)
-    if not planned or any(s.planless is None for s in planned) or saved > margin * total:
-        return 0, saved, total
-    for s in planned:
-        label_, kernel, tactic, ms = s.planless
-        s.runner_up = (label(s.kernel, s.tactic), s.ms)
-        s.kernel, s.tactic, s.ms = kernel, tactic, ms
-        s.makes_plan, s.plan_free, s.planless = False, True, None
-    return len(planned), saved, total
+    out = []
+    for lib in sorted({s.library for s in picks.values() if s.library is not None}):
+        users = [s for s in picks.values() if s.library == lib]
+        whole = all(s.planless is not None for s in users)
+        saved = sum(s.planless[3] - s.ms for s in users if s.planless is not None)
+        switch = whole and saved <= margin * total
+        if switch:
+            for s in users:
+                _, kernel, tactic, ms = s.planless
+                s.runner_up = (label(s.kernel, s.tactic), s.ms)
+                s.kernel, s.tactic, s.ms = kernel, tactic, ms
+                s.library, s.plan_free, s.planless = None, True, None
+        out.append((lib, len(users), saved, switch))
+    return out
 
 
 def _bind(fn, call, inputs):

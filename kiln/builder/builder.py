@@ -337,18 +337,19 @@ class Builder:
         timed = sum(s.timed for p in per_profile for s in p.values())
         cached = sum(s.cached for p in per_profile for s in p.values())
         for k, picks in enumerate(per_profile):
-            n, saved, total = autotune.drop_plans(picks, cfg.plan_margin)
+            total = sum(s.ms for s in picks.values())
             at = f" at shape point {k}" if len(per_profile) > 1 else ""
-            if n:
-                self.log(f"autotune: {n} layers{at} would make cuDNN plans to save "
-                         f"{saved:.3f} of {total:.3f} ms per run ({saved / total:.0%}, not more "
-                         f"than --plan-margin {cfg.plan_margin:g}): they keep embedded "
-                         "kernels, so a fresh process's first run loads no cuDNN")
-            elif any(s.makes_plan for s in picks.values()):
-                self.log(f"autotune: {sum(s.makes_plan for s in picks.values())} layers{at} "
-                         "run cuDNN; a fresh process's first run pays its initialisation and "
-                         "their plans" + (f" (they save {saved:.3f} of {total:.3f} ms per run)"
-                                          if total else ""))
+            for lib, n, saved, switched in autotune.drop_plans(picks, cfg.plan_margin):
+                share = f"{saved:.3f} of {total:.3f} ms per run ({saved / max(total, 1e-9):.0%})"
+                if switched:
+                    self.log(f"autotune: {n} layers{at} would use {lib} to save {share}, not "
+                             f"more than --plan-margin {cfg.plan_margin:g}: they take kernels "
+                             f"that need no library, so a fresh process's first run never "
+                             f"loads {lib}")
+                else:
+                    self.log(f"autotune: {n} layers{at} use {lib}; a fresh process's first "
+                             f"run pays its initialisation (they save {share}, or some have "
+                             "no library-free kernel)")
         kept = sum(s.plan_free for p in per_profile for s in p.values())
         if kept:
             self.log(f"autotune: {kept} layers keep a kernel within {cfg.plan_margin:.0%} of a "

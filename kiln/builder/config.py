@@ -49,10 +49,11 @@ class BuilderConfig:
             binaries over a faster cuDNN one when it is at most this fraction slower (0.25:
             25%). cuDNN makes a plan per layer shape at an engine's first run (milliseconds
             each); kernels that don't make an engine's load + first inference fast. The same
-            margin applies to the engine as a whole: its cuDNN layers keep cuDNN only if they
-            save more than this fraction of the tuned layers' time together (a fresh process
-            pays cuDNN's initialisation once, at its first plan). 0 keeps the fastest kernel
-            everywhere.
+            margin applies to the engine as a whole, per CUDA library (cuDNN, cuBLAS, PyTorch's
+            SDPA kernels): the layers that picked one keep it only if together they save more
+            than this fraction of the tuned layers' time (a fresh process pays a library's
+            initialisation once, at its first use: 0.1-1.2 s on the H200, measured by
+            ``python -m bench.cold_parts``). 0 keeps the fastest kernel everywhere.
         calib: INT8 calibration data: a folder of .npz/.npy batches, a Python file defining
             ``batches()``, or an iterable of ``{input name: array}`` (see
             :mod:`kiln.passes.quantize.data`).

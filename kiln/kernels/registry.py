@@ -28,13 +28,21 @@ class Kernel:
     tactics: Any = ()
     # ``(call, inputs) -> bool``: can this kernel run this node with these inputs? None: always
     supports: Callable | None = None
-    # ``(tactic) -> bool``: does this tactic call a vendor library that makes a per-shape plan
-    # at its first call (cuDNN: milliseconds per layer shape, paid at an engine's first run)?
-    # None: never. The builder prefers kernels that don't, within a margin (autotune.select)
+    # ``(tactic) -> str | bool | None``: the CUDA library whose first use in a process this
+    # tactic pays at an engine's first run: "cudnn" (or True: its initialisation, then a plan
+    # per layer shape, milliseconds each), "cublas" (its initialisation, ~150 ms on the H200),
+    # "sdpa" (PyTorch's flash/efficient attention kernels, loaded at first use, ~125 ms).
+    # None: none. The builder prefers kernels that need no library, within a margin
+    # (autotune.select per layer for cuDNN's plans, autotune.drop_plans per library)
     makes_plan: Callable | None = None
 
+    def library(self, tactic) -> str | None:
+        v = self.makes_plan(tactic) if self.makes_plan is not None else None
+        return "cudnn" if v is True else (v or None)
+
     def plans(self, tactic) -> bool:
-        return self.makes_plan is not None and bool(self.makes_plan(tactic))
+        """Does this tactic make a cuDNN plan per layer shape at its first call?"""
+        return self.library(tactic) == "cudnn"
 
     def tactic_space(self, call, inputs) -> list:
         space = self.tactics(call, inputs) if callable(self.tactics) else self.tactics
@@ -72,9 +80,19 @@ class Call:
 _KERNELS: dict[tuple[OpDef, str], list[Kernel]] = {}
 
 
-def cudnn(_tactic=None) -> bool:
+def cudnn(_tactic=None) -> str:
     """``makes_plan`` of the PyTorch kernels that run cuDNN on CUDA tensors (convolutions)."""
-    return True
+    return "cudnn"
+
+
+def cublas(_tactic=None) -> str:
+    """``makes_plan`` of the PyTorch kernels that run cuBLAS on CUDA tensors (GEMMs)."""
+    return "cublas"
+
+
+def sdpa(_tactic=None) -> str:
+    """``makes_plan`` of PyTorch's scaled_dot_product_attention on CUDA tensors."""
+    return "sdpa"
 
 
 def register(*ops: OpDef, backend: str = "cpu", name: str | None = None, tactics=(),

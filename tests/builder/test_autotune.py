@@ -99,7 +99,7 @@ def test_autotune_plan_margin_prefers_kernels_without_a_first_run_plan(plan_free
     assert sel.plan_free == (kept == "B=2")
     if sel.plan_free:  # the faster plan-making one is the runner-up, and the log says why
         assert sel.runner_up == ("TritonFake[B=1]", 0.10) and sel.ms == plan_free_ms
-        assert "makes a cuDNN plan" in sel.line()
+        assert "loads a CUDA library" in sel.line()
     else:
         assert sel.runner_up[0] == "TorchFake"
 
@@ -122,12 +122,13 @@ def test_drop_plans_engine_wide_when_cudnn_saves_little():
     """cuDNN saves 0.05 of 1.10 ms (5%, not more than 25%): n1 takes its plan-free tactic and
     the engine makes no plan; the cuDNN pick becomes the runner-up."""
     picks = _engine_picks(0.15)
-    assert picks["n1"].makes_plan and picks["n1"].planless[1:] == ("TritonFake", {"B": 2}, 0.15)
-    n, saved, total = autotune.drop_plans(picks, 0.25)
-    assert (n, round(saved, 6), round(total, 6)) == (1, 0.05, 1.1)
+    assert picks["n1"].library == "cudnn"
+    assert picks["n1"].planless[1:] == ("TritonFake", {"B": 2}, 0.15)
+    [(lib, n, saved, switched)] = autotune.drop_plans(picks, 0.25)
+    assert (lib, n, round(saved, 6), switched) == ("cudnn", 1, 0.05, True)
     s = picks["n1"]
-    assert (s.kernel, s.tactic, s.ms, s.makes_plan) == ("TritonFake", {"B": 2}, 0.15, False)
-    assert s.runner_up == ("TritonFake[B=1]", 0.10) and "makes a cuDNN plan" in s.line()
+    assert (s.kernel, s.tactic, s.ms, s.library) == ("TritonFake", {"B": 2}, 0.15, None)
+    assert s.runner_up == ("TritonFake[B=1]", 0.10) and "loads a CUDA library" in s.line()
 
 
 @pytest.mark.parametrize("plan_free_ms,other_ms,plan_free", [
@@ -136,9 +137,10 @@ def test_drop_plans_engine_wide_when_cudnn_saves_little():
 ])
 def test_drop_plans_must_not_fire(plan_free_ms, other_ms, plan_free):
     picks = _engine_picks(plan_free_ms, other_ms, plan_free)
-    assert autotune.drop_plans(picks, 0.25)[0] == 0
-    assert picks["n1"].makes_plan and picks["n1"].tactic == {"B": 1}
-    assert autotune.drop_plans(_engine_picks(0.15), 0.0)[0] == 0  # margin 0: fastest always
+    assert [r[3] for r in autotune.drop_plans(picks, 0.25)] == [False]
+    assert picks["n1"].library == "cudnn" and picks["n1"].tactic == {"B": 1}
+    # margin 0: the fastest always
+    assert [r[3] for r in autotune.drop_plans(_engine_picks(0.15), 0.0)] == [False]
 
 
 def test_autotune_plan_margin_leaves_plan_free_winners_alone():
@@ -572,3 +574,26 @@ def test_precompiled_build_picks_what_a_serial_build_picks(tmp_path, monkeypatch
     want = torch.softmax(torch.relu(torch.softmax(torch.from_numpy(x), -1)), -1).numpy()
     got = engine.create_context().run({"x": x})["q"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_drop_plans_per_library_cublas_switched_cudnn_kept():
+    """Two libraries in one engine. n1's cuBLAS pick is 10% faster than its library-free
+    tactic: the per-layer margin (cuDNN plans only) leaves it, the engine-wide rule switches it
+    (saves 0.01 of ~0.2 ms). n2's cuDNN pick has no library-free candidate: cuDNN stays."""
+    clock = FakeClock({_key("TritonFake", {"B": 1}): 0.10, _key("TritonFake", {"B": 2}): 0.11})
+    k = Kernel(OP, "cuda", _kernel(clock, "TritonFake").fn, "TritonFake",
+               makes_plan=lambda t: "cublas" if t["B"] == 1 else None)
+    n1 = select("n1", OP, _call(), (X,), [Candidate(k, {"B": 1}), Candidate(k, {"B": 2})],
+                clock, verify=False, plan_margin=0.25)
+    assert (n1.tactic, n1.library, n1.plan_free) == ({"B": 1}, "cublas", False)
+    clock2 = FakeClock({_key("TorchFake"): 0.09})
+    torch_k = Kernel(OP, "cpu", _kernel(clock2, "TorchFake", backend="cpu").fn, "TorchFake",
+                     makes_plan=lambda t: True)
+    clock2.table[_key("TorchFake", None)] = 0.09
+    n2 = select("n2", OP, _call(), (X,), [Candidate(torch_k), Candidate(torch_k)], clock2,
+                verify=False, plan_margin=0.25)
+    assert n2.library == "cudnn" and n2.planless is None
+    got = autotune.drop_plans({"n1": n1, "n2": n2}, 0.25)
+    assert [(lib, n, sw) for lib, n, _, sw in got] == [("cublas", 1, True), ("cudnn", 1, False)]
+    assert (n1.tactic, n1.library, n1.ms) == ({"B": 2}, None, 0.11)
+    assert n2.kernel == "TorchFake" and n2.library == "cudnn"

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln import native
-from kiln.kernels.registry import cudnn, register
+from kiln.kernels.registry import cublas, cudnn, register
 from kiln.kernels.torch.nn import conv as conv_reference
 from kiln.ops import fused_conv as FC
 from kiln.ops import nn as N
@@ -781,7 +781,7 @@ def _plan(x, wt, b, a, r):
     return y, fn
 
 
-@register(FC.FusedMatMulLayerNorm)
+@register(FC.FusedMatMulLayerNorm, makes_plan=cublas)
 def fused_matmul_layernorm(n, x, w, b=None, r=None, scale=None, ln_bias=None):
     """LayerNorm(FusedMatMul(x, w, b, r)) over the last dim: the product by its tactic, then the
     norm in place on that fresh output (kiln's C library on the CPU, F.layer_norm elsewhere)."""
@@ -792,7 +792,7 @@ def fused_matmul_layernorm(n, x, w, b=None, r=None, scale=None, ln_bias=None):
     return F.layer_norm(y, y.shape[-1:], scale, ln_bias, eps)
 
 
-@register(FC.FusedMatMul)
+@register(FC.FusedMatMul, makes_plan=cublas)
 def fused_matmul(n, x, w, b=None, r=None):
     if w.dim() == 2 and x.dim() >= 2 and x.dtype.is_floating_point:
         return linear(n, x, w.t(), b, n.a, r, src=w)
@@ -802,7 +802,7 @@ def fused_matmul(n, x, w, b=None, r=None):
     return epilogue(y, n.a, r)
 
 
-@register(FC.FusedGemm)
+@register(FC.FusedGemm, makes_plan=cublas)
 def fused_gemm(n, a_in, b_in, c=None, r=None):
     a = n.a
     x = a_in.t() if a.transA else a_in

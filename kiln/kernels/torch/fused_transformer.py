@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ir import REGISTRY
-from kiln.kernels.registry import register
+from kiln.kernels.registry import register, sdpa
 from kiln.ops import fused_transformer as FT
 from kiln.ops import math as M
 
@@ -24,7 +24,7 @@ def _causal_mask(sq: int, sk: int, like: torch.Tensor) -> torch.Tensor:
         ~keep, float("-inf"))
 
 
-@register(FT.Attention)
+@register(FT.Attention, makes_plan=sdpa)
 def attention(n, q, k=None, v=None, mask=None):
     a = n.a
     if a.qkv_split:  # one merged projection's output: q, k and v as views of it

@@ -183,10 +183,13 @@ def _conv1x1(n, t, x, w, b, r, stride: int):
     return bias_act_(y, b, r, a.activation, a.alpha or 0.0, a.beta or 0.0)
 
 
-def makes_plan(t) -> bool:
-    """Every tactic but the GEMM ones (Triton, cuBLAS), the implicit GEMM and the depthwise
-    kernel runs cuDNN."""
-    return not t or t.get("impl") not in ("gemm", "cublas", "igemm", "depthwise")
+def makes_plan(t) -> str | None:
+    """The library a tactic's first call initialises: cuBLAS for the cuBLAS GEMM, none for the
+    Triton GEMM, the implicit GEMM and the depthwise kernel, cuDNN for every other one."""
+    impl = t.get("impl") if t else None
+    if impl == "cublas":
+        return "cublas"
+    return None if impl in ("gemm", "igemm", "depthwise") else "cudnn"
 
 
 @register(FC.FusedConv, backend="cuda", name="TritonFusedConv", tactics=tactics,
