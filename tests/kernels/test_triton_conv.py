@@ -311,14 +311,48 @@ def _falls_back(monkeypatch, n, x, w, b=None, r=None):
     assert_close(y, want, scale=2)
 
 
-def test_no_triton_conv_asymmetric_pads(monkeypatch):
-    n = _fused("Relu", pads=[0, 1, 1, 2])
-    _falls_back(monkeypatch, n, randn(1, 4, 6, 6, dtype=DTYPE), randn(5, 4, 3, 3, dtype=DTYPE))
+# asymmetric pads (x, w, attrs): TF-style "same" on a stride-2 3x3 (0 before, 1 after), an
+# explicit uneven pad, SAME_UPPER with an even kernel, and the same on depthwise convs
+ASYMMETRIC = [((1, 4, 8, 8), (5, 4, 3, 3), {"pads": [0, 0, 1, 1], "strides": [2, 2]}),
+              ((1, 4, 6, 6), (5, 4, 3, 3), {"pads": [0, 1, 1, 2]}),
+              ((1, 4, 6, 6), (5, 4, 2, 2), {"auto_pad": "SAME_UPPER"}),
+              ((2, 6, 9, 8), (6, 1, 5, 5), {"pads": [1, 1, 2, 2], "strides": [2, 2],
+                                            "group": 6}),
+              ((1, 8, 8, 8), (8, 1, 3, 3), {"auto_pad": "SAME_UPPER", "strides": [2, 2],
+                                            "group": 8})]
 
 
-def test_no_triton_conv_same_upper_odd_pad(monkeypatch):
-    n = _fused("Relu", auto_pad="SAME_UPPER")  # kernel 2: one pad, at the end
-    _falls_back(monkeypatch, n, randn(1, 4, 6, 6, dtype=DTYPE), randn(5, 4, 2, 2, dtype=DTYPE))
+@pytest.mark.parametrize("xs,ws,attrs", ASYMMETRIC,
+                         ids=["tf-same-s2", "uneven", "same-upper-k2", "dw5-s2", "dw-same-s2"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_triton_conv_asymmetric_pads_on_direct_kernels(xs, ws, attrs, residual, monkeypatch):
+    """Asymmetric pads run on the implicit GEMM or the depthwise kernel only (nothing that
+    calls cuDNN: no F.conv2d), each tactic matching the torch kernel; untuned (the default
+    tactic), the torch kernel runs instead and no Triton kernel is launched."""
+    n = _fused("Relu", residual, tactic=None, **attrs)
+    x, w, b, r = _inputs(xs, ws, n, True, residual)
+    want = torch_fused.fused_conv(_fused("Relu", residual, **attrs), x, w, b, r)
+    assert conv.supports(n, (x, w, b, r))
+    space = conv.tactics(n, (x, w, b, r))
+    dw = (attrs.get("group") or 1) > 1
+    assert space and {t.get("impl") for t in space} == {"depthwise" if dw else "igemm"}
+    assert not any(conv.makes_plan(t) for t in space)
+    monkeypatch.setattr(conv.F, "conv2d", lambda *a, **k: pytest.fail("ran cuDNN's conv"))
+    for t in [space[0], space[-1]]:
+        n.tactic, n.cache = t, {}
+        y = conv.fused_conv(n, x, w, b, r)
+        assert y.shape == want.shape and y.is_contiguous(memory_format=CL), t
+        assert_close(y, want, scale=2)
+    monkeypatch.undo()
+    n.tactic, n.cache = None, {}
+    monkeypatch.setattr(conv, "launch", lambda *a, **k: pytest.fail("launched a kernel"))
+    assert_close(conv.fused_conv(n, x, w, b, r), want, scale=2)
+
+
+def test_no_triton_conv_grouped_asymmetric_pads(monkeypatch):
+    """Grouped but not depthwise, with asymmetric pads: no direct kernel takes it."""
+    n = _fused("Relu", pads=[0, 0, 1, 1], strides=[2, 2], group=2)
+    _falls_back(monkeypatch, n, randn(1, 4, 8, 8, dtype=DTYPE), randn(6, 2, 3, 3, dtype=DTYPE))
 
 
 def test_no_triton_conv_1d(monkeypatch):

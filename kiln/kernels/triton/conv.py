@@ -51,6 +51,7 @@ from kiln.kernels.triton.common import (
 from kiln.kernels.triton.gemm import gemm2d, gemm_tactics
 from kiln.kernels.triton.lazy import cdiv, jit, tl
 from kiln.ops import fused_conv as FC
+from kiln.ops import nn as N
 
 CL = torch.channels_last
 DEFAULT = {"epilogue": "triton", "BLOCK": 1024, "num_warps": 4}
@@ -108,6 +109,32 @@ def _geometry(n, x, w):
     return geo if geo is not None and min(geo[0]) >= 0 and min(geo[3]) > 0 else None
 
 
+def _direct_geometry(n, x, w):
+    """The geometry Triton's direct kernels (implicit GEMM, depthwise) take: (begin pads,
+    stride, dilation, output H, W). They read the input through bounds masks, so the end pads
+    only set the output size and may differ from the begin pads (TF-style "same" padding of a
+    stride-2 conv: 0 before, 1 after). None where a pad is negative or the output is empty."""
+    key = ("direct-geo", tuple(x.shape[2:]), tuple(w.shape))
+    if key not in n.cache:
+        k, s, d, p = N.spatial_attrs(n.a, 2, list(w.shape[2:]))
+        outs, pb, pe = N.window_geometry(list(x.shape[2:]), k, s, d, p, n.a.auto_pad)
+        ok = min(pb) >= 0 and min(pe) >= 0 and min(outs) > 0
+        n.cache[key] = (list(pb), list(s), list(d), tuple(outs)) if ok else None
+    return n.cache[key]
+
+
+def geo_out(n, x, w) -> tuple:
+    """The conv's output H, W (either geometry gives the same)."""
+    return (_geometry(n, x, w) or _direct_geometry(n, x, w))[3]
+
+
+def _direct_only(n, x, w) -> bool:
+    """Asymmetric pads: only the direct kernels (one-group or depthwise) can run the conv."""
+    groups = n.a.group or 1
+    return (_geometry(n, x, w) is None and _direct_geometry(n, x, w) is not None
+            and (groups == 1 or depthwise.is_depthwise(groups, x, w)))
+
+
 def supports(n, inputs) -> bool:
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
@@ -122,7 +149,7 @@ def supports(n, inputs) -> bool:
         return False
     if b is not None and (b.dim() != 1 or b.numel() != w.shape[0] or not b.dtype.is_floating_point):
         return False
-    geo = _geometry(n, x, w)
+    geo = _geometry(n, x, w) or (_direct_geometry(n, x, w) if _direct_only(n, x, w) else None)
     if geo is None:
         return False
     return r is None or (r.dtype == x.dtype and tuple(r.shape) == (x.shape[0], w.shape[0], *geo[3]))
@@ -148,6 +175,14 @@ def tactics(n, inputs) -> list[dict]:
     b = inputs[2] if len(inputs) > 2 else None
     r = inputs[3] if len(inputs) > 3 else None
     out = []
+    if _direct_only(n, x, w):  # asymmetric pads: the direct kernels, nothing that runs cuDNN
+        _, _, _, (oh, ow) = _direct_geometry(n, x, w)
+        if (n.a.group or 1) == 1:
+            out += implicit_gemm.tactics(x.shape[0], x.shape[1], w.shape[0], *w.shape[2:],
+                                         oh, ow)
+        if depthwise.is_depthwise(n.a.group or 1, x, w):
+            out += depthwise.tactics(w.shape[0], x.shape[0] * oh * ow)
+        return out
     s = _pointwise(n, x, w)
     if s is not None:
         m = x.shape[0] * len(range(0, x.shape[2], s)) * len(range(0, x.shape[3], s))
@@ -198,8 +233,11 @@ def fused_conv(n, x, w, b=None, r=None):
     if not supports(n, (x, w, b, r)):
         return torch_fused.fused_conv(n, x, w, b, r)
     a, t = n.a, tactic_of(n, DEFAULT)
-    pad, stride, dil, _ = _geometry(n, x, w)
     groups = a.group or 1
+    direct = _direct_only(n, x, w)
+    if direct and t.get("impl") not in ("igemm", "depthwise"):
+        return torch_fused.fused_conv(n, x, w, b, r)  # untuned: the torch kernel pads itself
+    pad, stride, dil, _ = _direct_geometry(n, x, w) if direct else _geometry(n, x, w)
     if b is not None and b.dtype != x.dtype:
         b = b.to(x.dtype)
     if not x.is_contiguous(memory_format=CL):
@@ -212,11 +250,11 @@ def fused_conv(n, x, w, b=None, r=None):
             return _conv1x1(n, t, x, w, b, r, s)
     wc = torch_fused._weight_nhwc(n, w)  # channels-last, made once per node (a no-op if it is)
     if t.get("impl") == "igemm" and groups == 1:
-        return implicit_gemm.conv2d(t, x, wc, b, r, _geometry(n, x, w), a.activation,
-                                    a.alpha or 0.0, a.beta or 0.0)
+        return implicit_gemm.conv2d(t, x, wc, b, r, (pad, stride, dil, geo_out(n, x, w)),
+                                    a.activation, a.alpha or 0.0, a.beta or 0.0)
     if t.get("impl") == "depthwise" and depthwise.is_depthwise(groups, x, w):
-        return depthwise.conv2d(t, x, wc, b, r, _geometry(n, x, w), a.activation,
-                                a.alpha or 0.0, a.beta or 0.0)
+        return depthwise.conv2d(t, x, wc, b, r, (pad, stride, dil, geo_out(n, x, w)),
+                                a.activation, a.alpha or 0.0, a.beta or 0.0)
     if t["epilogue"] == "cudnn" and _cudnn_fuses(n, x):
         if r is None:
             return torch.cudnn_convolution_relu(x, wc, b, stride, pad, dil, groups)
