@@ -359,21 +359,36 @@ def select(node_name: str, op, call: Call, inputs, cands: list[Candidate],
     return sel
 
 
-def drop_plans(picks: dict[str, Selection], margin: float) -> list[tuple[str, int, float, bool]]:
+def untuned_libraries(graph, picks: dict[str, Selection]) -> set[str]:
+    """The CUDA libraries that layers the autotuner did not tune (their PyTorch kernel alone
+    runs them) load at the first run anyway: a squeeze-excite's cuBLAS GEMMs, say."""
+    libs = set()
+    for n in _nodes(graph):
+        if n.name not in picks and not kernels_for(n.op, "cuda"):
+            k = vendor_kernel(n.op)
+            lib = k.library(None) if k is not None else None
+            if lib is not None:
+                libs.add(lib)
+    return libs
+
+
+def drop_plans(picks: dict[str, Selection], margin: float,
+               loaded: set[str] = frozenset()) -> list[tuple[str, int, float, bool]]:
     """The engine-wide half of ``plan_margin``. A process pays a CUDA library's initialisation
     once, at the first layer that uses it (cuDNN, cuBLAS, PyTorch's SDPA kernels: 0.1-1 s in a
     fresh process on the H200, ``python -m bench.cold_parts``), so the layers that picked a
     kernel of one library keep it only if, together, they save more than ``margin`` of the
     tuned layers' time. Otherwise each takes its fastest library-free candidate
     (``Selection.planless``), and the engine's first run never loads that library. Where a
-    layer of the library has no library-free candidate, the library is loaded anyway and its
-    layers keep their picks. Returns, per library picked: (library, layers, ms they save per
+    layer of the library has no library-free candidate, or the library is in ``loaded``
+    (untuned layers use it: :func:`untuned_libraries`), it is loaded anyway and its layers
+    keep their picks. Returns, per library picked: (library, layers, ms they save per
     run, whether they were switched); the tuned layers' total is ``sum(s.ms)``."""
     total = sum(s.ms for s in picks.values())
     out = []
     for lib in sorted({s.library for s in picks.values() if s.library is not None}):
         users = [s for s in picks.values() if s.library == lib]
-        whole = all(s.planless is not None for s in users)
+        whole = lib not in loaded and all(s.planless is not None for s in users)
         saved = sum(s.planless[3] - s.ms for s in users if s.planless is not None)
         switch = whole and saved <= margin * total
         if switch:

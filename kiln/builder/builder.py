@@ -339,7 +339,8 @@ class Builder:
         for k, picks in enumerate(per_profile):
             total = sum(s.ms for s in picks.values())
             at = f" at shape point {k}" if len(per_profile) > 1 else ""
-            for lib, n, saved, switched in autotune.drop_plans(picks, cfg.plan_margin):
+            loaded = autotune.untuned_libraries(graph, picks)
+            for lib, n, saved, switched in autotune.drop_plans(picks, cfg.plan_margin, loaded):
                 share = f"{saved:.3f} of {total:.3f} ms per run ({saved / max(total, 1e-9):.0%})"
                 if switched:
                     self.log(f"autotune: {n} layers{at} would use {lib} to save {share}, not "
@@ -348,8 +349,9 @@ class Builder:
                              f"loads {lib}")
                 else:
                     self.log(f"autotune: {n} layers{at} use {lib}; a fresh process's first "
-                             f"run pays its initialisation (they save {share}, or some have "
-                             "no library-free kernel)")
+                             f"run pays its initialisation (they save {share}"
+                             + (", and untuned layers use it too)" if lib in loaded
+                                else ", or some have no library-free kernel)"))
         kept = sum(s.plan_free for p in per_profile for s in p.values())
         if kept:
             self.log(f"autotune: {kept} layers keep a kernel within {cfg.plan_margin:.0%} of a "

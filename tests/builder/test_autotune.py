@@ -597,3 +597,39 @@ def test_drop_plans_per_library_cublas_switched_cudnn_kept():
     assert [(lib, n, sw) for lib, n, _, sw in got] == [("cublas", 1, True), ("cudnn", 1, False)]
     assert (n1.tactic, n1.library, n1.ms) == ({"B": 2}, None, 0.11)
     assert n2.kernel == "TorchFake" and n2.library == "cudnn"
+
+
+def test_drop_plans_keeps_a_library_untuned_layers_load():
+    """A squeeze-excite's torch kernel (cuBLAS, no CUDA kernel to tune) loads cuBLAS anyway:
+    the tuned cuBLAS layer keeps its faster pick; a library no untuned layer uses is dropped."""
+    from types import SimpleNamespace
+
+    from kiln.kernels.registry import cublas
+
+    lib_op = OpDef("AutotuneLibTestOp", {})
+    register(lib_op, name="TorchLibTest", makes_plan=cublas)(lambda call, x: x)
+    plain_op = OpDef("AutotunePlainTestOp", {})
+    register(plain_op, name="TorchPlainTest")(lambda call, x: x)
+
+    def node(name, op):
+        return SimpleNamespace(name=name, op=op, subgraphs=lambda: [])
+
+    def picks():
+        clock = FakeClock({_key("TritonFake", {"B": 1}): 0.10,
+                           _key("TritonFake", {"B": 2}): 0.11})
+        k = Kernel(OP, "cuda", _kernel(clock, "TritonFake").fn, "TritonFake",
+                   makes_plan=lambda t: "cublas" if t["B"] == 1 else None)
+        return {"n1": select("n1", OP, _call(), (X,), [Candidate(k, {"B": 1}),
+                                                       Candidate(k, {"B": 2})], clock,
+                             verify=False)}
+
+    graph = SimpleNamespace(nodes=[node("n1", OP), node("se", lib_op), node("add", plain_op)])
+    assert autotune.untuned_libraries(graph, picks()) == {"cublas"}
+    p = picks()
+    assert [r[3] for r in autotune.drop_plans(p, 0.25, {"cublas"})] == [False]
+    assert p["n1"].tactic == {"B": 1}
+    plain = SimpleNamespace(nodes=[node("n1", OP), node("add", plain_op)])
+    assert autotune.untuned_libraries(plain, picks()) == set()
+    p = picks()
+    assert [r[3] for r in autotune.drop_plans(p, 0.25, set())] == [True]
+    assert p["n1"].tactic == {"B": 2}

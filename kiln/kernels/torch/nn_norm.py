@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from kiln.kernels.registry import register
+from kiln.kernels.registry import cublas, register
 from kiln.kernels.torch import fused_conv as FCK
 from kiln.kernels.torch.convert import TORCH_DTYPE
 from kiln.kernels.torch.util import unsigned_safe
@@ -175,7 +175,7 @@ def hardmax(n, x):
 # ---------------------------------------------------------------- matmul family
 
 
-@register(N.MatMul)
+@register(N.MatMul, makes_plan=cublas)
 @unsigned_safe
 def matmul(n, a, b):
     return torch.matmul(a, b)
@@ -184,7 +184,7 @@ def matmul(n, a, b):
 _NO_EPILOGUE = SimpleNamespace(activation="", alpha=0.0, beta=0.0)
 
 
-@register(N.Gemm)
+@register(N.Gemm, makes_plan=cublas)
 @unsigned_safe
 def gemm(n, a, b, c=None):
     at = n.a
@@ -216,7 +216,7 @@ def gemm(n, a, b, c=None):
     return torch.addmm(c.to(a.dtype), a, b, beta=beta, alpha=alpha)
 
 
-@register(N.Einsum)
+@register(N.Einsum, makes_plan=cublas)
 @unsigned_safe
 def einsum(n, *xs):
     eq = n.a.equation.replace(" ", "")

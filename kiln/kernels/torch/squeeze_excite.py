@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln import native
-from kiln.kernels.registry import register
+from kiln.kernels.registry import cublas, register
 from kiln.kernels.torch.fused_conv import epilogue
 from kiln.ops import fused_conv as FC
 
@@ -69,7 +69,7 @@ def _native_se(n, x, w1, b1, w2, b2):
     return native.pointwise("Mul", x, g.view(nb, c, 1, 1), out=y)
 
 
-@register(FC.SqueezeExcite)
+@register(FC.SqueezeExcite, makes_plan=cublas)
 def squeeze_excite(n, x, w1, b1=None, w2=None, b2=None):
     a = n.a
     if w2 is not None and w1.dim() >= 2 and _native_ok(a, x, (w1, b1, w2, b2)):
