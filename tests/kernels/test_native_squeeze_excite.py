@@ -55,3 +55,21 @@ def test_squeeze_excite_float64_weights_stay_on_torch():
     call = Call(FC.SqueezeExcite.make_attrs(activation="Relu", gate="Sigmoid"), n_out=1, n_in=5)
     y = squeeze_excite(call, x, w1, None, w2, None)
     assert "se_native" not in call.cache and y.dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_squeeze_excite_small_gemv_without_cublas(dtype, monkeypatch):
+    """The GPU path's cuBLAS-free GEMV (broadcast product + sum) gives F.linear's values and
+    never calls it; above the size limit a GPU tensor would take F.linear."""
+    from kiln.kernels.torch import squeeze_excite as se
+
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(3, 40, generator=g).to(dtype)
+    w, b = torch.randn(10, 40, generator=g).to(dtype), torch.randn(10, generator=g).to(dtype)
+    want = torch.nn.functional.linear(s.float(), w.float(), b.float())
+    monkeypatch.setattr(se.F, "linear", lambda *a: pytest.fail("called F.linear"))
+    got = se._small_linear(s, w, b, small=True)
+    assert got.shape == (3, 10) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, rtol=2e-3 if dtype == torch.float16 else 1e-5,
+                               atol=2e-2 if dtype == torch.float16 else 1e-5)
+    assert se._small_linear(s, w, None, small=True).shape == (3, 10)

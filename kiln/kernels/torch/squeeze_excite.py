@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln import native
-from kiln.kernels.registry import cublas, register
+from kiln.kernels.registry import register
 from kiln.kernels.torch.fused_conv import epilogue
 from kiln.ops import fused_conv as FC
 
@@ -69,12 +69,32 @@ def _native_se(n, x, w1, b1, w2, b2):
     return native.pointwise("Mul", x, g.view(nb, c, 1, 1), out=y)
 
 
-@register(FC.SqueezeExcite, makes_plan=cublas)
+@register(FC.SqueezeExcite)
 def squeeze_excite(n, x, w1, b1=None, w2=None, b2=None):
     a = n.a
     if w2 is not None and w1.dim() >= 2 and _native_ok(a, x, (w1, b1, w2, b2)):
         return _native_se(n, x, w1, b1, w2, b2)
     s = x.mean((2, 3))  # [N, C]
-    h = epilogue(F.linear(s, w1.flatten(1), b1), _Act(a.activation))
-    g = _gate(F.linear(h, w2.flatten(1), b2), a)
+    h = epilogue(_small_linear(s, w1.flatten(1), b1), _Act(a.activation))
+    g = _gate(_small_linear(h, w2.flatten(1), b2), a)
     return x * g[:, :, None, None]
+
+
+# up to this many products, a GPU block's two GEMVs run as a broadcast product and a sum: no
+# cuBLAS call, so an engine whose other layers need no cuBLAS never initialises it (~150 ms at
+# a fresh process's first run on the H200: ``python -m bench.cold_parts``). Above it the block
+# calls cuBLAS, which it does not declare (autotune.untuned_libraries): at such sizes the
+# engine-wide library rule may drop tuned cuBLAS picks for no cold-start gain, at a cost within
+# its margin
+SMALL_PRODUCTS = 1 << 22
+
+
+def _small_linear(s: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                  small: bool | None = None) -> torch.Tensor:
+    """``F.linear(s, w, b)``; on a GPU below SMALL_PRODUCTS (or ``small``) without cuBLAS."""
+    if small is None:
+        small = s.is_cuda and s.shape[0] * w.numel() <= SMALL_PRODUCTS
+    if small:
+        y = (s[:, None, :] * w).sum(-1)  # [N, 1, C] x [O, C] -> [N, O], summed in float32
+        return y if b is None else y + b
+    return F.linear(s, w, b)
