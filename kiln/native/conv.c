@@ -48,10 +48,19 @@ int kiln_conv_pack(long C, long K, long kh, long kw, const float *w, float *out)
         float *b = scratch(t * C * K);
         if (!b)
             return -1;
-        for (long k = 0; k < K; k++)
+        /* the transpose in blocks of 16 output channels: each (c, i) writes 16 adjacent
+         * floats, read from 16 rows of w that are each walked in order (was k outermost: every
+         * write a new cache line, 0.5 GB/s on a 3x3 512 x 512 weight) */
+        for (long k0 = 0; k0 < K; k0 += 16) {
+            long kn = K - k0 < 16 ? K - k0 : 16;
             for (long c = 0; c < C; c++)
-                for (long i = 0; i < t; i++)
-                    b[(i * C + c) * K + k] = w[(k * C + c) * t + i];
+                for (long i = 0; i < t; i++) {
+                    const float *src = w + (k0 * C + c) * t + i;
+                    float *dst = b + (i * C + c) * K + k0;
+                    for (long kk = 0; kk < kn; kk++)
+                        dst[kk] = src[kk * C * t];
+                }
+        }
         kiln_sgemm_pack(t * C, K, b, K, 1, out);
         free(b);
         return 0;

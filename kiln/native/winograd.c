@@ -91,8 +91,8 @@ int kiln_wino_pack(long C, long K, const float *Wt, float *out)
     float *u = scratch(4 * C * K);
     if (!u) return -1;
     for (int a = 0; a < 4; a++) {
-        for (long k = 0; k < K; k++)
-            for (long c = 0; c < C; c++) {
+        for (long c = 0; c < C; c++)  /* k innermost: the writes below walk u in order */
+            for (long k = 0; k < K; k++) {
                 const float *g = Wt + (k * C + c) * 9;
                 double t[3];  /* row a of G g */
                 for (int j = 0; j < 3; j++)
