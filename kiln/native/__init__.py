@@ -120,6 +120,9 @@ def _load():
     lib.kiln_qgemm_f32.argtypes = [_I, _L, _L, _L, _P, _L, _F, _I, _P, _P, _P, _L, _P, _P, _L,
                                    _I, _P, _P, _L, _I]
     lib.kiln_qgemm_f32.restype = _I
+    lib.kiln_qconv.argtypes = [_L, _L, _L, _L, _P, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _L,
+                               _L, _L, _P, _I, _P, _P, _F, _P, _I]
+    lib.kiln_qconv.restype = _I
     return lib, ""
 
 
@@ -427,6 +430,56 @@ class QGemmWeight:
                                   dtype=torch.uint8)
         _lib.kiln_qgemm_pack(self.code, self.k, self.n, w.data_ptr(), self.packed.data_ptr())
         self.colsum = w.sum(0, dtype=torch.int32).contiguous()
+
+
+class QConvWeight:
+    """A constant 8-bit convolution weight [OC, C, kh, kw] with one zero point, prepared for
+    qconv.c: uint8 codes ``w + woff`` [OC, K] (woff 128 for int8), their zero point, and
+    each output channel's ``sum(w - w_zero)``."""
+
+    def __init__(self, w: torch.Tensor, w_zero: int):
+        if w.dtype not in (torch.uint8, torch.int8) or w.dim() != 4 or w.device.type != "cpu":
+            raise ValueError(f"QConvWeight: expected an 8-bit CPU [OC, C, kh, kw] weight, got "
+                             f"{w.dtype} {tuple(w.shape)} on {w.device}")
+        woff = 128 if w.dtype == torch.int8 else 0
+        wi = w.to(torch.int32).reshape(w.shape[0], -1)
+        self.shape = tuple(w.shape)
+        self.codes = (wi + woff).to(torch.uint8).contiguous()
+        self.a_zero = int(w_zero) + woff
+        self.wsum = (wi - int(w_zero)).sum(1, dtype=torch.int32).contiguous()
+
+
+def qconv_available() -> bool:
+    """Whether qconv.c runs here (it needs AVX512-VNNI)."""
+    return available and _lib.kiln_qgemm_best_path() >= QGEMM_PATHS["vnni"]
+
+
+def qconv(x: torch.Tensor, x_zero: int, w: QConvWeight, strides, pads, dilations,
+          bias: torch.Tensor | None = None, scale: float = 0.0) -> torch.Tensor:
+    """``conv(x - x_zero, w - w_zero)`` of 8-bit codes ``x`` [N, C, H, W] (zero padding in
+    code space: the code x_zero), one group: int32 [N, OC, OH, OW] where ``scale`` is 0, else
+    ``float32(sums + floor(bias / scale)) * scale`` (ConvIntegerScaled; ``bias`` float32
+    [OC] or None). ``pads`` = (top, left, bottom, right); exact (qconv.c, AVX512-VNNI)."""
+    oc, c, kh, kw = w.shape
+    if x.dtype not in (torch.uint8, torch.int8) or x.dim() != 4 or x.shape[1] != c:
+        raise ValueError(f"qconv: expected 8-bit codes [N, {c}, H, W], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != oc):
+        raise ValueError(f"qconv: bias must be float32 of {oc} values")
+    (sh, sw), (ph, pw, pb, pr), (dh, dw) = strides, pads, dilations
+    n, _, h, wd = x.shape
+    oh = (h + ph + pb - dh * (kh - 1) - 1) // sh + 1
+    ow = (wd + pw + pr - dw * (kw - 1) - 1) // sw + 1
+    x = x.contiguous()
+    bias = None if bias is None else bias.reshape(-1).contiguous()
+    y = torch.empty(n, oc, oh, ow, dtype=torch.float32 if scale else torch.int32)
+    rc = _lib.kiln_qconv(n, c, h, wd, x.data_ptr(), int(x.dtype == torch.int8), int(x_zero),
+                         oc, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, w.codes.data_ptr(),
+                         w.a_zero, w.wsum.data_ptr(), None if bias is None else bias.data_ptr(),
+                         float(scale), y.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError("qconv: this CPU has no AVX512-VNNI, or out of memory")
+    return y
 
 
 QACT_REQUANT = 100  # qgemm.c's epilogue that requantizes (QLinearMatMul) instead
