@@ -454,32 +454,52 @@ def qconv_available() -> bool:
     return available and _lib.kiln_qgemm_best_path() >= QGEMM_PATHS["vnni"]
 
 
+class QConvPlan:
+    """qconv.c's call for one input shape and dtype [N, C, H, W], one prepared weight and its
+    geometry (``pads`` = (top, left, bottom, right)), checked and laid out once."""
+
+    def __init__(self, shape, dtype, w: QConvWeight, strides, pads, dilations):
+        oc, c, kh, kw = w.shape
+        if dtype not in (torch.uint8, torch.int8) or len(shape) != 4 or shape[1] != c:
+            raise ValueError(f"qconv: expected 8-bit codes [N, {c}, H, W], got {dtype} "
+                             f"{tuple(shape)}")
+        (sh, sw), (ph, pw, pb, pr), (dh, dw) = strides, pads, dilations
+        n, _, h, wd = shape
+        oh = (h + ph + pb - dh * (kh - 1) - 1) // sh + 1
+        ow = (wd + pw + pr - dw * (kw - 1) - 1) // sw + 1
+        self.shape, self.dtype, self.w, self.out = tuple(shape), dtype, w, (n, oc, oh, ow)
+        self.head = (n, c, h, wd)
+        self.geo = (oc, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, w.codes.data_ptr(), w.a_zero,
+                    w.wsum.data_ptr())
+        self.signed = int(dtype == torch.int8)
+
+    def run(self, x: torch.Tensor, x_zero: int, bias: torch.Tensor | None = None,
+            scale: float = 0.0) -> torch.Tensor:
+        """int32 sums (``scale`` 0) or ConvIntegerScaled's float32 output (see :func:`qconv`);
+        ``bias`` contiguous float32 [OC] or None."""
+        if tuple(x.shape) != self.shape or x.dtype != self.dtype:
+            raise ValueError(f"qconv: planned for {self.dtype} {self.shape}, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        x = x.contiguous()
+        y = torch.empty(self.out, dtype=torch.float32 if scale else torch.int32)
+        rc = _lib.kiln_qconv(*self.head, x.data_ptr(), self.signed, int(x_zero), *self.geo,
+                             None if bias is None else bias.data_ptr(), float(scale),
+                             y.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError("qconv: this CPU has no AVX512-VNNI, or out of memory")
+        return y
+
+
 def qconv(x: torch.Tensor, x_zero: int, w: QConvWeight, strides, pads, dilations,
           bias: torch.Tensor | None = None, scale: float = 0.0) -> torch.Tensor:
     """``conv(x - x_zero, w - w_zero)`` of 8-bit codes ``x`` [N, C, H, W] (zero padding in
     code space: the code x_zero), one group: int32 [N, OC, OH, OW] where ``scale`` is 0, else
     ``float32(sums + floor(bias / scale)) * scale`` (ConvIntegerScaled; ``bias`` float32
     [OC] or None). ``pads`` = (top, left, bottom, right); exact (qconv.c, AVX512-VNNI)."""
-    oc, c, kh, kw = w.shape
-    if x.dtype not in (torch.uint8, torch.int8) or x.dim() != 4 or x.shape[1] != c:
-        raise ValueError(f"qconv: expected 8-bit codes [N, {c}, H, W], got {x.dtype} "
-                         f"{tuple(x.shape)}")
-    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != oc):
-        raise ValueError(f"qconv: bias must be float32 of {oc} values")
-    (sh, sw), (ph, pw, pb, pr), (dh, dw) = strides, pads, dilations
-    n, _, h, wd = x.shape
-    oh = (h + ph + pb - dh * (kh - 1) - 1) // sh + 1
-    ow = (wd + pw + pr - dw * (kw - 1) - 1) // sw + 1
-    x = x.contiguous()
-    bias = None if bias is None else bias.reshape(-1).contiguous()
-    y = torch.empty(n, oc, oh, ow, dtype=torch.float32 if scale else torch.int32)
-    rc = _lib.kiln_qconv(n, c, h, wd, x.data_ptr(), int(x.dtype == torch.int8), int(x_zero),
-                         oc, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, w.codes.data_ptr(),
-                         w.a_zero, w.wsum.data_ptr(), None if bias is None else bias.data_ptr(),
-                         float(scale), y.data_ptr(), torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError("qconv: this CPU has no AVX512-VNNI, or out of memory")
-    return y
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != w.shape[0]):
+        raise ValueError(f"qconv: bias must be float32 of {w.shape[0]} values")
+    plan = QConvPlan(tuple(x.shape), x.dtype, w, strides, pads, dilations)
+    return plan.run(x, x_zero, None if bias is None else bias.reshape(-1).contiguous(), scale)
 
 
 QACT_REQUANT = 100  # qgemm.c's epilogue that requantizes (QLinearMatMul) instead

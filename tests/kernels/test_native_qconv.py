@@ -81,7 +81,9 @@ def test_int_conv_takes_qconv(kind):
     a = _attrs(pads=[1, 2] if kind == "1d" else [1, 0, 2, 1], strides=[2] * (x.dim() - 2))
     cache = {}
     got = int_conv(x, w, xz, wz, a, cache)
-    assert "qconv_w" in cache
+    assert cache["qconv_w"][2] is not None and len(cache["qconv_plans"]) == 1
+    int_conv(x, w, xz, wz, a, cache)
+    assert len(cache["qconv_plans"]) == 1  # planned once per shape
     want = int_conv(x, w, xz, wz, a, None)  # no cache: the float32 convolutions
     assert got.dtype == want.dtype == torch.int32
     assert torch.equal(got, want)
@@ -141,8 +143,9 @@ def test_dynamic_conv_model_on_qconv_matches_onnxruntime(tmp_path, monkeypatch):
     path = tmp_path / "dynconv.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
     calls = []
-    real = native.qconv
-    monkeypatch.setattr(native, "qconv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = native.QConvPlan.run
+    monkeypatch.setattr(native.QConvPlan, "run",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     e = Builder(BuilderConfig(device="cpu")).build(path)
     assert list(e.choices.values()).count("TorchConvIntegerScaled") == 1
     x = rng.standard_normal((1, 24, 13, 70)).astype(np.float32) * 3

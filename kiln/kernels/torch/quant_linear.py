@@ -397,36 +397,44 @@ def _qconv_weight(w, w_zp):
     return native.QConvWeight(w4, 0 if w_zp is None else int(w_zp.reshape(()).item()))
 
 
-def qconv_args(x, w, x_zp, w_zp, a, cache):
-    """(x as 4-D codes, x's zero point, the qconv weight, strides, pads, dilations) where
-    kiln's VNNI integer convolution takes the layer (8-bit CPU codes with one zero point, a
-    constant weight with one zero point, one group, 1-2 spatial dims), else None."""
+def qconv_plan(x, w, w_zp, a, cache):
+    """kiln's VNNI integer convolution planned for this layer and x's shape and dtype (a
+    :class:`kiln.native.QConvPlan`, kept in ``cache`` per shape), or None where it cannot take
+    the layer: 8-bit CPU codes, a constant weight with one zero point, one group, 1-2 spatial
+    dims."""
     if cache is None or (a.group or 1) != 1 or not torch.is_tensor(x) or \
             x.dtype not in (torch.uint8, torch.int8) or x.device.type != "cpu" or \
-            x.dim() not in (3, 4) or x.dim() != np.ndim(w) or \
-            (x_zp is not None and x_zp.numel() != 1) or not native.qconv_available():
+            x.dim() not in (3, 4) or x.dim() != np.ndim(w) or not native.qconv_available():
         return None
     qw = _prepared(cache, "qconv_w", (w, w_zp), lambda: _qconv_weight(w, w_zp))
     if qw is None:
         return None
-    n_sp = x.dim() - 2
-    ks = list(a.kernel_shape or ()) or list(w.shape[2:])
-    strides = list(a.strides or ()) or [1] * n_sp
-    dils = list(a.dilations or ()) or [1] * n_sp
-    begin, end = conv_padding(tuple(x.shape), ks, strides, dils, a.pads, a.auto_pad or "NOTSET")
-    if n_sp == 1:
-        x, strides, dils, begin, end = x.unsqueeze(2), [1, *strides], [1, *dils], \
-            [0, *begin], [0, *end]
-    xz = 0 if x_zp is None else int(x_zp.reshape(()).item())
-    return x, xz, qw, strides, [*begin, *end], dils
+    plans = cache.setdefault("qconv_plans", {})
+    key = (tuple(x.shape), x.dtype, id(qw))
+    plan = plans.get(key)
+    if plan is None or plan.w is not qw:
+        n_sp = x.dim() - 2
+        ks = list(a.kernel_shape or ()) or list(w.shape[2:])
+        strides = list(a.strides or ()) or [1] * n_sp
+        dils = list(a.dilations or ()) or [1] * n_sp
+        begin, end = conv_padding(tuple(x.shape), ks, strides, dils, a.pads,
+                                  a.auto_pad or "NOTSET")
+        shape = tuple(x.shape)
+        if n_sp == 1:
+            shape, strides, dils = (shape[0], shape[1], 1, shape[2]), [1, *strides], [1, *dils]
+            begin, end = [0, *begin], [0, *end]
+        plan = plans[key] = native.QConvPlan(shape, x.dtype, qw, strides, [*begin, *end], dils)
+    return plan
 
 
 def _qconv(x, w, x_zp, w_zp, a, cache, bias=None, scale=0.0):
-    got = qconv_args(x, w, x_zp, w_zp, a, cache)
-    if got is None:
+    if x_zp is not None and x_zp.numel() != 1:
         return None
-    x4, xz, qw, strides, pads, dils = got
-    y = native.qconv(x4, xz, qw, strides, pads, dils, bias, scale)
+    plan = qconv_plan(x, w, w_zp, a, cache)
+    if plan is None:
+        return None
+    xz = 0 if x_zp is None else int(x_zp.reshape(()).item())
+    y = plan.run(x if x.dim() == 4 else x.unsqueeze(2), xz, bias, scale)
     return y.squeeze(2) if x.dim() == 3 else y
 
 
@@ -467,7 +475,9 @@ def conv_integer_scaled(n, x, w, x_zp, w_zp, b, s):
     if torch.is_tensor(s) and s.numel() == 1 and torch.is_tensor(b) and s.device.type == "cpu":
         sf = float(s.float().reshape(()).item())
         if sf != 0.0 and math.isfinite(sf):
-            y = _qconv(x, w, x_zp, w_zp, n.a, n.cache, b.float().reshape(-1), sf)
+            bf = _prepared(n.cache, "qconv_b", (b,), lambda: b.float().reshape(-1).contiguous())
+            y = _qconv(x, w, x_zp, w_zp, n.a, n.cache, bf, sf) if bf.numel() == \
+                w.shape[0] else None
             if y is not None:
                 return y
     acc = int_conv(x, w, x_zp, w_zp, n.a, n.cache)
