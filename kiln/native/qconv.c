@@ -74,8 +74,13 @@ TGTV static inline void im2col_row(const struct qconv *q, const struct runs *r, 
         }
         const uint8_t *row = xc + ih * q->W;
         long iw0 = r->ow[s] * q->sw - q->pw + j * q->dw;
-        if (q->sw == 1 && iw0 >= 0 && iw0 + seg <= q->W) {
-            memcpy(d, row + iw0, (size_t)seg);
+        if (q->sw == 1) { /* the columns inside the row copied, padding either side */
+            long lo = iw0 < 0 ? (-iw0 < seg ? -iw0 : seg) : 0;
+            long hi = q->W - iw0 < seg ? q->W - iw0 : seg;
+            hi = hi < lo ? lo : hi;
+            memset(d, q->pad, (size_t)lo);
+            memcpy(d + lo, row + iw0 + lo, (size_t)(hi - lo));
+            memset(d + hi, q->pad, (size_t)(seg - hi));
             continue;
         }
         for (long t = 0; t < seg; t++) {
