@@ -89,6 +89,21 @@ def test_int_conv_takes_qconv(kind):
     assert torch.equal(got, want)
 
 
+def test_int_conv_takes_qconv_with_equal_per_channel_zeros():
+    """A per-channel zero point whose entries are all the same (int8 weights' zeros) is one."""
+    from kiln.kernels.torch.quant_linear import int_conv
+    rng = np.random.default_rng(8)
+    x = torch.from_numpy(_codes(rng, False, (1, 5, 6, 7)))
+    w = torch.from_numpy(_codes(rng, True, (6, 5, 3, 3)))
+    wz = torch.zeros(6, dtype=torch.int8)
+    a = _attrs(pads=[1, 1, 1, 1])
+    cache = {}
+    got = int_conv(x, w, torch.tensor(7, dtype=torch.uint8), wz, a, cache)
+    assert cache["qconv_w"][2] is not None
+    want = torch.nn.functional.conv2d(x.to(torch.int64) - 7, w.to(torch.int64), None, 1, 1)
+    assert torch.equal(got.to(torch.int64), want)
+
+
 @pytest.mark.parametrize("why", ["group", "per_channel_zero", "float_codes"])
 def test_no_qconv_where_it_cannot_take_the_layer(why):
     """Must not fire: two groups, a weight zero point per output channel, float input; the
@@ -154,3 +169,4 @@ def test_dynamic_conv_model_on_qconv_matches_onnxruntime(tmp_path, monkeypatch):
         None, {"x": x})[0]
     np.testing.assert_array_equal(got, want)
     assert calls  # on qconv, not the float32 convolutions
+

@@ -388,11 +388,16 @@ def _conv_weight(w, w_zp):
 
 
 def _qconv_weight(w, w_zp):
-    """A constant 8-bit weight with one zero point as qconv.c's (2-D: a 1-D kernel gets a
-    height of 1), else None."""
+    """A constant 8-bit weight with one zero point (or one per output channel, all equal: a
+    per-channel int8 weight's zeros) as qconv.c's (2-D: a 1-D kernel gets a height of 1),
+    else None."""
     if not torch.is_tensor(w) or w.dtype not in (torch.uint8, torch.int8) or \
-            w.dim() not in (3, 4) or (w_zp is not None and w_zp.numel() != 1):
+            w.dim() not in (3, 4):
         return None
+    if w_zp is not None and w_zp.numel() != 1:
+        if w_zp.numel() != w.shape[0] or bool((w_zp.reshape(-1) != w_zp.reshape(-1)[0]).any()):
+            return None
+        w_zp = w_zp.reshape(-1)[:1]
     w4 = w if w.dim() == 4 else w.unsqueeze(2)
     return native.QConvWeight(w4, 0 if w_zp is None else int(w_zp.reshape(()).item()))
 
