@@ -120,6 +120,9 @@ def _load():
     lib.kiln_qgemm_f32.argtypes = [_I, _L, _L, _L, _P, _L, _F, _I, _P, _P, _P, _L, _P, _P, _L,
                                    _I, _P, _P, _L, _I]
     lib.kiln_qgemm_f32.restype = _I
+    lib.kiln_qconv.argtypes = [_L, _L, _L, _L, _P, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _L,
+                               _L, _L, _P, _I, _P, _P, _F, _P, _I]
+    lib.kiln_qconv.restype = _I
     return lib, ""
 
 
@@ -427,6 +430,76 @@ class QGemmWeight:
                                   dtype=torch.uint8)
         _lib.kiln_qgemm_pack(self.code, self.k, self.n, w.data_ptr(), self.packed.data_ptr())
         self.colsum = w.sum(0, dtype=torch.int32).contiguous()
+
+
+class QConvWeight:
+    """A constant 8-bit convolution weight [OC, C, kh, kw] with one zero point, prepared for
+    qconv.c: uint8 codes ``w + woff`` [OC, K] (woff 128 for int8), their zero point, and
+    each output channel's ``sum(w - w_zero)``."""
+
+    def __init__(self, w: torch.Tensor, w_zero: int):
+        if w.dtype not in (torch.uint8, torch.int8) or w.dim() != 4 or w.device.type != "cpu":
+            raise ValueError(f"QConvWeight: expected an 8-bit CPU [OC, C, kh, kw] weight, got "
+                             f"{w.dtype} {tuple(w.shape)} on {w.device}")
+        woff = 128 if w.dtype == torch.int8 else 0
+        wi = w.to(torch.int32).reshape(w.shape[0], -1)
+        self.shape = tuple(w.shape)
+        self.codes = (wi + woff).to(torch.uint8).contiguous()
+        self.a_zero = int(w_zero) + woff
+        self.wsum = (wi - int(w_zero)).sum(1, dtype=torch.int32).contiguous()
+
+
+def qconv_available() -> bool:
+    """Whether qconv.c runs here (it needs AVX512-VNNI)."""
+    return available and _lib.kiln_qgemm_best_path() >= QGEMM_PATHS["vnni"]
+
+
+class QConvPlan:
+    """qconv.c's call for one input shape and dtype [N, C, H, W], one prepared weight and its
+    geometry (``pads`` = (top, left, bottom, right)), checked and laid out once."""
+
+    def __init__(self, shape, dtype, w: QConvWeight, strides, pads, dilations):
+        oc, c, kh, kw = w.shape
+        if dtype not in (torch.uint8, torch.int8) or len(shape) != 4 or shape[1] != c:
+            raise ValueError(f"qconv: expected 8-bit codes [N, {c}, H, W], got {dtype} "
+                             f"{tuple(shape)}")
+        (sh, sw), (ph, pw, pb, pr), (dh, dw) = strides, pads, dilations
+        n, _, h, wd = shape
+        oh = (h + ph + pb - dh * (kh - 1) - 1) // sh + 1
+        ow = (wd + pw + pr - dw * (kw - 1) - 1) // sw + 1
+        self.shape, self.dtype, self.w, self.out = tuple(shape), dtype, w, (n, oc, oh, ow)
+        self.head = (n, c, h, wd)
+        self.geo = (oc, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, w.codes.data_ptr(), w.a_zero,
+                    w.wsum.data_ptr())
+        self.signed = int(dtype == torch.int8)
+
+    def run(self, x: torch.Tensor, x_zero: int, bias: torch.Tensor | None = None,
+            scale: float = 0.0) -> torch.Tensor:
+        """int32 sums (``scale`` 0) or ConvIntegerScaled's float32 output (see :func:`qconv`);
+        ``bias`` contiguous float32 [OC] or None."""
+        if tuple(x.shape) != self.shape or x.dtype != self.dtype:
+            raise ValueError(f"qconv: planned for {self.dtype} {self.shape}, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        x = x.contiguous()
+        y = torch.empty(self.out, dtype=torch.float32 if scale else torch.int32)
+        rc = _lib.kiln_qconv(*self.head, x.data_ptr(), self.signed, int(x_zero), *self.geo,
+                             None if bias is None else bias.data_ptr(), float(scale),
+                             y.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError("qconv: this CPU has no AVX512-VNNI, or out of memory")
+        return y
+
+
+def qconv(x: torch.Tensor, x_zero: int, w: QConvWeight, strides, pads, dilations,
+          bias: torch.Tensor | None = None, scale: float = 0.0) -> torch.Tensor:
+    """``conv(x - x_zero, w - w_zero)`` of 8-bit codes ``x`` [N, C, H, W] (zero padding in
+    code space: the code x_zero), one group: int32 [N, OC, OH, OW] where ``scale`` is 0, else
+    ``float32(sums + floor(bias / scale)) * scale`` (ConvIntegerScaled; ``bias`` float32
+    [OC] or None). ``pads`` = (top, left, bottom, right); exact (qconv.c, AVX512-VNNI)."""
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != w.shape[0]):
+        raise ValueError(f"qconv: bias must be float32 of {w.shape[0]} values")
+    plan = QConvPlan(tuple(x.shape), x.dtype, w, strides, pads, dilations)
+    return plan.run(x, x_zero, None if bias is None else bias.reshape(-1).contiguous(), scale)
 
 
 QACT_REQUANT = 100  # qgemm.c's epilogue that requantizes (QLinearMatMul) instead

@@ -7,6 +7,7 @@
 #define KILN_KERNELS_H
 #include <immintrin.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <math.h>
 #include <string.h>
 #include <stdlib.h>
@@ -183,6 +184,13 @@ TGT void kiln_depthwise(const long *g, const float *x, const float *wp, const fl
 void kiln_quantize_rows(long M, long K, const float *x, long ldx, unsigned char *y,
                         float *scale, float *zero, int dynamic, int nthreads);
 
+int kiln_qgemm_best_path(void);
+/* qgemm.c: kiln_qgemm with an int32 added to each row's sums (qconv.c) */
+int kiln_qgemm_rows(int path, long M, long N, long K, const uint8_t *A, long lda, int a_zero,
+                    const void *B, const int32_t *colsum, const int32_t *row_add,
+                    float a_scale, const float *w_scale, long w_scale_n, const float *bias,
+                    const float *R, long ldr, int act, const float *ep, float *C, long ldc,
+                    int nthreads);
 /* qgemm.c: float32 rows quantized to uint8 (x_scale 0: by their own range), times an int8
  * weight packed by kiln_qgemm_pack, with its epilogue */
 int kiln_qgemm_f32(int path, long M, long N, long K, const float *X, long ldx, float x_scale,

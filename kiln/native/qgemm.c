@@ -98,6 +98,7 @@ struct qjob {
     float alpha, beta; /* the activation's parameters */
     float y_scale, y_zero, lo, hi; /* QACT_REQUANT's */
     float *C;
+    const int32_t *row_add; /* an int32 per row added to the sums (qconv.c's terms) or none */
 };
 
 /* The epilogue of 8 columns n0 .. n0 + 7 (``valid`` of them inside N) of row m: masked loads
@@ -108,6 +109,8 @@ TGT static void store8(const struct qjob *j, long m, long n0, long valid, __m256
                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     __m256i cs = _mm256_maskload_epi32(j->colsum + n0, mask);
     __m256i t = _mm256_sub_epi32(acc, _mm256_mullo_epi32(_mm256_set1_epi32(j->a_zero), cs));
+    if (j->row_add)
+        t = _mm256_add_epi32(t, _mm256_set1_epi32(j->row_add[m]));
     if (j->act == QACT_INT32) {
         int *c = (int *)j->C + m * j->ldc + n0;
         if (valid >= 8)
@@ -269,6 +272,18 @@ int kiln_qgemm(int path, long M, long N, long K, const uint8_t *A, long lda, int
                long w_scale_n, const float *bias, const float *R, long ldr, int act,
                const float *ep, float *C, long ldc, int nthreads)
 {
+    return kiln_qgemm_rows(path, M, N, K, A, lda, a_zero, B, colsum, NULL, a_scale, w_scale,
+                           w_scale_n, bias, R, ldr, act, ep, C, ldc, nthreads);
+}
+
+/* kiln_qgemm with row_add[m] (int32, M of them, or NULL) added to row m's sums before the
+ * epilogue. */
+int kiln_qgemm_rows(int path, long M, long N, long K, const uint8_t *A, long lda, int a_zero,
+                    const void *B, const int32_t *colsum, const int32_t *row_add,
+                    float a_scale, const float *w_scale, long w_scale_n, const float *bias,
+                    const float *R, long ldr, int act, const float *ep, float *C, long ldc,
+                    int nthreads)
+{
     if (path == 0)
         path = kiln_qgemm_best_path();
     if (path < QP_SCALAR || path > kiln_qgemm_best_path())
@@ -278,7 +293,8 @@ int kiln_qgemm(int path, long M, long N, long K, const uint8_t *A, long lda, int
     struct qjob j = {path, M, N, K, lda, ldc, rb, A, a_zero, B, colsum, a_scale, w_scale,
                      w_scale_n, bias, R, ldr, act, ep[0], ep[1],
                      act == QACT_REQUANT ? ep[2] : 0.0f, act == QACT_REQUANT ? ep[3] : 0.0f,
-                     act == QACT_REQUANT ? ep[4] : 0.0f, act == QACT_REQUANT ? ep[5] : 0.0f, C};
+                     act == QACT_REQUANT ? ep[4] : 0.0f, act == QACT_REQUANT ? ep[5] : 0.0f, C,
+                     row_add};
     if (act == QACT_REQUANT)
         j.a_scale = 1.0f;
     kiln_range_fn fn = path == QP_VNNI ? vnni_items : path == QP_AVX2 ? avx2_items :

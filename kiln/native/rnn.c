@@ -10,7 +10,8 @@
 #include "kernels.h"
 
 enum { RNN_RNN, RNN_GRU, RNN_LSTM };
-enum { RNN_REVERSE = 1, RNN_LINEAR_BEFORE_RESET = 2, RNN_INPUT_FORGET = 4, RNN_CLIP = 8 };
+enum { RNN_REVERSE = 1, RNN_LINEAR_BEFORE_RESET = 2, RNN_INPUT_FORGET = 4, RNN_CLIP = 8,
+       RNN_VNNI = 16 /* kiln_dq_lstm: R as int8 VNNI panels (see gemv_vnni) */ };
 /* activation codes (kiln/native/rnn.py's RNN_ACTIVATIONS) */
 enum { RA_SIGMOID, RA_TANH, RA_RELU, RA_LEAKY_RELU, RA_HARD_SIGMOID, RA_AFFINE, RA_SCALED_TANH };
 
@@ -301,7 +302,7 @@ static void clip_n(float *v, long n, float clip)
 
 /* scale and zero point of h's range widened to hold 0 (DynamicQuantizeLinear's float32 steps)
  * and q = codes - zero point */
-static void quantize_rows(long n, const float *h, short *q, float *scale)
+static void quantize_rows(long n, const float *h, short *q, float *scale, int *zero)
 {
     float lo = 0.0f, hi = 0.0f;
     for (long i = 0; i < n; i++) {
@@ -315,6 +316,51 @@ static void quantize_rows(long n, const float *h, short *q, float *scale)
         q[i] = (short)((c < 0.0f ? 0.0f : c > 255.0f ? 255.0f : c) - z);
     }
     *scale = s;
+    *zero = (int)z;
+}
+
+#define TGTV __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+
+/* acc[0..N) = q[0..K) R as int32, exactly, on AVX512-VNNI: q the codes minus zero point z
+ * (int16, |q| <= 255), R int8 in qgemm.c's VNNI panels (32 columns x groups of 4 rows, 128
+ * bytes a group) after its column sums (int32, N rounded up to 32): the codes (q + z, uint8)
+ * times R by vpdpbusd, minus z times the column sums. Half R's bytes of gemv_i16's pairs. */
+TGTV static void gemv_vnni(long K, long N, const short *q, int z, const void *r, int *acc)
+{
+    long kg = (K + 3) / 4, np = (N + 31) / 32;
+    const int32_t *cs = r;
+    const int8_t *b = (const int8_t *)r + np * 32 * 4;
+    uint32_t words[kg];
+    for (long g = 0; g < kg; g++) {
+        uint32_t w = 0;
+        for (int e = 0; e < 4 && 4 * g + e < K; e++)
+            w |= (uint32_t)(uint8_t)(q[4 * g + e] + z) << (8 * e);
+        words[g] = w;
+    }
+    __m512i vz = _mm512_set1_epi32(z);
+    for (long p = 0; p < np; p++) {
+        const int8_t *bp = b + p * 32 * kg * 4;
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, c0 = a0, c1 = a0;
+        long g = 0;
+        for (; g + 2 <= kg; g += 2) {
+            __m512i x0 = _mm512_set1_epi32((int)words[g]), x1 = _mm512_set1_epi32((int)words[g + 1]);
+            a0 = _mm512_dpbusd_epi32(a0, x0, _mm512_loadu_si512(bp + g * 128));
+            a1 = _mm512_dpbusd_epi32(a1, x0, _mm512_loadu_si512(bp + g * 128 + 64));
+            c0 = _mm512_dpbusd_epi32(c0, x1, _mm512_loadu_si512(bp + g * 128 + 128));
+            c1 = _mm512_dpbusd_epi32(c1, x1, _mm512_loadu_si512(bp + g * 128 + 192));
+        }
+        if (g < kg) {
+            __m512i x0 = _mm512_set1_epi32((int)words[g]);
+            a0 = _mm512_dpbusd_epi32(a0, x0, _mm512_loadu_si512(bp + g * 128));
+            a1 = _mm512_dpbusd_epi32(a1, x0, _mm512_loadu_si512(bp + g * 128 + 64));
+        }
+        a0 = _mm512_sub_epi32(_mm512_add_epi32(a0, c0),
+                              _mm512_mullo_epi32(vz, _mm512_loadu_si512(cs + p * 32)));
+        a1 = _mm512_sub_epi32(_mm512_add_epi32(a1, c1),
+                              _mm512_mullo_epi32(vz, _mm512_loadu_si512(cs + p * 32 + 16)));
+        _mm512_storeu_si512(acc + p * 32, a0);
+        _mm512_storeu_si512(acc + p * 32 + 16, a1);
+    }
 }
 
 /* acc[0..N) = q[0..K) r as int32, exactly: r holds the int16 rows in pairs, r[(i N + j) 2 + e]
@@ -374,7 +420,9 @@ int kiln_dq_lstm(const long *g, const int *acts, const float *ab, float clip, co
     int flags = (int)g[3], cl = (flags & RNN_CLIP) != 0, forget = (flags & RNN_INPUT_FORGET) != 0;
     rnn_act f = {acts[0], ab[0], ab[3]}, gg = {acts[1], ab[1], ab[4]}, hf = {acts[2], ab[2], ab[5]};
     long K = H + (H & 1);  /* rq's rows, padded to pairs */
-    size_t bh = sizeof(float) * (B * K > 0 ? B * K : 1), nb = sizeof(float) * (N > 0 ? N : 1);
+    int vnni = (flags & RNN_VNNI) != 0;
+    size_t bh = sizeof(float) * (B * K > 0 ? B * K : 1);
+    size_t nb = sizeof(float) * ((N + 31) / 32 * 32 > 0 ? (N + 31) / 32 * 32 : 1);
     float *prev = malloc(bh), *c = malloc(bh), *acc = malloc(nb), *m = malloc(nb);
     short *q = calloc(B * K > 0 ? B * K : 1, sizeof(short));
     int *iacc = malloc(nb);
@@ -390,7 +438,8 @@ int kiln_dq_lstm(const long *g, const int *acts, const float *ab, float clip, co
     }
     for (long t = 0; t < T; t++) {
         float s;
-        quantize_rows(B * H, prev, q, &s);  /* all rows together, one scale */
+        int z;
+        quantize_rows(B * H, prev, q, &s, &z);  /* all rows together, one scale */
         for (long b = B - 1; b > 0; b--) {  /* rows K apart: a zero code pads an odd H */
             memmove(q + b * K, q + b * H, sizeof(short) * H);
             if (K > H) q[b * K + H] = 0;
@@ -400,7 +449,10 @@ int kiln_dq_lstm(const long *g, const int *acts, const float *ab, float clip, co
         for (long b = 0; b < B; b++) {
             const float *x = xw + (t * B + b) * N;
             float *cb = c + b * H, *hb = y + (t * B + b) * H;
-            gemv_i16(K, N, q + b * K, rq, iacc);
+            if (vnni)
+                gemv_vnni(H, N, q + b * K, z, rq, iacc);
+            else
+                gemv_i16(K, N, q + b * K, rq, iacc);
             for (long j = 0; j < N; j++) {
                 float p = (float)iacc[j] * m[j];
                 float sum = x[j] + p;

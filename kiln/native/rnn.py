@@ -18,6 +18,7 @@ from kiln import native
 KINDS = {"RNN": 0, "GRU": 1, "LSTM": 2}
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 REVERSE, LINEAR_BEFORE_RESET, INPUT_FORGET, CLIP = 1, 2, 4, 8
+VNNI = 16  # kiln_dq_lstm's R as int8 VNNI panels (vnni_weight)
 # lower-case ONNX activation name -> (rnn.c's code, default alpha, default beta)
 RNN_ACTIVATIONS = {"sigmoid": (0, 0.0, 0.0), "tanh": (1, 0.0, 0.0), "relu": (2, 0.0, 0.0),
                    "leakyrelu": (3, 0.01, 0.0), "hardsigmoid": (4, 0.2, 0.5),
@@ -233,3 +234,15 @@ def dq_lstm(g: tuple, acts: tuple, clip: float, xw, rq, rs, bias, peep, h0, c0, 
                                          yc))) != 0:
         raise MemoryError("DynamicQuantizeLSTM: no scratch memory")
     return y, yh, yc
+
+
+def vnni_weight(w: torch.Tensor) -> torch.Tensor:
+    """kiln_dq_lstm's R for its VNNI step (flag :data:`VNNI`): integer weights [H, 4H] within
+    int8 as one uint8 buffer, their column sums (int32, 4H rounded up to 32) then qgemm.c's
+    VNNI panels."""
+    wq = w.to(torch.int8)
+    packed = native.QGemmWeight(wq, "vnni")
+    n = wq.shape[1]
+    cs = torch.zeros((n + 31) // 32 * 32, dtype=torch.int32)
+    cs[:n] = packed.colsum
+    return torch.cat([cs.view(torch.uint8), packed.packed])

@@ -168,3 +168,42 @@ def test_dynamic_quantize_lstm_native_recurrence_matches_torch_steps(case, monke
     want = run_kiln(model, feeds)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not __import__("kiln").native.available or
+                    not __import__("kiln").native.qconv_available(), reason="needs AVX512-VNNI")
+@pytest.mark.parametrize("case", [
+    {"hid": 13, "seq": 4, "states": True}, {"hid": 40, "signed": False, "lens": [3]},
+    {"batch": 3, "hid": 13, "seq": 4, "lens": [4, 0, 2], "states": True, "peepholes": True},
+], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_dynamic_quantize_lstm_vnni_step_matches_int16_step(case, monkeypatch):
+    """kiln_dq_lstm's VNNI step (R as int8 panels) against its int16 pairs: the same integers,
+    so the same outputs to the bit (odd H, a partial 32-column panel, uint8 R shifted by its
+    zero point 128, several rows)."""
+    from kiln.kernels.torch import dynamic_quantize_lstm as DL
+
+    model, feeds, _ = _model(**case)
+    made = []
+    real = DL._vnni_r
+    monkeypatch.setattr(DL, "_vnni_r", lambda n, w: made.append(r := real(n, w)) or r)
+    got = run_kiln(model, feeds)
+    assert made and all(r is not None for r in made)
+    monkeypatch.setattr(DL, "_vnni_r", lambda n, w: None)
+    want = run_kiln(model, feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_no_vnni_step_for_weights_beyond_int8():
+    """Must not fire: integer weights beyond int8 (uint8 codes, zero point 0) keep the int16
+    pairs."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kiln.kernels.torch import dynamic_quantize_lstm as DL
+
+    w = torch.tensor([[0.0, 255.0], [3.0, -4.0]])
+    assert DL._vnni_r(SimpleNamespace(cache={}), w) is None
+    assert DL._vnni_r(SimpleNamespace(cache={}), w.clamp(max=127)) is not None or \
+        not __import__("kiln").native.qconv_available()

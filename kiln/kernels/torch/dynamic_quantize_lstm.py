@@ -188,15 +188,36 @@ def _pairs_i16(n, w: torch.Tensor) -> torch.Tensor:
     return got[1]
 
 
+def _vnni_r(n, w: torch.Tensor):
+    """R's integers [H, 4H] as kiln_dq_lstm's VNNI step reads them (int8 panels, half the
+    bytes of :func:`_pairs_i16`'s pairs) where the CPU has AVX512-VNNI and they fit int8, else
+    None; made once per weight."""
+    from kiln import native
+    from kiln.native import rnn as NR
+
+    per_weight = n.cache.setdefault("dq_lstm_vnni", {})  # one per direction
+    got = per_weight.get(id(w))
+    if got is None or got[0] is not w:
+        fits = native.qconv_available() and w.numel() and float(w.min()) >= -128 and \
+            float(w.max()) <= 127
+        got = per_weight[id(w)] = (w, NR.vnni_weight(w) if fits else None)
+    return got[1]
+
+
 def _run_native(n, acts, xw, rq, rs, bias, p, h, c, lens, steps):
     """:func:`_run` in one C call (kiln/native/rnn.c's kiln_dq_lstm)."""
     from kiln.native import rnn as NR
 
     batch, hid = h.shape
     flags = (NR.INPUT_FORGET if n.a.input_forget else 0) | (NR.CLIP if n.a.clip else 0)
+    r = _vnni_r(n, rq[0])
+    if r is None:
+        r = _pairs_i16(n, rq[0])
+    else:
+        flags |= NR.VNNI
     y, y_h, y_c = NR.dq_lstm(
         (steps, batch, hid, flags), acts, float(n.a.clip or 0.0), xw.contiguous(),
-        _pairs_i16(n, rq[0]), rs.contiguous(), bias.contiguous(),
+        r, rs.contiguous(), bias.contiguous(),
         None if p is None else p.contiguous(), h.contiguous(), c.contiguous(),
         lens.to(torch.int64).contiguous())
     return y, y_h, y_c

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kiln import native
 from kiln.ir import DType
 from kiln.kernels.registry import register
 from kiln.kernels.torch.convert import TORCH_DTYPE, dtype_of
@@ -386,10 +387,70 @@ def _conv_weight(w, w_zp):
     return wf, exact_chunks(per_input)
 
 
+def _qconv_weight(w, w_zp):
+    """A constant 8-bit weight with one zero point (or one per output channel, all equal: a
+    per-channel int8 weight's zeros) as qconv.c's (2-D: a 1-D kernel gets a height of 1),
+    else None."""
+    if not torch.is_tensor(w) or w.dtype not in (torch.uint8, torch.int8) or \
+            w.dim() not in (3, 4):
+        return None
+    if w_zp is not None and w_zp.numel() != 1:
+        if w_zp.numel() != w.shape[0] or bool((w_zp.reshape(-1) != w_zp.reshape(-1)[0]).any()):
+            return None
+        w_zp = w_zp.reshape(-1)[:1]
+    w4 = w if w.dim() == 4 else w.unsqueeze(2)
+    return native.QConvWeight(w4, 0 if w_zp is None else int(w_zp.reshape(()).item()))
+
+
+def qconv_plan(x, w, w_zp, a, cache):
+    """kiln's VNNI integer convolution planned for this layer and x's shape and dtype (a
+    :class:`kiln.native.QConvPlan`, kept in ``cache`` per shape), or None where it cannot take
+    the layer: 8-bit CPU codes, a constant weight with one zero point, one group, 1-2 spatial
+    dims."""
+    if cache is None or (a.group or 1) != 1 or not torch.is_tensor(x) or \
+            x.dtype not in (torch.uint8, torch.int8) or x.device.type != "cpu" or \
+            x.dim() not in (3, 4) or x.dim() != np.ndim(w) or not native.qconv_available():
+        return None
+    qw = _prepared(cache, "qconv_w", (w, w_zp), lambda: _qconv_weight(w, w_zp))
+    if qw is None:
+        return None
+    plans = cache.setdefault("qconv_plans", {})
+    key = (tuple(x.shape), x.dtype, id(qw))
+    plan = plans.get(key)
+    if plan is None or plan.w is not qw:
+        n_sp = x.dim() - 2
+        ks = list(a.kernel_shape or ()) or list(w.shape[2:])
+        strides = list(a.strides or ()) or [1] * n_sp
+        dils = list(a.dilations or ()) or [1] * n_sp
+        begin, end = conv_padding(tuple(x.shape), ks, strides, dils, a.pads,
+                                  a.auto_pad or "NOTSET")
+        shape = tuple(x.shape)
+        if n_sp == 1:
+            shape, strides, dils = (shape[0], shape[1], 1, shape[2]), [1, *strides], [1, *dils]
+            begin, end = [0, *begin], [0, *end]
+        plan = plans[key] = native.QConvPlan(shape, x.dtype, qw, strides, [*begin, *end], dils)
+    return plan
+
+
+def _qconv(x, w, x_zp, w_zp, a, cache, bias=None, scale=0.0):
+    if x_zp is not None and x_zp.numel() != 1:
+        return None
+    plan = qconv_plan(x, w, w_zp, a, cache)
+    if plan is None:
+        return None
+    xz = 0 if x_zp is None else int(x_zp.reshape(()).item())
+    y = plan.run(x if x.dim() == 4 else x.unsqueeze(2), xz, bias, scale)
+    return y.squeeze(2) if x.dim() == 3 else y
+
+
 def int_conv(x, w, x_zp, w_zp, a, cache: dict | None = None) -> torch.Tensor:
-    """conv(x - x_zp, w - w_zp), exact, as an int32 tensor: float32 convolutions over
+    """conv(x - x_zp, w - w_zp), exact, as an int32 tensor: kiln's VNNI integer convolution
+    where it takes the layer (:func:`qconv_args`), else float32 convolutions over
     input-channel chunks that cannot round (:func:`exact_chunks`), summed in int32; a grouped
     convolution in one piece (float64 when one float32 piece could round)."""
+    y = _qconv(x, w, x_zp, w_zp, a, cache)
+    if y is not None:
+        return y
     xf = shifted(x, x_zp).to(torch.float32)
     wf, chunks = _prepared(cache, "int_conv_w", (w, w_zp), lambda: _conv_weight(w, w_zp))
     groups = a.group or 1
@@ -414,7 +475,16 @@ def conv_integer(n, x, w, x_zp=None, w_zp=None):
 @register(I8.ConvIntegerScaled)
 def conv_integer_scaled(n, x, w, x_zp, w_zp, b, s):
     """ConvInteger, then the ops it replaces one after the other, each in its own dtype: the
-    bias ``int32(floor(B / S))`` added in int32, the sum cast to float32 and scaled by S."""
+    bias ``int32(floor(B / S))`` added in int32, the sum cast to float32 and scaled by S
+    (in one qconv.c call where it takes the layer)."""
+    if torch.is_tensor(s) and s.numel() == 1 and torch.is_tensor(b) and s.device.type == "cpu":
+        sf = float(s.float().reshape(()).item())
+        if sf != 0.0 and math.isfinite(sf):
+            bf = _prepared(n.cache, "qconv_b", (b,), lambda: b.float().reshape(-1).contiguous())
+            y = _qconv(x, w, x_zp, w_zp, n.a, n.cache, bf, sf) if bf.numel() == \
+                w.shape[0] else None
+            if y is not None:
+                return y
     acc = int_conv(x, w, x_zp, w_zp, n.a, n.cache)
     bq = torch.floor(torch.div(b.float(), s.float())).to(torch.int32)
     acc = acc.add_(bq.reshape((1, -1) + (1,) * (acc.dim() - 2)))
