@@ -204,6 +204,18 @@ void kiln_pointwise(int op, int rank, const long *shape0, float *y, const long *
         row(op, 1, y, 1, a, 1, b, 1, p0, p1);
         return;
     }
+    if (!b && rank >= 2 && shape[rank - 1] < 8 && sa[rank - 1] != 1) {
+        /* a short innermost dim that a reads strided (an NCHW image of 3 channels written
+         * channels-last): rows of 3, each a walk through the outer dims, took 0.46 ms for a
+         * 224 x 224 image; rows along a's unit-stride dim instead, written strided */
+        for (int d = rank - 2; d >= 0; d--)
+            if (sa[d] == 1 && shape[d] >= 8) {
+                long t0 = shape[d], t1 = sy[d], t2 = sa[d];
+                shape[d] = shape[rank - 1], sy[d] = sy[rank - 1], sa[d] = sa[rank - 1];
+                shape[rank - 1] = t0, sy[rank - 1] = t1, sa[rank - 1] = t2;
+                break;
+            }
+    }
     long inner = shape[rank - 1], outer = 1;
     for (int d = 0; d < rank - 1; d++)
         outer *= shape[d];

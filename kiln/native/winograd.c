@@ -108,6 +108,56 @@ int kiln_wino_pack(long C, long K, const float *Wt, float *out)
     return 0;
 }
 
+/* One block of tiles [t0, t0 + nb) in flight: what the three phases' items read. */
+struct wino_job {
+    long H, W, C, K, Ho, Wo, pt, pl, th, tw, t0, nb, vs, ms, usize, panels;
+    const float *X, *Up, *bias, *R;
+    float *Y, *V, *M;
+    int act;
+    float alpha, beta;
+};
+
+/* Tiles [i0, i1) of the block: their patches' transforms into V. */
+TGT static void wino_in_items(void *arg, long i0, long i1)
+{
+    const struct wino_job *j = arg;
+    for (long i = i0; i < i1; i++) {
+        long g = j->t0 + i, n = g / (j->th * j->tw), r = g % (j->th * j->tw);
+        const float *x = j->X + n * j->H * j->W * j->C;
+        for (long c = 0; c < j->C; c += 8)
+            wino_in(x, j->H, j->W, j->C, 2 * (r / j->tw) - j->pt, 2 * (r % j->tw) - j->pl, c,
+                    j->V + i * j->C, j->vs);
+    }
+}
+
+/* Items [a, b) of the 16 GEMMs (item e * panels + p: transform position e, weight panel p). */
+TGT static void wino_gemm_items(void *arg, long a, long b)
+{
+    const struct wino_job *j = arg;
+    while (a < b) {
+        long e = a / j->panels, p0 = a % j->panels;
+        long p1 = p0 + (b - a) < j->panels ? p0 + (b - a) : j->panels;
+        kiln_gemm_block(0, j->nb, p0, p1, j->K, j->C, j->V + e * j->vs, j->C,
+                        j->Up + e * j->usize, NULL, NULL, 0, j->M + e * j->ms, j->K, ACT_NONE,
+                        0.0f, 0.0f);
+        a += p1 - p0;
+    }
+}
+
+/* Tiles [i0, i1) of the block: their outputs from the products in M, the epilogue applied. */
+TGT static void wino_out_items(void *arg, long i0, long i1)
+{
+    const struct wino_job *j = arg;
+    for (long i = i0; i < i1; i++) {
+        long g = j->t0 + i, n = g / (j->th * j->tw), r = g % (j->th * j->tw);
+        long off = n * j->Ho * j->Wo * j->K;
+        for (long k = 0; k < j->K; k += 8)
+            wino_out(j->M + i * j->K, j->ms, j->Ho, j->Wo, j->K, 2 * (r / j->tw),
+                     2 * (r % j->tw), k, j->bias, j->R ? j->R + off : NULL, j->Y + off, j->act,
+                     j->alpha, j->beta);
+    }
+}
+
 /* Y = act(conv3x3(X, W) + bias + R) as above, the image padded by pt rows on top and pl columns
  * on the left (Ho, Wo: the output's size, whatever padding that implies at the bottom and
  * right); Up: kiln_wino_pack's result; bias, R may be NULL; tb: tiles per block (<= 0: chosen
@@ -133,36 +183,17 @@ int kiln_wino3x3(long N, long H, long W, long C, long K, long Ho, long Wo, long 
         free(V); free(M);
         return -1;
     }
-#pragma omp parallel num_threads(nthreads)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        for (long t0 = 0; t0 < T; t0 += tb) {
-            long nb = T - t0 < tb ? T - t0 : tb;
-            for (long i = nb * t / nt; i < nb * (t + 1) / nt; i++) {
-                long g = t0 + i, n = g / (th * tw), r = g % (th * tw);
-                const float *x = X + n * H * W * C;
-                for (long c = 0; c < C; c += 8)
-                    wino_in(x, H, W, C, 2 * (r / tw) - pt, 2 * (r % tw) - pl, c, V + i * C, vs);
-            }
-#pragma omp barrier
-            long items = 16 * panels, a = items * t / nt, b = items * (t + 1) / nt;
-            while (a < b) {
-                long e = a / panels, p0 = a % panels;
-                long p1 = p0 + (b - a) < panels ? p0 + (b - a) : panels;
-                kiln_gemm_block(0, nb, p0, p1, K, C, V + e * vs, C, Up + e * usize, NULL, NULL, 0,
-                      M + e * ms, K, ACT_NONE, 0.0f, 0.0f);
-                a += p1 - p0;
-            }
-#pragma omp barrier
-            for (long i = nb * t / nt; i < nb * (t + 1) / nt; i++) {
-                long g = t0 + i, n = g / (th * tw), r = g % (th * tw);
-                long off = n * Ho * Wo * K;
-                for (long k = 0; k < K; k += 8)
-                    wino_out(M + i * K, ms, Ho, Wo, K, 2 * (r / tw), 2 * (r % tw), k, bias,
-                             R ? R + off : NULL, Y + off, act, alpha, beta);
-            }
-#pragma omp barrier
-        }
+    /* each phase a kiln_parallel loop (team.c: chunks claimed, never waiting on a thread that
+     * is not running), not an OpenMP region with a static split and barriers: that one waited
+     * for a woken thread, or one kept from its core by kiln's spinning workers, every phase */
+    struct wino_job j = {H, W, C, K, Ho, Wo, pt, pl, th, tw, 0, 0, vs, ms, usize, panels,
+                         X, Up, bias, R, Y, V, M, act, alpha, beta};
+    for (long t0 = 0; t0 < T; t0 += tb) {
+        j.t0 = t0;
+        j.nb = T - t0 < tb ? T - t0 : tb;
+        kiln_parallel(j.nb, wino_in_items, &j, nthreads);
+        kiln_parallel(16 * panels, wino_gemm_items, &j, nthreads);
+        kiln_parallel(j.nb, wino_out_items, &j, nthreads);
     }
     free(V); free(M);
     return 0;

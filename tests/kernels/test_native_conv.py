@@ -73,6 +73,7 @@ WINO_CASES = [  # N, C, K, H, W, pad, residual, activation
     (1, 8, 8, 6, 5, (0, 0), False, "LeakyRelu"), # no padding: 4 x 3 out
     (2, 8, 16, 7, 7, (2, 1), True, "Gelu"),      # more padding than the kernel needs
     (1, 8, 8, 66, 66, (1, 1), False, "Sigmoid"), # 1089 tiles: more than one tile block
+    (2, 256, 256, 20, 20, (1, 1), True, "Relu"),  # 200 tiles in blocks of 32: one spans both images
 ]
 
 

@@ -90,6 +90,37 @@ def test_output_layout_sets_the_walk(perm):
 
 
 @needs_native
+@pytest.mark.parametrize("c", [1, 3, 4, 7, 8])
+@pytest.mark.parametrize("op", ["Copy", "Relu"])
+def test_short_channels_to_channels_last(op, c):
+    """An NCHW image written channels-last (a network's input before its NHWC stem): with
+    fewer than 8 channels the kernel walks rows along the image's contiguous dim (pointwise.c);
+    at 8 it keeps y's order. Either way every element lands where torch puts it."""
+    x = torch.randn(2, c, 23, 37, generator=torch.Generator().manual_seed(7))
+    out = torch.empty(2, 23, 37, c).permute(0, 3, 1, 2)
+    native.pointwise(op, x, out=out)
+    want = x.double() if op == "Copy" else torch.relu(x.double())
+    _close(out, want)
+    assert torch.equal(out.permute(0, 2, 3, 1).contiguous(),
+                       want.float().permute(0, 2, 3, 1).contiguous())
+
+
+@needs_native
+def test_no_reorder_short_inner_without_unit_stride_operand():
+    """The short-inner reordering needs a unit-stride dim in the operand: a strided view of one
+    (every other column) and a binary op keep the plain walk, and still match torch."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(1, 3, 16, 40, generator=g)[..., ::2]
+    out = torch.empty(1, 16, 20, 3).permute(0, 3, 1, 2)
+    native.pointwise("Copy", x, out=out)
+    _close(out, x.double())
+    b = torch.randn(1, 3, 1, 1, generator=g)
+    out2 = torch.empty(1, 16, 20, 3).permute(0, 3, 1, 2)
+    native.pointwise("Add", x.contiguous(), b, out=out2)
+    _close(out2, x.double() + b.double())
+
+
+@needs_native
 def test_pointwise_large_runs_threaded():
     x = torch.randn(64, 4096, generator=torch.Generator().manual_seed(3))
     _close(native.pointwise("Sigmoid", x), torch.sigmoid(x.double()))
