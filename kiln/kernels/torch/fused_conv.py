@@ -106,15 +106,22 @@ def _onednn_ok(a, x, w) -> bool:
             and w.dtype == torch.float32 and torch.backends.mkldnn.is_available())
 
 
-def symmetric_geometry(n, x, w):
-    """(padding, stride, dilation, output spatial dims) of a 2-D conv, as oneDNN and cuDNN take
-    them, or None when the pads are asymmetric; kept per input and weight shape."""
-    key = ("geo", tuple(x.shape[2:]), tuple(w.shape))
+def conv_window(n, x, w):
+    """(output spatial dims, begin pads, end pads, strides, dilations) of a 2-D conv; kept per
+    input and weight shape."""
+    key = ("window", tuple(x.shape[2:]), tuple(w.shape))
     if key not in n.cache:
         k, s, d, p = N.spatial_attrs(n.a, 2, list(w.shape[2:]))
         outs, pb, pe = N.window_geometry(list(x.shape[2:]), k, s, d, p, n.a.auto_pad)
-        n.cache[key] = (list(pb), list(s), list(d), tuple(outs)) if pb == pe else None
+        n.cache[key] = (tuple(outs), list(pb), list(pe), list(s), list(d))
     return n.cache[key]
+
+
+def symmetric_geometry(n, x, w):
+    """(padding, stride, dilation, output spatial dims) of a 2-D conv, as oneDNN and cuDNN take
+    them, or None when the pads are asymmetric."""
+    outs, pb, pe, s, d = conv_window(n, x, w)
+    return (pb, s, d, outs) if pb == pe else None
 
 
 def _asymmetric(n, x, w):
@@ -125,8 +132,7 @@ def _asymmetric(n, x, w):
     if not native.available or not (depthwise or ((n.a.group or 1) == 1
                                                   and w.shape[1] == x.shape[1])):
         return None
-    k, s, d, p = N.spatial_attrs(n.a, 2, list(w.shape[2:]))
-    _, pb, pe = N.window_geometry(list(x.shape[2:]), k, s, d, p, n.a.auto_pad)
+    _, pb, pe, s, d = conv_window(n, x, w)
     return (tuple(pb), tuple(s), tuple(d), tuple(pe))
 
 

@@ -51,7 +51,6 @@ from kiln.kernels.triton.common import (
 from kiln.kernels.triton.gemm import gemm2d, gemm_tactics
 from kiln.kernels.triton.lazy import cdiv, jit, tl
 from kiln.ops import fused_conv as FC
-from kiln.ops import nn as N
 
 CL = torch.channels_last
 DEFAULT = {"epilogue": "triton", "BLOCK": 1024, "num_warps": 4}
@@ -114,18 +113,9 @@ def _direct_geometry(n, x, w):
     stride, dilation, output H, W). They read the input through bounds masks, so the end pads
     only set the output size and may differ from the begin pads (TF-style "same" padding of a
     stride-2 conv: 0 before, 1 after). None where a pad is negative or the output is empty."""
-    key = ("direct-geo", tuple(x.shape[2:]), tuple(w.shape))
-    if key not in n.cache:
-        k, s, d, p = N.spatial_attrs(n.a, 2, list(w.shape[2:]))
-        outs, pb, pe = N.window_geometry(list(x.shape[2:]), k, s, d, p, n.a.auto_pad)
-        ok = min(pb) >= 0 and min(pe) >= 0 and min(outs) > 0
-        n.cache[key] = (list(pb), list(s), list(d), tuple(outs)) if ok else None
-    return n.cache[key]
-
-
-def geo_out(n, x, w) -> tuple:
-    """The conv's output H, W (either geometry gives the same)."""
-    return (_geometry(n, x, w) or _direct_geometry(n, x, w))[3]
+    outs, pb, pe, s, d = torch_fused.conv_window(n, x, w)
+    ok = min(pb) >= 0 and min(pe) >= 0 and min(outs) > 0
+    return (pb, s, d, outs) if ok else None
 
 
 def _direct_only(n, x, w) -> bool:
@@ -237,7 +227,8 @@ def fused_conv(n, x, w, b=None, r=None):
     direct = _direct_only(n, x, w)
     if direct and t.get("impl") not in ("igemm", "depthwise"):
         return torch_fused.fused_conv(n, x, w, b, r)  # untuned: the torch kernel pads itself
-    pad, stride, dil, _ = _direct_geometry(n, x, w) if direct else _geometry(n, x, w)
+    geo = _direct_geometry(n, x, w) if direct else _geometry(n, x, w)
+    pad, stride, dil, _ = geo
     if b is not None and b.dtype != x.dtype:
         b = b.to(x.dtype)
     if not x.is_contiguous(memory_format=CL):
@@ -250,11 +241,11 @@ def fused_conv(n, x, w, b=None, r=None):
             return _conv1x1(n, t, x, w, b, r, s)
     wc = torch_fused._weight_nhwc(n, w)  # channels-last, made once per node (a no-op if it is)
     if t.get("impl") == "igemm" and groups == 1:
-        return implicit_gemm.conv2d(t, x, wc, b, r, (pad, stride, dil, geo_out(n, x, w)),
-                                    a.activation, a.alpha or 0.0, a.beta or 0.0)
+        return implicit_gemm.conv2d(t, x, wc, b, r, geo, a.activation, a.alpha or 0.0,
+                                    a.beta or 0.0)
     if t.get("impl") == "depthwise" and depthwise.is_depthwise(groups, x, w):
-        return depthwise.conv2d(t, x, wc, b, r, (pad, stride, dil, geo_out(n, x, w)),
-                                a.activation, a.alpha or 0.0, a.beta or 0.0)
+        return depthwise.conv2d(t, x, wc, b, r, geo, a.activation, a.alpha or 0.0,
+                                a.beta or 0.0)
     if t["epilogue"] == "cudnn" and _cudnn_fuses(n, x):
         if r is None:
             return torch.cudnn_convolution_relu(x, wc, b, stride, pad, dil, groups)
