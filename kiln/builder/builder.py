@@ -336,6 +336,8 @@ class Builder:
             self._tuning_complete = status.get("complete", False)
         timed = sum(s.timed for p in per_profile for s in p.values())
         cached = sum(s.cached for p in per_profile for s in p.values())
+        # per-layer cuDNN margin picks, before the engine-wide rule marks its own switches
+        kept = sum(s.plan_free for p in per_profile for s in p.values())
         for k, picks in enumerate(per_profile):
             total = sum(s.ms for s in picks.values())
             at = f" at shape point {k}" if len(per_profile) > 1 else ""
@@ -352,7 +354,6 @@ class Builder:
                              f"run pays its initialisation (they save {share}"
                              + (", and untuned layers use it too)" if lib in loaded
                                 else ", or some have no library-free kernel)"))
-        kept = sum(s.plan_free for p in per_profile for s in p.values())
         if kept:
             self.log(f"autotune: {kept} layers keep a kernel within {cfg.plan_margin:.0%} of a "
                      "faster cuDNN one, so the engine's first run makes no cuDNN plan for them "
