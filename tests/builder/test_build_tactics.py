@@ -145,10 +145,9 @@ def test_builder_plan_margin_keeps_kernels_without_a_first_run_plan(fake_gpu, mo
                    for ln in lines)
 
 
-def test_each_profile_runs_the_tactics_tuned_at_its_opt_shapes(fake_gpu, monkeypatch,
-                                                               tmp_path):
-    """Two profiles: batch 2 is fastest with BLOCK 16, batch 64 with BLOCK 64; each input runs
-    the tactic of the profile it matches, also after a save and load."""
+def _block_per_batch(monkeypatch, best: dict[int, int]):
+    """A fake CUDA MatMul kernel whose fastest BLOCK depends on the batch (``best``), and the
+    fake clock that times it: (calls seen as (node, tactic, batch), clock)."""
     seen: list = []
 
     def fn(call, a, b):
@@ -158,7 +157,6 @@ def test_each_profile_runs_the_tactics_tuned_at_its_opt_shapes(fake_gpu, monkeyp
     monkeypatch.setitem(registry._KERNELS, (MATMUL, "cuda"), [fake])
     monkeypatch.setitem(registry._KERNELS, (MATMUL, "cpu"),
                         kernels_for(MATMUL, "cpu") + [dataclasses.replace(fake, backend="cpu")])
-    best = {2: 16, 64: 64}
 
     def clock(f) -> float:
         n = len(seen)
@@ -167,6 +165,15 @@ def test_each_profile_runs_the_tactics_tuned_at_its_opt_shapes(fake_gpu, monkeyp
             return 1.0  # the PyTorch kernel
         _, tactic, batch = seen[-1]
         return 0.1 if tactic["BLOCK"] == best[batch] else 0.5
+    return seen, clock
+
+
+def test_each_profile_runs_the_tactics_tuned_at_its_opt_shapes(fake_gpu, monkeypatch,
+                                                               tmp_path):
+    """Two profiles: batch 2 is fastest with BLOCK 16, batch 64 with BLOCK 64; each input runs
+    the tactic of the profile it matches, also after a save and load."""
+    best = {2: 16, 64: 64}
+    seen, clock = _block_per_batch(monkeypatch, best)
 
     profiles = [kiln.Profile.fixed({"x": (2, 8)}), kiln.Profile.fixed({"x": (64, 8)})]
     b = Builder(BuilderConfig(device="cuda", optimize=False, profiles=profiles), timer=clock)
@@ -275,24 +282,8 @@ def test_one_dynamic_profile_runs_kernels_tuned_at_min_opt_and_max(fake_gpu, mon
     tune_at="all" times all three and each batch runs the tactic of the first tuning point at
     least as large (b1 -> 16, b5 -> 32, b30 and b64 -> 64), also after a save and load;
     tune_at="opt" runs BLOCK 32 everywhere."""
-    seen: list = []
-
-    def fn(call, a, b):
-        seen.append((call.node_name, call.tactic, a.shape[0]))
-        return a @ b
-    fake = Kernel(MATMUL, "cuda", fn, "FakeMatMul", tactics=TACTICS)
-    monkeypatch.setitem(registry._KERNELS, (MATMUL, "cuda"), [fake])
-    monkeypatch.setitem(registry._KERNELS, (MATMUL, "cpu"),
-                        kernels_for(MATMUL, "cpu") + [dataclasses.replace(fake, backend="cpu")])
     best = {1: 16, 8: 32, 64: 64}
-
-    def clock(f) -> float:
-        n = len(seen)
-        f()
-        if len(seen) == n:
-            return 1.0  # the PyTorch kernel
-        _, tactic, batch = seen[-1]
-        return 0.1 if tactic["BLOCK"] == best[batch] else 0.5
+    seen, clock = _block_per_batch(monkeypatch, best)
 
     profile = kiln.Profile({"x": (1, 8)}, {"x": (8, 8)}, {"x": (64, 8)})
     b = Builder(BuilderConfig(device="cuda", optimize=False, profiles=[profile],

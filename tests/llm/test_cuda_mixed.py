@@ -64,6 +64,17 @@ def test_mixed_steps_match_each_request_alone(tiny_dir, monkeypatch, fused_ops):
     assert eng.runner.describe()["decode"] == "eager-triton"
 
 
+def _step(g, heads: int, kv: int, d: int):
+    """One mixed step's entries (two decodes, a fresh 5-token prompt, a 4-token chunk after 19
+    cached tokens, over scattered blocks) and its new q, k, v."""
+    entries = [(6, 1, [3, 9]), (0, 5, [4, 11]), (19, 4, [0, 5, 7, 2, 14, 8]), (2, 1, [13])]
+    t = sum(n for _, n, _ in entries)
+    q = torch.randn(t, heads, d, generator=g)
+    k = torch.randn(t, kv, d, generator=g)
+    v = torch.randn(t, kv, d, generator=g)
+    return entries, q, k, v
+
+
 def test_mixed_attention_matches_torch_attention():
     """One step of two decodes, a fresh 5-token prompt and a 4-token chunk after 19 cached
     tokens, over scattered blocks (GQA 4/2): MixedMeta's attention gives the torch path's
@@ -74,11 +85,7 @@ def test_mixed_attention_matches_torch_attention():
     g = torch.Generator().manual_seed(0)
     heads, kv, d, bs = 4, 2, 16, 4
     cache = torch.randn(1, 2, 16, bs, kv, d, generator=g)
-    entries = [(6, 1, [3, 9]), (0, 5, [4, 11]), (19, 4, [0, 5, 7, 2, 14, 8]), (2, 1, [13])]
-    t = sum(n for _, n, _ in entries)
-    q = torch.randn(t, heads, d, generator=g)
-    k = torch.randn(t, kv, d, generator=g)
-    v = torch.randn(t, kv, d, generator=g)
+    entries, q, k, v = _step(g, heads, kv, d)
     ref_cache = cache.clone()
     want = TorchPagedAttention(ref_cache, heads)(0, q, k, v, build_meta(entries, bs, "cpu"))
     meta = MixedMeta(entries, bs, DEV)
@@ -104,11 +111,7 @@ def test_mixed_attention_fp8_cache_matches_torch_attention():
     scales = kv_quant.KVScales(1, "cpu")
     scales.t[0] = torch.tensor([0.02, 0.01])
     cache = kv_quant.quantize(torch.randn(1, 2, 16, bs, kv, d, generator=g), scales.t[0, 0])
-    entries = [(6, 1, [3, 9]), (0, 5, [4, 11]), (19, 4, [0, 5, 7, 2, 14, 8]), (2, 1, [13])]
-    t = sum(n for _, n, _ in entries)
-    q = torch.randn(t, heads, d, generator=g)
-    k = torch.randn(t, kv, d, generator=g)
-    v = torch.randn(t, kv, d, generator=g)
+    entries, q, k, v = _step(g, heads, kv, d)
     ref_cache = cache.clone()
     want = TorchPagedAttention(ref_cache, heads, scales)(0, q, k, v,
                                                          build_meta(entries, bs, "cpu"))

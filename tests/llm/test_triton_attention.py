@@ -48,19 +48,26 @@ def test_paged_decode_tiled_mha_matches_sdpa(tile, splits, lens):
     _check_paged_decode(4, 2, splits, lens, tile=tile)  # GQA: mha_tile ignored
 
 
-def _check_paged_decode(heads, kv, splits, lens, tile=None):
-    g = torch.Generator().manual_seed(0)
-    d, bs, blocks = 16, 16, 12
-    dtype = torch.float16 if DEV == "cuda" else torch.float32
-    kc = torch.randn(blocks, bs, kv, d, generator=g).to(DEV, dtype)
-    vc = torch.randn(blocks, bs, kv, d, generator=g).to(DEV, dtype)
-    perm = torch.randperm(blocks, generator=g)  # scattered, non-increasing block ids
+def _scattered_tables(lens, bs: int, blocks: int, g) -> torch.Tensor:
+    """Block tables for sequences of ``lens`` tokens over a random permutation of the
+    ``blocks`` (scattered, non-increasing block ids); int32 [seqs, max blocks] on the CPU."""
+    perm = torch.randperm(blocks, generator=g)
     need = [-(-n // bs) for n in lens]
     tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
     used = 0
     for i, nb in enumerate(need):
         tables[i, :nb] = perm[used:used + nb]
         used += nb
+    return tables
+
+
+def _check_paged_decode(heads, kv, splits, lens, tile=None):
+    g = torch.Generator().manual_seed(0)
+    d, bs, blocks = 16, 16, 12
+    dtype = torch.float16 if DEV == "cuda" else torch.float32
+    kc = torch.randn(blocks, bs, kv, d, generator=g).to(DEV, dtype)
+    vc = torch.randn(blocks, bs, kv, d, generator=g).to(DEV, dtype)
+    tables = _scattered_tables(lens, bs, blocks, g)
     q = torch.randn(len(lens), heads, d, generator=g).to(DEV, dtype)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
     got = paged_decode(q, kc, vc, tables.to(DEV), lens_t, d ** -0.5, splits=splits,
@@ -118,13 +125,7 @@ def test_paged_decode_fp8_cache(heads, kv, splits, lens, calibrated, tile):
     if calibrated:
         sc = torch.stack([k32.abs().amax(), v32.abs().amax()]) / kv_quant.FP8_MAX
     k8, v8 = kv_quant.quantize(k32, sc[0]), kv_quant.quantize(v32, sc[1])
-    perm = torch.randperm(blocks, generator=g)
-    need = [-(-n // bs) for n in lens]
-    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
-    used = 0
-    for i, nb in enumerate(need):
-        tables[i, :nb] = perm[used:used + nb]
-        used += nb
+    tables = _scattered_tables(lens, bs, blocks, g)
     q = torch.randn(len(lens), heads, d, generator=g).to(DEV, dtype)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
     tables = tables.to(DEV)
