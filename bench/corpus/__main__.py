@@ -54,6 +54,9 @@ def parse_args(argv=None):
                    help="CUDA: kiln alone at batch 1 (FP32 check, FP16 build, error, timing, "
                         "cold start), no torch peers and no large batch: a quick pass over "
                         "many models for 'builds, runs and matches FP32'")
+    p.add_argument("--large-batch", type=int, default=0, metavar="N",
+                   help="CUDA: the large batch for every batch-dynamic model (default: per "
+                        "family, e.g. 64 for CNNs and encoders)")
     p.add_argument("--note", default="", help="a line for the report (the machine was shared)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # MODEL:OUT, internal
     return p.parse_args(argv)
@@ -61,7 +64,7 @@ def parse_args(argv=None):
 
 def options(args) -> Options:
     return Options(args.device, args.threads, args.warmup, args.duration, args.iterations,
-                   args.kiln_only)
+                   args.kiln_only, args.large_batch)
 
 
 def work(args) -> int:
@@ -87,6 +90,7 @@ def run_worker(entry: Entry, args, tmp: Path) -> dict:
            "--device", args.device, "--corpus", args.corpus, "--threads", str(args.threads),
            "--duration", str(args.duration), "--iterations", str(args.iterations),
            "--warmup", str(args.warmup)] + (["--kiln-only"] if args.kiln_only else [])
+    cmd += ["--large-batch", str(args.large_batch)] if args.large_batch else []
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if args.omp_wait_policy != "default":
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()

@@ -262,7 +262,7 @@ def run_model(entry: Entry, corpus: Path, tmp: Path, opts: Options) -> dict:
     check_fp32(entry, path, feeds, refs, tmp, row)
     if PROGRESS is not None:
         PROGRESS(row)
-    batches = [1] + ([LARGE_BATCH.get(entry.family, 16)]
+    batches = [1] + ([opts.large_batch or LARGE_BATCH.get(entry.family, 16)]
                      if entry.batch_dynamic and not opts.kiln_only else [])
     row["cuda"] = {}
     for b in batches:

@@ -22,6 +22,7 @@ class Options:
     min_s: float = 1.0
     min_iters: int = 10
     kiln_only: bool = False  # CUDA: kiln FP16 at batch 1 alone (no peers, no large batch)
+    large_batch: int = 0  # CUDA: the large batch for every batch-dynamic model (0: per family)
 
 
 def ort_session(path: Path, device: str, threads: int, optimize: bool = True):
