@@ -26,8 +26,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--memory-fraction", type=float, default=0.9,
                    help="share of device memory for the model and its KV cache")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
+    g.add_argument("--max-num-seqs", type=int, default=0,
+                   help="sequences per step (default 0: 64 on CPU, 256 on CUDA)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="tokens per step (default 0: 2048 on CPU, 8192 on CUDA)")
     g.add_argument("--max-model-len", type=int, default=0, help="longest prompt + output")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-cuda-graphs", action="store_true")

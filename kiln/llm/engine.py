@@ -33,7 +33,9 @@ class EngineConfig:
         block_size: tokens per KV-cache block.
         num_blocks: KV-cache blocks; 0 sizes the pool from ``memory_fraction``.
         memory_fraction: share of device memory for weights + cache (CUDA); on CPU, of RAM.
-        max_num_seqs, max_num_batched_tokens: per-step limits of the scheduler.
+        max_num_seqs, max_num_batched_tokens: per-step limits of the scheduler; 0 (the
+            default): by device, ``DEFAULT_LIMITS`` (CPU 64 / 2048; CUDA 256 / 8192, what an
+            H200 needs to batch 256 concurrent requests and prefill 16 prompts of 512 a step).
         max_model_len: longest prompt + output (0: the model's context, capped at 4096 on CPU).
         enable_prefix_caching: reuse the KV blocks of prompts seen before.
         cuda_graphs: capture decode steps in CUDA graphs (CUDA only).
@@ -54,8 +56,8 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int = 0
     memory_fraction: float = 0.9
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
     max_model_len: int = 0
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
@@ -64,6 +66,21 @@ class EngineConfig:
     native_decode: bool = True
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
+
+
+# device type -> (max_num_seqs, max_num_batched_tokens) where EngineConfig leaves them at 0
+DEFAULT_LIMITS = {"cpu": (64, 2048), "cuda": (256, 8192)}
+
+
+def scheduler_limits(cfg: EngineConfig, device: str) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) for ``device`` (``cpu``/``cuda``): the config's,
+    or the device's defaults where they are 0."""
+    seqs, tokens = DEFAULT_LIMITS.get(device, DEFAULT_LIMITS["cpu"])
+    if cfg.max_num_seqs < 0 or cfg.max_num_batched_tokens < 0:
+        raise KilnError(f"max_num_seqs={cfg.max_num_seqs}, max_num_batched_tokens="
+                        f"{cfg.max_num_batched_tokens}: use positive numbers (0: the device's "
+                        f"defaults, {seqs} and {tokens} here)")
+    return cfg.max_num_seqs or seqs, cfg.max_num_batched_tokens or tokens
 
 
 @dataclass
@@ -105,14 +122,15 @@ class LLMEngine:
             _parts = load_model(model, device, dtype, cfg.weights)
         self.model, self.tokenizer, self.model_name = _parts
         device = self.model.device.type
-        self.runner = _make_runner(self.model, cfg)
+        self.max_num_seqs, self.max_num_batched_tokens = scheduler_limits(cfg, device)
+        self.runner = _make_runner(self.model, cfg, self.max_num_seqs)
         mc = self.model.cfg
         max_len = cfg.max_model_len or min(mc.max_position, 4096 if device == "cpu" else 1 << 30)
         # an ONNX decoder keeps its own past tensors: a cached block is no past for it
         prefix = cfg.enable_prefix_caching and not getattr(self.runner, "own_kv", False)
         self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, prefix)
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_len, long_prefill_token_threshold=cfg.long_prefill_token_threshold),
             self.kv)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
@@ -198,7 +216,7 @@ def _freeze_gc():
 _UNFREEZE_AT_EXIT = False
 
 
-def _make_runner(model, cfg: EngineConfig):
+def _make_runner(model, cfg: EngineConfig, max_num_seqs: int | None = None):
     from kiln.llm import kv_quant
     from kiln.llm.onnx_decoder import OnnxDecoder, OnnxModelRunner
     from kiln.llm.runner import ModelRunner, blocks_from_memory
@@ -216,7 +234,8 @@ def _make_runner(model, cfg: EngineConfig):
     if model.device.type == "cuda":
         from kiln.llm.cuda_runner import CudaModelRunner
 
+        max_num_seqs = max_num_seqs or scheduler_limits(cfg, "cuda")[0]
         return CudaModelRunner(model, n, cfg.block_size, cuda_graphs=cfg.cuda_graphs,
-                               max_batch=cfg.max_num_seqs,
+                               max_batch=max_num_seqs,
                                max_model_len=cfg.max_model_len or None, **kv)
     return ModelRunner(model, n, cfg.block_size, native_decode=cfg.native_decode, **kv)

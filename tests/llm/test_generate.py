@@ -106,3 +106,19 @@ def test_errors_are_clear(tiny_dir, tmp_path):
         llm.generate([[1, 2, 10**6]])
     with pytest.raises(KilnError, match="config.json"):
         LLM(tmp_path)
+
+
+def test_scheduler_limits_default_by_device(tiny_dir):
+    """max_num_seqs / max_num_batched_tokens left at 0: 64 / 2048 on the CPU, 256 / 8192 on
+    CUDA; given ones are kept; negative ones are an error naming both."""
+    from kiln.llm.engine import EngineConfig, scheduler_limits
+
+    assert scheduler_limits(EngineConfig(), "cpu") == (64, 2048)
+    assert scheduler_limits(EngineConfig(), "cuda") == (256, 8192)
+    assert scheduler_limits(EngineConfig(max_num_seqs=8), "cuda") == (8, 8192)
+    assert scheduler_limits(EngineConfig(max_num_batched_tokens=96), "cpu") == (64, 96)
+    with pytest.raises(KilnError, match="max_num_seqs=-1"):
+        scheduler_limits(EngineConfig(max_num_seqs=-1), "cpu")
+    eng = LLM(tiny_dir, num_blocks=64).engine
+    assert (eng.scheduler.config.max_num_seqs,
+            eng.scheduler.config.max_num_batched_tokens) == (64, 2048)
