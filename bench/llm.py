@@ -198,24 +198,30 @@ def llama7b_shape(device="cuda", seed=0):
     cfg = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                       num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
                       rms_norm_eps=1e-5, max_position=4096, name="llama-2-7b-shape")
+    return cfg, random_llama(cfg, device, torch.float16, seed)
+
+
+def random_llama(cfg: ModelConfig, device="cuda", dtype=torch.float16, seed=0) -> dict:
+    """A seeded random Llama state dict of ``cfg``'s shape (weights N(0, 0.02), norms 1),
+    made on ``device``."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def r(*shape, scale=0.02):
-        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float16) * scale)
+        return (torch.randn(*shape, generator=g, device=device, dtype=dtype) * scale)
     h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     sd = {"model.embed_tokens.weight": r(cfg.vocab_size, h), "lm_head.weight": r(cfg.vocab_size, h),
-          "model.norm.weight": torch.ones(h, device=device, dtype=torch.float16)}
+          "model.norm.weight": torch.ones(h, device=device, dtype=dtype)}
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
-        for name, shape in (("self_attn.q_proj", (h, h)), ("self_attn.k_proj", (h, h)),
-                            ("self_attn.v_proj", (h, h)), ("self_attn.o_proj", (h, h)),
+        for name, shape in (("self_attn.q_proj", (q, h)), ("self_attn.k_proj", (kv, h)),
+                            ("self_attn.v_proj", (kv, h)), ("self_attn.o_proj", (h, q)),
                             ("mlp.gate_proj", (i, h)), ("mlp.up_proj", (i, h)),
                             ("mlp.down_proj", (h, i))):
             sd[p + name + ".weight"] = r(*shape)
-        sd[p + "input_layernorm.weight"] = torch.ones(h, device=device, dtype=torch.float16)
-        sd[p + "post_attention_layernorm.weight"] = torch.ones(h, device=device,
-                                                               dtype=torch.float16)
-    return cfg, sd
+        sd[p + "input_layernorm.weight"] = torch.ones(h, device=device, dtype=dtype)
+        sd[p + "post_attention_layernorm.weight"] = torch.ones(h, device=device, dtype=dtype)
+    return sd
 
 
 def free_cuda():

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Issue 20's GPU checks in one device call (H200, repo root, ~8 min at most): the LLM tests that
+# need CUDA, the 7B FP8-KV bench.llm rows (decode b1, TTFT 512, 256 concurrent 512/256), the step
+# breakdown (bench.llm_step) and the decode attention kernels (bench.llm_attention).
+#
+#   PARTS=tests,llm,step,attn bash bench/gpu_llm_step.sh     # the default: all four
+#   PARTS=step STEP_ARGS="--weights fp8" bash bench/gpu_llm_step.sh
+#
+# Every part writes under $OUT (at most 8 files come back): summary.txt (versions, per part its
+# exit code and seconds), tests.txt, llm.json + llm.txt, step.json + step.txt, attn.json +
+# attn.txt. Each part runs under `timeout` (TESTS_S, LLM_S, STEP_S, ATTN_S seconds; the
+# defaults add up to 470 s) so one hang does not eat the others; rc 124 in summary.txt = cut off.
+set -u
+OUT=${OUT:-$(mktemp -d)}
+PARTS=${PARTS:-tests,llm,step,attn}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+S="$OUT/summary.txt"
+t0=$(date +%s)
+{
+  echo "parts: $PARTS  start: $(date -u +%FT%TZ)  commit: $(git rev-parse --short HEAD 2>/dev/null)"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader 2>&1
+  python -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, \
+torch.version.cuda, triton.__version__)" 2>&1
+} > "$S"
+
+part() {  # part NAME SECONDS COMMAND...: run it under timeout, log rc and seconds
+  local name=$1 secs=$2; shift 2
+  [[ ",$PARTS," == *",$name,"* ]] || return 0
+  local t=$(date +%s)
+  echo "[$(( t - t0 )) s] $name: $*" | tee -a "$S"
+  timeout --kill-after=10 "$secs" "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "[$(( $(date +%s) - t0 )) s] $name rc=$rc ($(( $(date +%s) - t )) s)" | tee -a "$S"
+  tail -c 1200 "$OUT/$name.txt"; echo
+}
+
+# the LLM tests that need CUDA (or run their Triton kernels on it); -x stops at the first failure
+part tests "${TESTS_S:-110}" python -m pytest -q -x -rfE -p no:cacheprovider ${TESTS:-\
+tests/llm/test_cuda_runner.py tests/llm/test_cuda_mixed.py tests/llm/test_cuda_runner_fill.py \
+tests/llm/test_triton_attention.py tests/llm/test_triton_fused.py tests/llm/test_triton_gemv.py \
+tests/llm/test_kv_fp8.py tests/llm/test_fp8.py tests/llm/test_bench_llm.py}
+# the README's H200 row: 7B shape, FP16 weights, FP8 KV; decode b1, TTFT 512, 256 x (512 / 256)
+part llm "${LLM_S:-170}" python -m bench.llm --device cuda --models 7b --peers 0 \
+  --cuda-weights dtype --kv-cache-dtype fp8 --agree 0 ${LLM_ARGS:-} --json "$OUT/llm.json"
+part step "${STEP_S:-140}" python -m bench.llm_step --kv-cache-dtype fp8 ${STEP_ARGS:-} \
+  --json "$OUT/step.json"
+part attn "${ATTN_S:-50}" python -m bench.llm_attention ${ATTN_ARGS:-} --json "$OUT/attn.json"
+echo "[$(( $(date +%s) - t0 )) s] done" | tee -a "$S"
