@@ -25,6 +25,7 @@ from kiln.ir.rewrite import is_graph_output, replace_uses
 from kiln.ops import quant as Q
 from kiln.ops import random as R
 from kiln.ops import tensor as T
+from kiln.ops import vision as V
 from kiln.passes.fold import graph_and_subgraphs, same_dim, sym_array
 
 RANDOM = {R.RandomUniform, R.RandomNormal, R.RandomUniformLike, R.RandomNormalLike,
@@ -87,6 +88,47 @@ def _full_slice(n: Node) -> bool:
     return _same_shape(n)
 
 
+def _identity_resize(n: Node) -> bool:
+    """Resize whose every scale is 1 (given as scales, or as sizes equal to the input's dims
+    under the fixed profile) and whose sampling then reads each input position itself: any
+    mode (at scale 1 the linear and cubic taps fall on the samples, nearest's source is the
+    sample) and any coordinate transform but those that shift it (tf_crop_and_resize's roi;
+    tf_half_pixel_for_nn rounding x + 0.5 up). A 320 x 320 image "resized" to 320 x 320
+    (torchvision's detection transform) cost 0.59 ms in tv_ssdlite320."""
+    if not _same_shape(n):
+        return False
+    shape = n.inputs[0].type.shape
+    rank = len(shape)
+    if n.op is V.Upsample or len(n.inputs) == 2:  # (x, scales): asymmetric, nearest floor
+        scales = _const_floats(n, 1, getattr(n.attrs, "scales", None))
+        sizes = None
+        if scales is None and getattr(n.attrs, "height_scale", None) is not None:
+            scales = [n.attrs.height_scale, n.attrs.width_scale]  # Upsample-1: H and W
+    else:
+        coord, nearest = n.attrs.coordinate_transformation_mode, n.attrs.nearest_mode
+        scales = _const_floats(n, 2) if len(n.inputs) > 2 and n.inputs[2] is not None else []
+        sizes = _const_ints(n, 3) if len(n.inputs) > 3 and n.inputs[3] is not None else []
+        if scales is None or sizes is None:
+            return False  # a scale or size known only at run time
+        if coord == "tf_crop_and_resize" or (coord == "tf_half_pixel_for_nn"
+                                             and nearest == "round_prefer_ceil"):
+            return False
+    axes = getattr(n.attrs, "axes", None)
+    axes = [a % rank for a in axes] if axes else list(range(rank))
+    if sizes:
+        return len(sizes) == len(axes) and all(
+            isinstance(shape[a], int) and shape[a] == s for a, s in zip(axes, sizes))
+    return bool(scales) and all(s == 1.0 for s in scales)
+
+
+def _const_floats(n: Node, i: int, attr=None) -> list[float] | None:
+    """Float contents of constant input ``i``, else the attribute (None: neither)."""
+    v = n.inputs[i] if i < len(n.inputs) else None
+    if v is None:
+        return None if attr is None else [float(x) for x in attr]
+    return None if v.const is None else [float(x) for x in np.asarray(v.const).reshape(-1)]
+
+
 pm_noops: dict = {
     T.Identity: lambda n: True,  # Identity(x) -> x
     T.Dropout: _dropout_is_noop,  # Dropout(x) -> x at inference (mask unused)
@@ -96,6 +138,8 @@ pm_noops: dict = {
     T.Pad: _zero_pads,  # Pad(x, 0) -> x
     T.Slice: _full_slice,  # Slice(x, 0, end, 1) -> x
     T.Expand: _same_shape,  # Expand(x: S, S) -> x
+    V.Resize: _identity_resize,  # Resize(x, scale 1) -> x
+    V.Upsample: _identity_resize,  # Upsample(x, scale 1) -> x
 }
 
 

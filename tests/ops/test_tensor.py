@@ -33,6 +33,11 @@ def _i64(*v):
     ("Gather", {"x": X, "i": _i64(-1, 0, 1).reshape(3, 1)}, {"axis": 1}),
     ("GatherElements", {"x": X, "i": RNG.integers(-3, 3, (2, 2, 4))}, {"axis": 1}),
     ("GatherND", {"x": X, "i": _i64(1, 2, 0, 0).reshape(2, 2)}, {}),
+    # the leading axis (index_select): negative indices, several index dims, a 1-D x
+    ("GatherND", {"x": X, "i": _i64(1, -2, 0, 1, 1, -1).reshape(2, 3, 1)}, {}),
+    ("GatherND", {"x": X[0, 0], "i": _i64(3, 0, -4).reshape(3, 1)}, {}),
+    ("GatherND", {"x": X, "i": np.zeros((0, 1), np.int64)}, {}),
+    ("GatherND", {"x": X, "i": _i64(1, 0, 2, 1).reshape(2, 2, 1)}, {"batch_dims": 1}),
     ("ScatterElements", {"x": X, "i": _i64(0, 2).reshape(1, 1, 2),
                          "u": np.ones((1, 1, 2), np.float32)}, {"axis": 2, "reduction": "add"}),
     ("ScatterND", {"x": X, "i": _i64(1, 0, 1, 0).reshape(2, 2),
@@ -195,3 +200,21 @@ def test_gather_scalar_index_negative_and_out_of_range():
     np.testing.assert_array_equal(gather(call, x, torch.tensor(2, dtype=torch.int32)), x[:, 2])
     with pytest.raises(IndexError, match="index 4 out of range"):
         gather(call, x, torch.tensor(4))
+
+
+def test_gather_nd_leading_axis_rule():
+    """GatherND takes index_select only for batch_dims 0 and one index per slice; the other
+    forms (k = 2, batch_dims 1) keep the general path, checked against the reference above."""
+    import torch
+
+    from kiln.kernels.torch.tensor import leading_axis_rows
+    assert leading_axis_rows(0, torch.zeros(5, 1))
+    assert leading_axis_rows(0, torch.zeros(2, 3, 1))
+    assert not leading_axis_rows(0, torch.zeros(5, 2))
+    assert not leading_axis_rows(1, torch.zeros(2, 3, 1))
+
+
+def test_gather_nd_leading_axis_out_of_range_names_the_node():
+    model = node_model("GatherND", {"x": X, "i": _i64(0, 2).reshape(2, 1)})
+    with pytest.raises(Exception, match=r"GatherND .*index 2 out of range .*size 2"):
+        run_kiln(model, {"x": X, "i": _i64(0, 2).reshape(2, 1)})

@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from kiln.frontend import import_onnx
-from kiln.passes import eliminate
+from kiln.passes import eliminate, fold, refine
 from tests.passes.test_fold import assert_same_outputs, const, make_model, run, run_passes
 
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -115,6 +115,75 @@ def test_no_fuse_slice_reversed():
     run_passes(g, NOOPS)
     assert g.op_counts()["Slice"] == 1
     assert_same_outputs(model, NOOPS, {"x": randn(4)})
+
+
+def resize_model(scales=None, sizes=None, shape_sizes=False, out_hw=None, **attrs):
+    """Relu(Resize(x [1, 3, 5, 6])) with constant scales or sizes, or (``shape_sizes``) sizes
+    computed from x's own shape as torchvision's detection transform does, constant only once
+    folding has run under the fixed dims."""
+    nodes, ins = [], ["x", "", ""]
+    if scales is not None:
+        nodes.append(const("scales", np.asarray(scales, np.float32)))
+        ins = ["x", "", "scales"]
+    elif shape_sizes:
+        nodes.append(helper.make_node("Shape", ["x"], ["sizes"], name="shape"))
+        ins = ["x", "", "", "sizes"]
+    else:
+        nodes.append(const("sizes", np.asarray(sizes, np.int64)))
+        ins = ["x", "", "", "sizes"]
+    nodes += [helper.make_node("Resize", ins, ["r"], name="resize", **attrs),
+              helper.make_node("Relu", ["r"], ["y"], name="relu")]
+    return make_model(nodes, [("x", F32, [1, 3, 5, 6])], ["y"])
+
+
+FOLD_AND_NOOPS = refine.PASSES + fold.PASSES + NOOPS
+
+
+@pytest.mark.parametrize("kw", [
+    {"scales": [1, 1, 1, 1], "mode": "linear"},
+    {"sizes": [1, 3, 5, 6], "mode": "linear", "coordinate_transformation_mode": "half_pixel"},
+    {"sizes": [5, 6], "axes": [2, 3], "mode": "cubic",
+     "coordinate_transformation_mode": "align_corners"},
+    {"shape_sizes": True, "mode": "linear"},
+    {"scales": [1, 1, 1, 1], "mode": "nearest",
+     "coordinate_transformation_mode": "tf_half_pixel_for_nn"},
+])
+def test_remove_identity_resize_structure_counts_numerics(kw):
+    model = resize_model(**kw)
+    g = import_onnx(model)
+    assert g.op_counts()["Resize"] == 1
+    logs = run_passes(g, FOLD_AND_NOOPS)
+    assert g.op_counts() == {"Relu": 1}
+    (relu,) = g.nodes
+    assert relu.inputs[0] is g.inputs[0]
+    assert any("resize" in m and "no-op" in m for m in logs)
+    assert_same_outputs(model, FOLD_AND_NOOPS, {"x": randn(1, 3, 5, 6)})
+
+
+@pytest.mark.parametrize("kw", [
+    {"scales": [1, 1, 2, 2], "mode": "linear"},  # a real upscale
+    {"sizes": [1, 3, 10, 12], "mode": "nearest"},
+    {"sizes": [5, 7], "axes": [2, 3], "mode": "linear"},
+    {"scales": [1, 1, 1.1, 1.1], "mode": "linear"},  # floor(5.5) = 5: the shape stays, not the
+                                                     # samples
+    {"scales": [1, 1, 1, 1], "mode": "linear",
+     "coordinate_transformation_mode": "tf_crop_and_resize"},  # the roi moves the samples
+    {"scales": [1, 1, 1, 1], "mode": "nearest", "nearest_mode": "round_prefer_ceil",
+     "coordinate_transformation_mode": "tf_half_pixel_for_nn"},  # x + 0.5 rounded up
+])
+def test_no_fuse_resize_that_resamples(kw):
+    model = resize_model(**kw)
+    g = import_onnx(model)
+    run_passes(g, FOLD_AND_NOOPS)
+    assert g.op_counts()["Resize"] == 1
+
+
+def test_no_fuse_resize_sizes_known_at_run_time():
+    # sizes a graph input: the output shape may be anything
+    nodes = [helper.make_node("Resize", ["x", "", "", "s"], ["y"], name="resize")]
+    g = import_onnx(make_model(nodes, [("x", F32, [1, 3, 5, 6]), ("s", I64, [4])], ["y"]))
+    run_passes(g, FOLD_AND_NOOPS)
+    assert g.op_counts() == {"Resize": 1}
 
 
 # ---------------------------------------------------------------- Transpose / Reshape chains
