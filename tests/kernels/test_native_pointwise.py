@@ -106,6 +106,39 @@ def test_short_channels_to_channels_last(op, c):
 
 
 @needs_native
+@pytest.mark.parametrize("n, c, h, w", [(1, 3, 224, 224), (2, 3, 23, 37), (1, 3, 5, 3),
+                                        (1, 16, 17, 19), (3, 21, 9, 70), (1, 64, 8, 8),
+                                        (1, 130, 3, 67), (1, 9, 1, 1)])
+@pytest.mark.parametrize("direction", ["to_nhwc", "to_nchw"])
+def test_transposing_copy_is_exact(n, c, h, w, direction):
+    """A Copy that transposes the two innermost dims (NCHW -> NHWC of a model's input, or back)
+    goes by tiles of 8 x 8 register transposes and, for 3 channels, vector interleaves
+    (pointwise.c's transpose_copy): shapes on and off the 8- and 64-element edges, batches,
+    both directions, each element exactly where torch puts it."""
+    x = torch.randn(n, c, h, w, generator=torch.Generator().manual_seed(c * h + w))
+    if direction == "to_nhwc":
+        out = torch.empty(n, h, w, c).permute(0, 3, 1, 2)
+        src = x
+    else:
+        src = x.contiguous(memory_format=torch.channels_last)
+        out = torch.empty(n, c, h, w)
+    native.pointwise("Copy", src, out=out)
+    assert torch.equal(out, x)
+
+
+@needs_native
+def test_transposing_copy_into_a_slice():
+    """The transposed rows written with a row stride wider than the row (a channels-last
+    buffer of 8 channels, the copy filling channels 2..5): the other channels stay."""
+    x = torch.randn(1, 3, 12, 20, generator=torch.Generator().manual_seed(2))
+    buf = torch.full((1, 12, 20, 8), 7.0)
+    out = buf.permute(0, 3, 1, 2)[:, 2:5]
+    native.pointwise("Copy", x, out=out)
+    assert torch.equal(buf[..., 2:5].permute(0, 3, 1, 2), x)
+    assert bool((buf[..., :2] == 7).all()) and bool((buf[..., 5:] == 7).all())
+
+
+@needs_native
 def test_no_reorder_short_inner_without_unit_stride_operand():
     """The short-inner reordering needs a unit-stride dim in the operand: a strided view of one
     (every other column) and a binary op keep the plain walk, and still match torch."""
