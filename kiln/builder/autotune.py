@@ -30,6 +30,12 @@ CACHE_FORMAT = "kiln-timing-cache"
 CACHE_VERSION = 1
 FAILED = float("inf")  # the time of a candidate that raised or gave wrong results
 PRUNE_KEEP = 3  # candidates timed in full after the quick estimates (see select)
+# What a fresh process pays once for a CUDA library at its first use, in ms on the H200
+# (python -m bench.cold_parts, 2026-12-03: cuBLAS 150-170, PyTorch's SDPA kernels ~125,
+# cuDNN 0.3-1 s with its first plans), and for each further cuDNN plan (one per layer shape).
+# plan_payback weighs them against the time a faster library kernel saves per inference.
+LIBRARY_START_MS = {"cublas": 170.0, "sdpa": 125.0, "cudnn": 1000.0}
+PLAN_MS = 5.0
 
 # |candidate - reference| <= atol + rtol * |reference|, per output dtype
 TOLERANCE = {torch.float16: (2e-2, 2e-2), torch.bfloat16: (8e-2, 5e-2),
@@ -247,7 +253,8 @@ def _close(got, want) -> bool:
 
 def select(node_name: str, op, call: Call, inputs, cands: list[Candidate],
            timer: Callable[[Callable], float], cache: TimingCache | None = None,
-           verify: bool = True, plan_margin: float = 0.0, keep: int = PRUNE_KEEP) -> Selection:
+           verify: bool = True, plan_margin: float = 0.0, keep: int = PRUNE_KEEP,
+           plan_payback: int = 0) -> Selection:
     """Time ``cands`` (or read their times from ``cache``) and keep the fastest.
 
     ``verify``: each candidate's outputs are first compared with the PyTorch kernel's; one that
@@ -264,7 +271,9 @@ def select(node_name: str, op, call: Call, inputs, cands: list[Candidate],
     ``plan_margin``: where the fastest candidate makes a library plan at its first call
     (``Kernel.makes_plan``: cuDNN), the fastest one that doesn't is kept instead if it is at
     most this fraction slower; the plan-making one is then the runner-up. An engine of such
-    kernels runs its first inference from its embedded binaries alone."""
+    kernels runs its first inference from its embedded binaries alone. ``plan_payback`` (> 0):
+    and only if the time it loses per run, over that many runs, is no more than the plan it
+    spares (``PLAN_MS``): a large-batch layer, where 25% is a lot of time, keeps the fastest."""
     if not cands:
         raise ValueError(f"node '{node_name}': no candidate kernels")
     ref = None
@@ -342,7 +351,8 @@ def select(node_name: str, op, call: Call, inputs, cands: list[Candidate],
     full_count = sum(not r[0] for r in ranked) or len(ranked)
     if timed[0][2].kernel.plans(timed[0][2].tactic):
         planless = [r for r in timed[:full_count] if not r[2].kernel.plans(r[2].tactic)]
-        if planless and planless[0][0] <= timed[0][0] * (1.0 + plan_margin):
+        if planless and planless[0][0] <= timed[0][0] * (1.0 + plan_margin) and (
+                plan_payback <= 0 or (planless[0][0] - timed[0][0]) * plan_payback <= PLAN_MS):
             timed.remove(planless[0])
             timed.insert(0, planless[0])
             sel.plan_free = True
@@ -372,8 +382,8 @@ def untuned_libraries(graph, picks: dict[str, Selection]) -> set[str]:
     return libs
 
 
-def drop_plans(picks: dict[str, Selection], margin: float,
-               loaded: set[str] = frozenset()) -> list[tuple[str, int, float, bool]]:
+def drop_plans(picks: dict[str, Selection], margin: float, loaded: set[str] = frozenset(),
+               payback: int = 0) -> list[tuple[str, int, float, bool]]:
     """The engine-wide half of ``plan_margin``. A process pays a CUDA library's initialisation
     once, at the first layer that uses it (cuDNN, cuBLAS, PyTorch's SDPA kernels: 0.1-1 s in a
     fresh process on the H200, ``python -m bench.cold_parts``), so the layers that picked a
@@ -382,7 +392,10 @@ def drop_plans(picks: dict[str, Selection], margin: float,
     (``Selection.planless``), and the engine's first run never loads that library. Where a
     layer of the library has no library-free candidate, or the library is in ``loaded``
     (untuned layers use it: :func:`untuned_libraries`), it is loaded anyway and its layers
-    keep their picks. Returns, per library picked: (library, layers, ms they save per
+    keep their picks. ``payback`` (> 0): a library whose layers save more per run than its
+    start-up (``LIBRARY_START_MS``) spread over that many runs is kept whatever the share (at
+    a large batch, 12% of a BERT-base b64 pass is 0.5 ms a run: cuBLAS's 170 ms start-up is
+    paid back in 340 runs). Returns, per library picked: (library, layers, ms they save per
     run, whether they were switched); the tuned layers' total is ``sum(s.ms)``."""
     total = sum(s.ms for s in picks.values())
     out = []
@@ -390,7 +403,8 @@ def drop_plans(picks: dict[str, Selection], margin: float,
         users = [s for s in picks.values() if s.library == lib]
         whole = lib not in loaded and all(s.planless is not None for s in users)
         saved = sum(s.planless[3] - s.ms for s in users if s.planless is not None)
-        switch = whole and saved <= margin * total
+        switch = whole and saved <= margin * total and (
+            payback <= 0 or saved * payback <= LIBRARY_START_MS.get(lib, PLAN_MS))
         if switch:
             for s in users:
                 _, kernel, tactic, ms = s.planless
@@ -503,12 +517,12 @@ class GraphTimer:
 def tune_graph(graph, profile=None, cache: TimingCache | None = None,
                timer: Callable | None = None, log: Callable[[str], None] = lambda m: None,
                device: str = "cuda", plan_margin: float = 0.0,
-               status: dict | None = None,
+               status: dict | None = None, plan_payback: int = 0,
                keep: Callable[[str, Candidate, object], bool] | None = None
                ) -> dict[str, Selection]:
     """Run ``graph`` once at the profile's opt shapes with the PyTorch kernels on ``device``;
     at every node that has CUDA kernels, time its candidates on the live inputs first
-    (``plan_margin``: see :func:`select`).
+    (``plan_margin``, ``plan_payback``: see :func:`select`).
 
     Returns a :class:`Selection` per tuned node (nodes with only the PyTorch kernel are not
     listed). Saves ``cache`` at the end. ``status["complete"]``: whether the run on random
@@ -545,7 +559,8 @@ def tune_graph(graph, profile=None, cache: TimingCache | None = None,
                     cands = [c for c in cands if keep(node.name, c, call.attrs)]
                 if len(cands) > (0 if keep is not None else 1):
                     picks[node.name] = sel = select(node.name, node.op, call, ins, cands,
-                                                    timer, cache, plan_margin=plan_margin)
+                                                    timer, cache, plan_margin=plan_margin,
+                                                    plan_payback=plan_payback)
                     log("autotune " + sel.line())
             return torch_k.fn(call, *ins)
         return dataclasses.replace(torch_k, fn=tuned)

@@ -332,6 +332,7 @@ class Builder:
             status: dict = {}
             per_profile.append(autotune.tune_graph(graph, profile, cache, timer=self.timer,
                                                    log=self.log, plan_margin=cfg.plan_margin,
+                                                   plan_payback=cfg.plan_payback,
                                                    status=status))
             self._tuning_complete = status.get("complete", False)
         timed = sum(s.timed for p in per_profile for s in p.values())
@@ -342,7 +343,8 @@ class Builder:
             total = sum(s.ms for s in picks.values())
             at = f" at shape point {k}" if len(per_profile) > 1 else ""
             loaded = autotune.untuned_libraries(graph, picks)
-            for lib, n, saved, switched in autotune.drop_plans(picks, cfg.plan_margin, loaded):
+            for lib, n, saved, switched in autotune.drop_plans(picks, cfg.plan_margin, loaded,
+                                                                  cfg.plan_payback):
                 share = f"{saved:.3f} of {total:.3f} ms per run ({saved / max(total, 1e-9):.0%})"
                 if switched:
                     self.log(f"autotune: {n} layers{at} would use {lib} to save {share}, not "
@@ -350,10 +352,16 @@ class Builder:
                              f"that need no library, so a fresh process's first run never "
                              f"loads {lib}")
                 else:
+                    start = autotune.LIBRARY_START_MS.get(lib, autotune.PLAN_MS)
+                    why = (", and untuned layers use it too" if lib in loaded
+                           else f", more than --plan-margin {cfg.plan_margin:g}"
+                           if saved > cfg.plan_margin * total
+                           else f", which pays back its ~{start:.0f} ms start-up within "
+                                f"--plan-payback {cfg.plan_payback} runs"
+                           if cfg.plan_payback > 0 and saved * cfg.plan_payback > start
+                           else ", and some have no library-free kernel")
                     self.log(f"autotune: {n} layers{at} use {lib}; a fresh process's first "
-                             f"run pays its initialisation (they save {share}"
-                             + (", and untuned layers use it too)" if lib in loaded
-                                else ", or some have no library-free kernel)"))
+                             f"run pays its initialisation (they save {share}{why})")
         if kept:
             self.log(f"autotune: {kept} layers keep a kernel within {cfg.plan_margin:.0%} of a "
                      "faster cuDNN one, so the engine's first run makes no cuDNN plan for them "

@@ -54,6 +54,12 @@ class BuilderConfig:
             than this fraction of the tuned layers' time (a fresh process pays a library's
             initialisation once, at its first use: 0.1-1.2 s on the H200, measured by
             ``python -m bench.cold_parts``). 0 keeps the fastest kernel everywhere.
+        plan_payback: on CUDA, the number of inferences over which a library's one-time cost
+            is weighed (default 1000): where a library kernel saves more per run than the
+            library's start-up (or, per layer, a cuDNN plan) divided by this many runs, it is
+            kept whatever ``plan_margin`` says, so large-batch engines run the fastest kernels
+            (BERT-base at b64: cuBLAS saves ~0.5 ms a run, its 170 ms start-up is paid back in
+            340 runs) while small ones keep a fast first run. 0: ``plan_margin`` alone.
         calib: INT8 calibration data: a folder of .npz/.npy batches, a Python file defining
             ``batches()``, or an iterable of ``{input name: array}`` (see
             :mod:`kiln.passes.quantize.data`).
@@ -93,6 +99,7 @@ class BuilderConfig:
     tune_at: str = "all"
     compile_workers: int | None = None
     plan_margin: float = 0.25
+    plan_payback: int = 1000
     cuda_graph: bool = True
     calib: object = None
     calibrator: str = "auto"
@@ -127,6 +134,9 @@ class BuilderConfig:
                              f"not {self.compile_workers!r}")
         if self.tune_at not in TUNE_AT:
             raise ValueError(f"tune_at must be one of {TUNE_AT}, not {self.tune_at!r}")
+        if not isinstance(self.plan_payback, int) or self.plan_payback < 0:
+            raise ValueError(f"plan_payback must be a whole number of runs >= 0 (0: plan_margin "
+                             f"alone), not {self.plan_payback!r}")
         if not 0.0 <= self.plan_margin <= 10.0:
             raise ValueError(f"plan_margin must be a fraction between 0 and 10 (0.25: 25%), "
                              f"not {self.plan_margin!r}")

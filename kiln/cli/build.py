@@ -43,6 +43,10 @@ def add_arguments(p):
                    help="CUDA: keep a kernel embedded in the engine over a faster cuDNN one "
                         "when at most this fraction slower (cuDNN makes a plan per layer "
                         "shape at the first run; default 0.25; 0: always the fastest)")
+    p.add_argument("--plan-payback", type=int, default=1000, metavar="RUNS",
+                   help="CUDA: keep a faster library kernel (cuBLAS, cuDNN, SDPA) whatever "
+                        "--plan-margin says when what it saves per run pays back the library's "
+                        "start-up within this many runs (default 1000; 0: the margin alone)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="CUDA: launch kernels one by one instead of replaying CUDA graphs")
     add_common_args(p)
@@ -65,7 +69,7 @@ def main(args) -> int:
                         optimize=not args.no_optimize, timing_cache=args.timing_cache,
                         tune=not args.no_tune, tune_at=args.tune_at,
                         compile_workers=args.compile_workers,
-                        plan_margin=args.plan_margin,
+                        plan_margin=args.plan_margin, plan_payback=args.plan_payback,
                         cuda_graph=not args.no_cuda_graph,
                         calib=args.calib, calibrator=args.calibrator,
                         calib_cache=args.calib_cache, int8_asymmetric=args.asymmetric,

@@ -633,3 +633,48 @@ def test_drop_plans_keeps_a_library_untuned_layers_load():
     p = picks()
     assert [r[3] for r in autotune.drop_plans(p, 0.25, set())] == [True]
     assert p["n1"].tactic == {"B": 2}
+
+
+@pytest.mark.parametrize("payback,kept", [
+    (0, "B=2"),      # the margin alone: 20% slower, within 25%, plan-free
+    (1000, "B=2"),   # loses 0.002 ms x 1000 runs = 2 ms, less than the plan it spares
+])
+def test_autotune_plan_payback_small_layers_keep_the_plan_free_kernel(payback, kept):
+    """A 0.1 ms layer whose plan-free tactic is 0.002 ms slower loses 2 ms over 1000 runs,
+    less than the cuDNN plan it spares (PLAN_MS): the plan-free tactic either way."""
+    clock = FakeClock({_key("TritonFake", {"B": 1}): 0.100,
+                       _key("TritonFake", {"B": 2}): 0.102, _key("TorchFake"): 0.105})
+    sel = select("n1", OP, _call(), (X,), _plan_cands(clock), clock, verify=False,
+                 plan_margin=0.25, plan_payback=payback)
+    assert sel.tactic == {"B": int(kept[-1])} and sel.plan_free
+
+
+def test_autotune_plan_payback_large_layers_keep_the_fastest():
+    """A 10 ms layer (a large batch) whose plan-free tactic is 20% slower loses 2 ms a run:
+    within the 25% margin, but over 1000 runs far more than a cuDNN plan: the fastest stays;
+    without payback (0) the margin alone keeps the plan-free one."""
+    clock = FakeClock({_key("TritonFake", {"B": 1}): 10.0,
+                       _key("TritonFake", {"B": 2}): 12.0, _key("TorchFake"): 10.5})
+    sel = select("n1", OP, _call(), (X,), _plan_cands(clock), clock, verify=False,
+                 plan_margin=0.25, plan_payback=1000)
+    assert sel.tactic == {"B": 1} and not sel.plan_free and sel.library == "cudnn"
+    sel0 = select("n1", OP, _call(), (X,), _plan_cands(clock), clock, verify=False,
+                  plan_margin=0.25, plan_payback=0)
+    assert sel0.tactic == {"B": 2} and sel0.plan_free
+
+
+def test_drop_plans_payback_keeps_a_library_that_pays_for_itself():
+    """cuDNN saves 0.05 of 1.10 ms a run (5%, under the 25% margin): switched with the margin
+    alone or a short payback (0.05 x 1000 = 50 ms < cuDNN's start-up), kept when the engine is
+    weighed over 100k runs (5 s > its start-up)."""
+    assert [r[3] for r in autotune.drop_plans(_engine_picks(0.15), 0.25, payback=0)] == [True]
+    assert [r[3] for r in autotune.drop_plans(_engine_picks(0.15), 0.25, payback=1000)] == [True]
+    picks = _engine_picks(0.15)
+    assert [r[3] for r in autotune.drop_plans(picks, 0.25, payback=100_000)] == [False]
+    assert picks["n1"].library == "cudnn" and picks["n1"].tactic == {"B": 1}
+
+
+def test_builder_config_rejects_a_negative_plan_payback():
+    from kiln.builder import BuilderConfig
+    with pytest.raises(ValueError, match="plan_payback"):
+        BuilderConfig(device="cuda", plan_payback=-1)

@@ -125,7 +125,8 @@ def test_builder_cuda_picks_kernel_and_tactic_by_timer(fake_gpu, fake_matmul, tm
 def test_builder_plan_margin_keeps_kernels_without_a_first_run_plan(fake_gpu, monkeypatch,
                                                                     margin, kept):
     """BLOCK 32 is fastest but (as cuDNN would) makes a plan at its first call; BLOCK 64 is 20%
-    slower: within the default 25% margin the build keeps 64, with margin 0 the fastest."""
+    slower: within the default 25% margin the build keeps 64, with margin 0 the fastest
+    (``plan_payback=0``: the margin alone; test_autotune covers the payback rule)."""
     seen: list = []
     planning = dataclasses.replace(_fake_matmul(seen, "cuda"),
                                    makes_plan=lambda t: t["BLOCK"] == 32)
@@ -134,7 +135,7 @@ def test_builder_plan_margin_keeps_kernels_without_a_first_run_plan(fake_gpu, mo
                         kernels_for(MATMUL, "cpu") + [_fake_matmul(seen, "cpu")])
     clock = FakeClock(seen, {16: 0.30, 32: 0.05, 64: 0.06}, torch_ms=0.20)
     lines: list[str] = []
-    cfg = BuilderConfig(device="cuda", optimize=False, plan_margin=margin)
+    cfg = BuilderConfig(device="cuda", optimize=False, plan_margin=margin, plan_payback=0)
     Builder(cfg, log=lines.append, timer=clock).build(mlp())
     assert fake_gpu["tactics"] == {"fc1": {"BLOCK": kept}, "fc2": {"BLOCK": kept}}
     kept_lines = [ln for ln in lines if "layers keep a kernel within 25%" in ln]

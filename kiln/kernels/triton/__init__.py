@@ -15,5 +15,6 @@ from kiln.kernels.triton import (
     int8_gemm,  # noqa: F401
     norm,  # noqa: F401
     pointwise,  # noqa: F401
+    pool,  # noqa: F401
     softmax,  # noqa: F401
 )
