@@ -76,7 +76,8 @@ def kiln_fn(path: Path, feeds: dict, tune: bool, tmp: Path):
                              timing_cache=str(cache),
                              profiles=[kiln.Profile.fixed({k: v.shape for k, v in feeds.items()})])
     t0 = time.perf_counter()
-    builder = kiln.Builder(cfg)
+    lines: list[str] = []
+    builder = kiln.Builder(cfg, log=lines.append)
     engine = builder.build(str(path))
     build_s = time.perf_counter() - t0
     out = tmp / f"{path.stem}.kiln"
@@ -86,7 +87,8 @@ def kiln_fn(path: Path, feeds: dict, tune: bool, tmp: Path):
            for i in ctx.engine.inputs}
     info = {"build_s": build_s, "layers": sum(builder.report.get("nodes_after", {}).values()),
             "nodes_after": builder.report.get("nodes_after"),
-            "autotune": builder.report.get("autotune_summary")}
+            "autotune": builder.report.get("autotune_summary"),
+            "log": [ln[:400] for ln in lines if ln.startswith("autotune")]}
     return (lambda: ctx.run(dev, copy_outputs=False)), info
 
 
@@ -147,6 +149,9 @@ def main(argv=None) -> int:
                   f"{b2b:.3f} ms ({r['items_per_s']:.0f}/s), kernel sum {r['kernel_sum_ms']:.3f}"
                   f" ms, {r['kernels_per_call']:.0f} kernels/call"
                   + (f", build {info['build_s']:.1f} s, {info['layers']} layers" if info else ""))
+            for ln in info.get("log", []):
+                if not ln.startswith("autotune "):  # the engine-wide lines
+                    print("  " + ln)
             for k in r["top"]:
                 print(f"  {k['ms']:8.3f} ms {100 * k['share']:5.1f}% x{k['calls']:5.1f}  "
                       f"{k['name']}")
