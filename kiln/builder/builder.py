@@ -22,7 +22,13 @@ from kiln.passes.pipeline import optimize
 from kiln.passes.quantize.data import load_batches
 from kiln.passes.quantize.dynamic import fold_dynamic_quant, fuse_conv_integer_bias
 from kiln.passes.quantize.int8 import weight_grids
-from kiln.passes.quantize.qdq import fold_qdq, fuse_qdq_pairs, fuse_requantize, lower_qlinear
+from kiln.passes.quantize.qdq import (
+    fold_qdq,
+    fuse_qdq_pairs,
+    fuse_qlinear_matmul,
+    fuse_requantize,
+    lower_qlinear,
+)
 
 
 class Builder:
@@ -70,6 +76,8 @@ class Builder:
         grid = weight_grids(graph)  # a quantized model's weight scales, before they fold
         explicit = {**fold_qdq(graph, self.log), **fold_dynamic_quant(graph, self.log)}
         fuse_qdq_pairs(graph, self.log)  # the pairs left, each one pass
+        if cfg.device == "cpu":  # (CUDA: no integer batched matmul kernel)
+            fuse_qlinear_matmul(graph, self.log)
         fuse_conv_integer_bias(graph, self.log)
         if cfg.optimize:
             graph = optimize(graph, log=_near_misses(self.log, near), device=cfg.device)

@@ -5,7 +5,8 @@ the weight the tactic packed, and the epilogue (dequantize, bias, residual, acti
 QLinearMatMul's requantization) in the same call. A layer that took FBGEMM or oneDNN stays a
 torch record, so that planned runs compute what the traced one did; so does a layout the
 record cannot take (a broadcast residual). ``QuantizeDequantize`` becomes an elementwise
-record.
+record, ``QLinearMatMulQDQ`` (two activations) a record of kiln_qbmm_qdq, which reads its
+operands at any strides (a transposed key).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kiln.engine.program_linear import _rows
 from kiln.engine.program_ops import _dense_like, emit_pw
 from kiln.ops import int8 as I8
 
-OP_QGEMM = 11  # chain.c's record kind
+OP_QGEMM, OP_QBMM = 11, 12  # chain.c's record kinds
 _CPU = torch.device("cpu")
 
 
@@ -89,5 +90,37 @@ def _quantize_dequantize(pc, st, ins, outs):
     return [y]
 
 
+def _qbmm(pc, st, ins, outs):
+    """QLinearMatMulQDQ as one kiln_qbmm_qdq record (qgemm.c): the operands' codes, exact
+    products and requantization in C, the float32 values into a new contiguous value."""
+    from kiln.kernels.torch.int8 import qlinear_mult
+
+    if len(ins) != 2 or any(v is None for v in ins) or len(outs) != 1 or not native.available:
+        return None
+    a, b = ins
+    geo = native.qbmm_geometry(a.shape, a.strides, b.shape, b.strides)
+    shape = tuple(outs[0].shape)
+    if geo is None or math.prod(shape) == 0:
+        return None
+    dims, sa, sb = geo
+    if shape[-2:] != (dims[2], dims[3]) or math.prod(shape) != math.prod(dims[:4]):
+        return None
+    at = st.node.attrs
+    qp = native.qbmm_params((at.a_scale, at.a_zero, at.a_signed),
+                            (at.b_scale, at.b_zero, at.b_signed),
+                            (at.y_scale, at.y_zero, at.y_signed), qlinear_mult(at))
+    y = pc.alloc(shape, contiguous_strides(shape))
+    m, n = dims[2], dims[3]
+    rec = [OP_QBMM, native.qbmm_path(), *dims]
+    pc.put(rec, a)
+    rec += list(sa)
+    pc.put(rec, b)
+    rec += list(sb)
+    pc.put(rec, y)
+    rec += [dims[1] * m * n, m * n, n, pc.fparam(*qp)]
+    pc.emit(rec)
+    return [y]
+
+
 PLANNERS = {I8.Int8MatMul: _int8, I8.Int8MatMulQDQ: _int8,
-            I8.QuantizeDequantize: _quantize_dequantize}
+            I8.QuantizeDequantize: _quantize_dequantize, I8.QLinearMatMulQDQ: _qbmm}

@@ -123,6 +123,8 @@ def _load():
     lib.kiln_qconv.argtypes = [_L, _L, _L, _L, _P, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _L,
                                _L, _L, _P, _I, _P, _P, _F, _P, _I]
     lib.kiln_qconv.restype = _I
+    lib.kiln_qbmm_qdq.argtypes = [_I, _P, _P, _P, _P, _P, _P, _P, _P, _I]
+    lib.kiln_qbmm_qdq.restype = _I
     return lib, ""
 
 
@@ -615,6 +617,83 @@ def dynamic_qgemm(x: torch.Tensor, w: QGemmWeight, w_scale: torch.Tensor,
             x.dim() != 2:
         raise ValueError("dynamic_qgemm: expected a contiguous float32 CPU [M, K] tensor")
     return qgemm_f32(x, 0.0, 0, w, w_scale, bias)
+
+
+def qbmm_params(a_q, b_q, y_q, mult: float) -> tuple:
+    """kiln_qbmm_qdq's 13 float parameters from (scale, zero, signed) of A, B and Y and the
+    requantization multiplier."""
+    out = []
+    for s, z, signed in (a_q, b_q):
+        out += [float(s), float(z), *((-128.0, 127.0) if signed else (0.0, 255.0))]
+    s, z, signed = y_q
+    return (*out, float(mult), float(s), float(z),
+            *((-128.0, 127.0) if signed else (0.0, 255.0)))
+
+
+def qbmm_geometry(a_shape, a_strides, b_shape, b_strides):
+    """(dims, A's strides, B's strides) of kiln_qbmm_qdq for A [..., M, K] @ B [..., K, N]
+    given as shapes and element strides (rank 2-4, batch dims broadcast: a stride 0 for a
+    size-1 dim), or None where they do not multiply so."""
+    ra, rb = len(a_shape), len(b_shape)
+    if not 2 <= ra <= 4 or not 2 <= rb <= 4 or a_shape[-1] != b_shape[-2]:
+        return None
+    ash, bsh = (1,) * (4 - ra) + tuple(a_shape), (1,) * (4 - rb) + tuple(b_shape)
+    ast, bst = (0,) * (4 - ra) + tuple(a_strides), (0,) * (4 - rb) + tuple(b_strides)
+    batch, sa, sb = [], [], []
+    for d in range(2):
+        if ash[d] != bsh[d] and 1 not in (ash[d], bsh[d]):
+            return None
+        batch.append(max(ash[d], bsh[d]))
+        sa.append(ast[d] if ash[d] != 1 else 0)
+        sb.append(bst[d] if bsh[d] != 1 else 0)
+    dims = (*batch, ash[2], bsh[3], ash[3])
+    return dims, (*sa, ast[2], ast[3]), (*sb, bst[2], bst[3])
+
+
+def qbmm_strides(a: torch.Tensor, b: torch.Tensor):
+    """:func:`qbmm_geometry` of two tensors."""
+    return qbmm_geometry(tuple(a.shape), a.stride(), tuple(b.shape), b.stride())
+
+
+def qbmm_path(path: str | None = None) -> int:
+    """qgemm.c's path code for ``path`` (None: ``KILN_QGEMM_PATH``, else the fastest here)."""
+    path = path or os.environ.get("KILN_QGEMM_PATH") or qgemm_paths()[-1]
+    if path not in qgemm_paths():
+        raise ValueError(f"qbmm_qdq: path {path!r} is not one this CPU runs "
+                         f"({', '.join(qgemm_paths())})")
+    return QGEMM_PATHS[path]
+
+
+def qbmm_qdq(a: torch.Tensor, b: torch.Tensor, a_q: tuple, b_q: tuple, y_q: tuple,
+             mult: float, path: str | None = None) -> torch.Tensor:
+    """QDQ's ``Q(MatMul(DQ(Q(a)), DQ(Q(b))))`` dequantized, as onnxruntime's QLinearMatMul
+    computes it (qgemm.c's kiln_qbmm_qdq): float32 ``a`` [..., M, K] and ``b`` [..., K, N] (any
+    strides, rank 2-4, batch dims broadcast) quantized by ``a_q`` / ``b_q`` = (scale, zero,
+    signed), exact int32 sums, requantized by ``mult`` (a_scale * b_scale / y_scale in
+    float32) to ``y_q``'s codes, returned as their float32 values [..., M, N]. ``path``
+    (scalar, avx2, vnni) forces one of qgemm.c's; default the fastest (``KILN_QGEMM_PATH``)."""
+    if a.dtype != torch.float32 or b.dtype != torch.float32 or a.device.type != "cpu" or \
+            b.device.type != "cpu":
+        raise ValueError(f"qbmm_qdq: expected float32 CPU operands, got {a.dtype} on "
+                         f"{a.device} and {b.dtype} on {b.device}")
+    geo = qbmm_strides(a, b)
+    if geo is None:
+        raise ValueError(f"qbmm_qdq: cannot multiply {tuple(a.shape)} by {tuple(b.shape)} "
+                         "(rank 2-4, matching K, broadcasting batch dims)")
+    dims, sa, sb = geo
+    code = qbmm_path(path)
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    y = torch.empty(*lead, dims[2], dims[3], dtype=torch.float32)
+    m, n = dims[2], dims[3]
+    sc = (dims[1] * m * n, m * n, n)
+    L = ctypes.c_long
+    rc = _lib.kiln_qbmm_qdq(code, (L * 5)(*dims), a.data_ptr(), (L * 4)(*sa),
+                            b.data_ptr(), (L * 4)(*sb), y.data_ptr(), (L * 3)(*sc),
+                            (ctypes.c_float * 13)(*qbmm_params(a_q, b_q, y_q, mult)),
+                            torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"qbmm_qdq: no memory for {tuple(a.shape)} x {tuple(b.shape)}")
+    return y
 
 
 def requantize_(acc: torch.Tensor, mult: torch.Tensor, scale: float, zero: int, lo: int,

@@ -223,6 +223,9 @@ int kiln_qgemm_f32(int path, long M, long N, long K, const float *X, long ldx, f
                    int x_zero, const void *B, const int *colsum, const float *w_scale,
                    long w_scale_n, const float *bias, const float *R, long ldr, int act,
                    const float *ep, float *C, long ldc, int nthreads);
+/* qgemm.c: QDQ's DQ -> MatMul -> Q of two float32 activations as one integer batched matmul */
+int kiln_qbmm_qdq(int path, const long *dims, const float *A, const long *sa, const float *B,
+                  const long *sb, float *C, const long *sc, const float *qp, int nthreads);
 
 #define RNN_FIELDS 37 /* kiln_rnn's long array (rnn.c's P_COUNT) */
 #define RNN_RECORD_BUFS 7 /* program buffers a recurrent record names: xw x h0 c0 y yh yc */

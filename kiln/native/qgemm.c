@@ -325,3 +325,232 @@ int kiln_qgemm_f32(int path, long M, long N, long K, const float *X, long ldx, f
     free(codes);
     return rc;
 }
+
+/* ---------------------------------------------------------------- kiln_qbmm_qdq
+ * QDQ's DQ -> MatMul -> Q of two activations (attention's Q K^T and P V in a QDQ model), as
+ * onnxruntime runs it (one QLinearMatMul): both operands' 8-bit codes (QuantizeLinear's float32
+ * steps: divide, round half to even, add the zero point, saturate), exact int32 sums of (a -
+ * a_zero)(b - b_zero), requantized by mult = a_scale * b_scale / y_scale (round half to even,
+ * saturate) and dequantized by y_scale: the float32 values the DQ after the Q gives.
+ *
+ * Per batch item: A's codes as uint8 rows u = code + (128 if signed), zero a_zero + the same; B's
+ * as int8 b' = code + (128 if signed) - 128, stored column by column [N][Kp] (a column's K codes
+ * together), then packed for the path as kiln_qgemm_pack lays out a weight. With d = 128 -
+ * (128 if signed) - b_zero, code_b - b_zero = b' + d, so the sums are sum u b' - a_zero' *
+ * colsum(b') + d * (rowsum(u) - K a_zero'): qgemm's colsum and row_add terms. The batch items
+ * (2 batch dims, any strides, 0 for a broadcast one) are the team's items; one item splits its
+ * tiles over the team instead. */
+
+struct qbmm {
+    int path;
+    long b0, b1, M, N, K;
+    const float *A, *B;
+    float *C;
+    long sa[4], sb[4], sc[3]; /* element strides: A b0 b1 m k; B b0 b1 k n; C b0 b1 m */
+    float a_s, a_z, a_lo, a_hi, b_s, b_z, b_lo, b_hi, mult, y_s, y_z, y_lo, y_hi;
+};
+
+/* code + off (off 128 for signed codes) of QuantizeLinear(x, s, z) saturated to [lo, hi] */
+static inline int qcode(float x, float s, float z, float lo, float hi, int off)
+{
+    float q = nearbyintf(x / s) + z;
+    q = q < lo ? lo : q > hi ? hi : q;
+    return (int)q + off;
+}
+
+/* n codes + off of x (stride sx) into y (bytes, ``flip`` xor-ed into each: 0x80 makes the
+ * uint8 u into the int8 u - 128); returns their sum (of the stored bytes' values, as uint8
+ * or int8). */
+TGT static long quant_run(const float *x, long sx, long n, float s, float z, float lo, float hi,
+                          int off, int flip, uint8_t *y)
+{
+    long i = 0, sum = 0;
+    if (sx == 1) {
+        const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+        const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+        const __m256i voff = _mm256_set1_epi32(off);
+        __m256i acc = _mm256_setzero_si256();
+        for (; i + 8 <= n; i += 8) {
+            __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), vs),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, vz), vlo), vhi);
+            __m256i w = _mm256_add_epi32(_mm256_cvtps_epi32(q), voff); /* 0..255 */
+            acc = _mm256_add_epi32(acc, w);
+            __m128i p = _mm_packus_epi32(_mm256_castsi256_si128(w),
+                                         _mm256_extracti128_si256(w, 1));
+            p = _mm_packus_epi16(p, p);
+            p = _mm_xor_si128(p, _mm_set1_epi8((char)flip));
+            _mm_storel_epi64((__m128i *)(y + i), p);
+        }
+        int32_t t[8];
+        _mm256_storeu_si256((__m256i *)t, acc);
+        for (int k = 0; k < 8; k++)
+            sum += t[k];
+        if (flip)
+            sum -= 128L * i;
+    }
+    for (; i < n; i++) {
+        int u = qcode(x[i * sx], s, z, lo, hi, off);
+        y[i] = (uint8_t)(u ^ flip);
+        sum += flip ? u - 128 : u;
+    }
+    return sum;
+}
+
+/* B's codes column-major bt [N][ldt] (zeros past K) into the packed panels of ``path`` */
+static void qbmm_pack(int path, long K, long N, const int8_t *bt, long ldt, void *out)
+{
+    long pc = panel_cols(path), g = kgroup(path);
+    long kp = (K + g - 1) / g * g, np = (N + pc - 1) / pc;
+    if (path == QP_VNNI) {
+        int8_t *o = out;
+        for (long p = 0; p < np; p++)
+            for (long q = 0; q < kp / 4; q++) {
+                int8_t *dst = o + p * 32 * kp + q * 128;
+                for (long c = 0; c < 32; c++) {
+                    long n = p * 32 + c;
+                    if (n < N)
+                        memcpy(dst + 4 * c, bt + n * ldt + 4 * q, 4);
+                    else
+                        memset(dst + 4 * c, 0, 4);
+                }
+            }
+    } else {
+        int16_t *o = out;
+        for (long p = 0; p < np; p++)
+            for (long q = 0; q < kp / 2; q++) {
+                int16_t *dst = o + p * 16 * kp + q * 32;
+                for (long c = 0; c < 16; c++) {
+                    long n = p * 16 + c;
+                    dst[2 * c] = n < N ? bt[n * ldt + 2 * q] : 0;
+                    dst[2 * c + 1] = n < N ? bt[n * ldt + 2 * q + 1] : 0;
+                }
+            }
+    }
+}
+
+struct qbmm_scratch {
+    uint8_t *a;   /* [M, K] */
+    int8_t *bt;   /* [N, ldt] */
+    void *packed;
+    int32_t *colsum, *row_add;
+    long ldt;
+};
+
+static int scratch_get(const struct qbmm *q, struct qbmm_scratch *s)
+{
+    long g = q->path == QP_SCALAR ? 1 : 4;
+    s->ldt = (q->K + g - 1) / g * g;
+    long packed = q->path == QP_SCALAR ? 0 : kiln_qgemm_packed_size(q->path, q->K, q->N);
+    s->a = malloc((size_t)(q->M * q->K + 64));
+    s->bt = calloc((size_t)(q->N * s->ldt + 64), 1);
+    s->packed = packed ? aligned_alloc(64, (size_t)((packed + 63) / 64 * 64)) : NULL;
+    s->colsum = malloc((size_t)(q->N + 8) * sizeof(int32_t));
+    s->row_add = malloc((size_t)(q->M + 8) * sizeof(int32_t));
+    return s->a && s->bt && (s->packed || !packed) && s->colsum && s->row_add ? 0 : -1;
+}
+
+static void scratch_free(struct qbmm_scratch *s)
+{
+    free(s->a);
+    free(s->bt);
+    free(s->packed);
+    free(s->colsum);
+    free(s->row_add);
+}
+
+/* batch item i's codes, sums and packed B into s; fills j (the qgemm job of its tiles) */
+static void qbmm_prepare(const struct qbmm *q, long i, struct qbmm_scratch *s, struct qjob *j)
+{
+    long i0 = i / q->b1, i1 = i % q->b1, K = q->K;
+    const float *A = q->A + i0 * q->sa[0] + i1 * q->sa[1];
+    const float *B = q->B + i0 * q->sb[0] + i1 * q->sb[1];
+    int aoff = q->a_lo < 0 ? 128 : 0, boff = q->b_lo < 0 ? 128 : 0;
+    int a_zero = (int)q->a_z + aoff, d = 128 - boff - (int)q->b_z;
+    for (long m = 0; m < q->M; m++) {
+        long sum = quant_run(A + m * q->sa[2], q->sa[3], K, q->a_s, q->a_z, q->a_lo, q->a_hi,
+                             aoff, 0, s->a + m * K);
+        s->row_add[m] = (int32_t)(d * (sum - K * a_zero));
+    }
+    for (long n = 0; n < q->N; n++)
+        s->colsum[n] = (int32_t)quant_run(B + n * q->sb[3], q->sb[2], K, q->b_s, q->b_z,
+                                          q->b_lo, q->b_hi, boff, 0x80,
+                                          (uint8_t *)s->bt + n * s->ldt);
+    const void *Bp = s->bt;
+    if (q->path != QP_SCALAR) {
+        qbmm_pack(q->path, K, q->N, s->bt, s->ldt, s->packed);
+        Bp = s->packed;
+    }
+    long mr = q->path == QP_VNNI ? QMRV : QMR;
+    struct qjob t = {q->path, q->M, q->N, K, K, q->sc[2], (q->M + mr - 1) / mr, s->a, a_zero, Bp,
+                     s->colsum, 1.0f, &q->mult, 1, NULL, NULL, 0, QACT_REQUANT, 0.0f, 0.0f,
+                     q->y_s, q->y_z, q->y_lo, q->y_hi,
+                     q->C + i0 * q->sc[0] + i1 * q->sc[1], s->row_add};
+    *j = t;
+}
+
+static kiln_range_fn qbmm_tiles(int path)
+{
+    return path == QP_VNNI ? vnni_items : path == QP_AVX2 ? avx2_items : scalar_items;
+}
+
+static long qbmm_tile_count(const struct qjob *j)
+{
+    long pc = j->path == QP_SCALAR ? 8 : panel_cols(j->path);
+    return j->rb * ((j->N + pc - 1) / pc);
+}
+
+static void qbmm_items(void *ctx, long i0, long i1)
+{
+    const struct qbmm *q = ctx;
+    struct qbmm_scratch s;
+    if (scratch_get(q, &s) == 0)
+        for (long i = i0; i < i1; i++) {
+            struct qjob j;
+            qbmm_prepare(q, i, &s, &j);
+            qbmm_tiles(q->path)(&j, 0, qbmm_tile_count(&j));
+        }
+    scratch_free(&s);  /* (out of memory: kiln_qbmm_qdq checked one item's scratch first) */
+}
+
+/* dims = {b0, b1, M, N, K}; sa = A's element strides {b0, b1, m, k}, sb = B's {b0, b1, k, n},
+ * sc = C's {b0, b1, m} (C's columns contiguous); qp = {a_scale, a_zero, a_lo, a_hi, b_scale,
+ * b_zero, b_lo, b_hi, mult, y_scale, y_zero, y_lo, y_hi} (lo < 0: int8 codes, else uint8; mult
+ * = a_scale * b_scale / y_scale as the caller rounds it). path 0: the best. Returns -1 for a
+ * path this CPU cannot run or no memory. */
+int kiln_qbmm_qdq(int path, const long *dims, const float *A, const long *sa, const float *B,
+                  const long *sb, float *C, const long *sc, const float *qp, int nthreads)
+{
+    if (path == 0)
+        path = kiln_qgemm_best_path();
+    if (path < QP_SCALAR || path > kiln_qgemm_best_path())
+        return -1;
+    struct qbmm q = {path, dims[0], dims[1], dims[2], dims[3], dims[4], A, B, C,
+                     {sa[0], sa[1], sa[2], sa[3]}, {sb[0], sb[1], sb[2], sb[3]},
+                     {sc[0], sc[1], sc[2]}, qp[0], qp[1], qp[2], qp[3], qp[4], qp[5], qp[6],
+                     qp[7], qp[8], qp[9], qp[10], qp[11], qp[12]};
+    long items = q.b0 * q.b1;
+    if (items <= 0 || q.M <= 0 || q.N <= 0)
+        return 0;
+    struct qbmm_scratch s;
+    if (scratch_get(&q, &s) != 0) {
+        scratch_free(&s);
+        return -1;
+    }
+    long work = items * q.M * q.N * (q.K > 0 ? q.K : 1);
+    if (nthreads < 2 || work < QSERIAL_WORK) {
+        for (long i = 0; i < items; i++) {
+            struct qjob j;
+            qbmm_prepare(&q, i, &s, &j);
+            qbmm_tiles(path)(&j, 0, qbmm_tile_count(&j));
+        }
+    } else if (items >= 2) {
+        kiln_parallel(items, qbmm_items, &q, nthreads);
+    } else {
+        struct qjob j;
+        qbmm_prepare(&q, 0, &s, &j);
+        kiln_parallel(qbmm_tile_count(&j), qbmm_tiles(path), &j, nthreads);
+    }
+    scratch_free(&s);
+    return 0;
+}

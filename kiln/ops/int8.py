@@ -34,6 +34,17 @@ Int8MatMulQDQ = kiln_op(
         "saturated to int8 (y_signed) or uint8, back in float32 by y_scale; inputs X, Wq, "
         "w_scale")
 
+QLinearMatMulQDQ = kiln_op(
+    "QLinearMatMulQDQ", {f"{t}_{f}": a for t in ("a", "b", "y") for f, a in (
+        ("scale", Attr("float", REQUIRED)), ("zero", Attr("int", 0)), ("signed", Attr("int", 0)))},
+    _matmul_rule,
+    doc="QDQ's DQ(Q(A)) @ DQ(Q(B)) -> Q -> DQ of two activations (attention's Q K^T and P V "
+        "in a QDQ model) as onnxruntime's QLinearMatMul computes it: A's and B's 8-bit codes "
+        "(a_/b_ scale, zero, signed: QuantizeLinear's steps), exact int32 products of the "
+        "codes minus their zero points, requantized by float32(a_scale * b_scale) / y_scale "
+        "(round half to even, saturated to y's int8 or uint8) and returned dequantized "
+        "(float32); inputs A [..., M, K], B [..., K, N] (float32)")
+
 Int8Conv = kiln_op(
     "Int8Conv", {**_QUANT, **_CONV_ATTRS, **_EPILOGUE}, _conv_rule,
     doc="act(Conv(X, Wq * w_scale) + bias + R) with X quantized by x_scale/x_zero; inputs X, "

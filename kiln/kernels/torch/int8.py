@@ -478,3 +478,40 @@ def quantize_dequantize(n, x):
     lo, hi = (-128, 127) if a.signed else (0, 255)
     q = torch.round(torch.div(x.float(), a.scale)).add_(a.zero).clamp_(lo, hi)
     return q.sub_(a.zero).mul_(a.scale).to(x.dtype)
+
+
+def qlinear_mult(a) -> float:
+    """QLinearMatMul's requantization multiplier float32(a_scale * b_scale) / y_scale, in
+    float32 as onnxruntime computes it."""
+    import numpy as np
+
+    f = np.float32
+    return float(f(f(a.a_scale) * f(a.b_scale)) / f(a.y_scale))
+
+
+def _codes(x: torch.Tensor, scale: float, zero: int, signed: int) -> torch.Tensor:
+    """QuantizeLinear's codes minus the zero point, as float64 integers."""
+    lo, hi = (-128, 127) if signed else (0, 255)
+    q = torch.round(torch.div(x.float(), scale)).add_(zero).clamp_(lo, hi).sub_(zero)
+    return q.double()
+
+
+@register(I8.QLinearMatMulQDQ)
+def qlinear_matmul_qdq(n, a, b):
+    """kiln's integer batched matmul (qgemm.c's kiln_qbmm_qdq) on the CPU; elsewhere the same
+    steps in torch: the codes minus their zero points, their products summed exactly in
+    float64, converted to float32, requantized and dequantized in float32."""
+    from kiln import native
+
+    at = n.a
+    mult = _cached(n, "mult", lambda: qlinear_mult(at))
+    qa, qb = ((at.a_scale, at.a_zero, at.a_signed), (at.b_scale, at.b_zero, at.b_signed))
+    qy = (at.y_scale, at.y_zero, at.y_signed)
+    if native.available and a.device.type == "cpu" and b.device.type == "cpu" and \
+            a.dtype == torch.float32 and b.dtype == torch.float32 and \
+            native.qbmm_strides(a, b) is not None:
+        return native.qbmm_qdq(a, b, qa, qb, qy, mult)
+    acc = torch.matmul(_codes(a, *qa), _codes(b, *qb)).float()
+    lo, hi = (-128, 127) if at.y_signed else (0, 255)
+    y = acc.mul_(mult).round_().add_(at.y_zero).clamp_(lo, hi).sub_(at.y_zero)
+    return y.mul_(at.y_scale).to(a.dtype)

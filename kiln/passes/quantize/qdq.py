@@ -352,3 +352,49 @@ def fuse_requantize(graph: Graph, log=lambda m: None) -> int:
         log(f"explicit quantization: {len(replace)} INT8 layer(s) requantize their output "
             "as QLinearMatMul does")
     return len(replace)
+
+
+def fuse_qlinear_matmul(graph: Graph, log=lambda m: None) -> int:
+    """QDQ's ``DQ -> MatMul -> Q`` where both operands are activations (attention's Q Kᵀ and
+    P V: the pairs :func:`fuse_qdq_pairs` made QuantizeDequantize ops), as one integer batched
+    matmul, the QLinearMatMul onnxruntime runs there::
+
+        QuantizeDequantize(a) ─┐
+        QuantizeDequantize(b) ─┴─ MatMul ── QuantizeDequantize(y)   ==>   QLinearMatMulQDQ(a, b)
+
+    (exact int32 products of the codes, requantized from them as onnxruntime does; the float
+    MatMul rounded the dequantized products' sum, which may round a code the other way). An
+    operand's QuantizeDequantize stays where something else reads it too. Fires for rank 2-4
+    float32 operands and a MatMul whose one reader is the output's QuantizeDequantize (and
+    that is not a graph output); returns the number of MatMuls fused."""
+    users = graph.users()
+    outputs = {id(v) for v in graph.outputs}
+    replace, dead = {}, set()
+    for mm in [n for n in graph.nodes if n.op is N.MatMul and len(n.inputs) == 2]:
+        qa, qb = (v.producer if v is not None else None for v in mm.inputs)
+        readers = users.get(id(mm.outputs[0]), [])
+        if any(q is None or q.op is not I8.QuantizeDequantize for q in (qa, qb)) or \
+                len(readers) != 1 or readers[0].op is not I8.QuantizeDequantize or \
+                id(mm.outputs[0]) in outputs:
+            continue
+        ranks = [len(getattr(getattr(v, "type", None), "shape", None) or ())
+                 for v in (qa.inputs[0], qb.inputs[0])]
+        types = [getattr(getattr(v, "type", None), "dtype", None)
+                 for v in (qa.inputs[0], qb.inputs[0])]
+        if any(not 2 <= r <= 4 for r in ranks) or any(t is not DType.float32 for t in types):
+            continue
+        qy = readers[0]
+        attrs = I8.QLinearMatMulQDQ.make_attrs(**{
+            f"{t}_{f}": getattr(q.attrs, f) for t, q in (("a", qa), ("b", qb), ("y", qy))
+            for f in ("scale", "zero", "signed")})
+        replace[id(qy)] = Node(I8.QLinearMatMulQDQ, f"{mm.name} + {qy.name}",
+                               [qa.inputs[0], qb.inputs[0]], list(qy.outputs), attrs)
+        dead.add(id(mm))
+    graph.nodes = [replace.get(id(n), n) for n in graph.nodes if id(n) not in dead]
+    if replace:  # operand pairs nothing reads any more
+        used = {id(v) for n in graph.nodes for v in n.inputs if v is not None} | outputs
+        graph.nodes = [n for n in graph.nodes if not (
+            n.op is I8.QuantizeDequantize and id(n.outputs[0]) not in used)]
+        log(f"explicit quantization: {len(replace)} MatMul(s) of two quantized activations "
+            "as integer batched matmuls (QLinearMatMul's arithmetic)")
+    return len(replace)
