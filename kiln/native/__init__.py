@@ -98,6 +98,10 @@ def _load():
     lib.kiln_llm_ptrs_per_layer.restype = _L
     lib.kiln_llm_decode.argtypes = [_P] * 9 + [_F, _P, _I]
     lib.kiln_llm_decode.restype = None
+    lib.kiln_conv_set_isa.argtypes = [_I]
+    lib.kiln_conv_set_isa.restype = _I
+    lib.kiln_conv_isa_best.argtypes = []
+    lib.kiln_conv_isa_best.restype = _I
     lib.kiln_llm_set_isa.argtypes = [_I]
     lib.kiln_llm_set_isa.restype = _I
     lib.kiln_dynamic_quantize.argtypes = [_L, _P, _P, _P, _P, _I]
@@ -846,6 +850,26 @@ def gemm_fn(w: PackedWeight, bias: torch.Tensor | None = None, activation: str =
         return out
     run.keep = (w, bias)  # the packed weight and the bias stay alive with the function
     return run
+
+
+# the float kernels' instruction sets (gemm.c's kiln_conv_set_isa), the widest last
+CONV_ISAS = {"avx2": 1, "avx512": 2}
+
+
+def conv_isas() -> list[str]:
+    """The instruction sets the float GEMM, direct and depthwise conv kernels run here."""
+    best = _lib.kiln_conv_isa_best()
+    return [k for k, v in CONV_ISAS.items() if v <= best]
+
+
+def set_conv_isa(name: str | None) -> str:
+    """Make the float GEMM, direct conv and depthwise conv kernels take ``name``'s paths
+    ("avx2", or "avx512" where the CPU has it; None: the best it has), process-wide, so that a
+    test runs the AVX2 path on an AVX-512 machine. Returns the one in force."""
+    if name is not None and name not in CONV_ISAS:
+        raise ValueError(f"set_conv_isa: {name!r} is not one of {', '.join(CONV_ISAS)}")
+    got = _lib.kiln_conv_set_isa(0 if name is None else CONV_ISAS[name])
+    return next(k for k, v in CONV_ISAS.items() if v == got)
 
 
 def _epilogue(kernel: str, n: int, bias: torch.Tensor | None, activation: str, alpha,

@@ -284,33 +284,108 @@ TGT static void tile_row(long kc, const float *a, const float *Bp, float *C, int
  * last 16), 24 accumulators. On a CPU with 512-bit FMA units this does twice the work of an
  * AVX2 FMA per instruction (onnxruntime's MLAS runs its AVX-512 kernels there: a 128 x 256 x
  * 1024 GEMM took 295 us against the AVX2 tile's 576 on one core). Each output still sums its
- * k terms in order in one accumulator, as the AVX2 tiles do; the epilogue is theirs, on the
- * tile split back into 4 x 24 quarters. */
-#define TGT512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
+ * k terms in order in one accumulator, as the AVX2 tiles do; the epilogue (store_wide) does
+ * theirs at full width. */
 #define MR2 8
+#define TGT512 TGT_ZMM
+
+/* The float kernels' instruction set (GEMM, direct and depthwise conv): 1 AVX2 + FMA, 2 also
+ * AVX-512 (F, DQ); the best this CPU has unless kiln_conv_set_isa picked a lower one (tests run
+ * each path on an AVX-512 machine). */
+static int float_isa;
+
+static int isa_best(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") ? 2 : 1;
+}
+
+int kiln_conv_isa_best(void)
+{
+    return isa_best();
+}
+
+/* want 1 or 2 (0: the best); a level this CPU lacks gives the best. Returns the one in force. */
+int kiln_conv_set_isa(int want)
+{
+    int best = isa_best();
+    float_isa = want <= 0 || want > best ? best : want;
+    return float_isa;
+}
+
+int kiln_use_avx512(void)
+{
+    if (!float_isa)
+        kiln_conv_set_isa(0);
+    return float_isa == 2;
+}
 
 static int has_avx512(void)
 {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-    }
-    return known;
+    return kiln_use_avx512();
 }
 
-TGT512 static void store_quarter(__m512 lo, __m512 mid, __m512 hi, int part, __m256 out[NV])
+/* The AVX-512 tiles' epilogue at full width: 8 rows of nc <= 48 columns as nv zmm each (the
+ * columns past nc masked off): first k block: + bias + R, else + C; last: the activation; then
+ * the stores. The operations per element are store_tile's in its order (the zero bias added
+ * too), so the bits are the AVX2 epilogue's; the 4 x 24 quarters it took before (extracts,
+ * 256-bit adds and stores) were most of a K = 16 GEMM's time (12544 x 16 x 64: 210 us). */
+TGT512 static inline __attribute__((always_inline)) void store_wide(
+    __m512 acc[MR2][3], int nv, int nc, float *C, long ldc, int first, int last,
+    const float *bias, const float *R, long ldr, int act, float alpha, float beta)
 {
-    if (part == 0) {  /* the first panel: lo[0:16], mid[0:8] */
-        out[0] = _mm512_castps512_ps256(lo);
-        out[1] = _mm512_extractf32x8_ps(lo, 1);
-        out[2] = _mm512_castps512_ps256(mid);
-    } else {  /* the second panel: mid[8:16], hi[0:16] */
-        out[0] = _mm512_extractf32x8_ps(mid, 1);
-        out[1] = _mm512_castps512_ps256(hi);
-        out[2] = _mm512_extractf32x8_ps(hi, 1);
+    __mmask16 m[3];
+    __m512 bv[3];
+    for (int v = 0; v < 3; v++) {
+        int left = nc - 16 * v;
+        m[v] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        bv[v] = _mm512_setzero_ps();
     }
+    if (first && bias)
+        for (int v = 0; v < nv; v++)
+            bv[v] = _mm512_maskz_loadu_ps(m[v], bias + 16 * v);
+    for (int r = 0; r < MR2; r++)
+        for (int v = 0; v < nv; v++) {
+            if (first) {
+                acc[r][v] = _mm512_add_ps(acc[r][v], bv[v]);
+                if (R)
+                    acc[r][v] = _mm512_add_ps(acc[r][v],
+                                              _mm512_maskz_loadu_ps(m[v], R + r * ldr + 16 * v));
+            } else {
+                acc[r][v] = _mm512_add_ps(acc[r][v],
+                                          _mm512_maskz_loadu_ps(m[v], C + r * ldc + 16 * v));
+            }
+        }
+    if (last && act)
+        for (int r = 0; r < MR2; r++)
+            for (int v = 0; v < nv; v++)
+                acc[r][v] = act512(acc[r][v], act, alpha, beta);
+    for (int r = 0; r < MR2; r++)
+        for (int v = 0; v < nv; v++) {
+            if (m[v] == 0xFFFF)
+                _mm512_storeu_ps(C + r * ldc + 16 * v, acc[r][v]);
+            else
+                _mm512_mask_storeu_ps(C + r * ldc + 16 * v, m[v], acc[r][v]);
+        }
 }
+
+/* store_wide with the common activations a constant (the per-vector switch folded away: a
+ * ReLU or clip then costs one op per vector, not a branch and a reload of the tile) */
+#define STORE_WIDE(acc, nv, nc, C, ldc, first, last, bias, R, ldr, act, alpha, beta)          \
+    do {                                                                                     \
+        int act_ = (last) ? (act) : ACT_NONE;                                                \
+        if (act_ == ACT_NONE)                                                                \
+            store_wide(acc, nv, nc, C, ldc, first, 0, bias, R, ldr, ACT_NONE, alpha, beta);  \
+        else if (act_ == ACT_RELU)                                                           \
+            store_wide(acc, nv, nc, C, ldc, first, 1, bias, R, ldr, ACT_RELU, alpha, beta);  \
+        else if (act_ == ACT_CLIP)                                                           \
+            store_wide(acc, nv, nc, C, ldc, first, 1, bias, R, ldr, ACT_CLIP, alpha, beta);  \
+        else if (act_ == ACT_HARD_SWISH)                                                     \
+            store_wide(acc, nv, nc, C, ldc, first, 1, bias, R, ldr, ACT_HARD_SWISH, alpha,   \
+                       beta);                                                                \
+        else                                                                                 \
+            store_wide(acc, nv, nc, C, ldc, first, 1, bias, R, ldr, act_, alpha, beta);      \
+    } while (0)
 
 TGT512 static void tile_pair(long kc, const float *A, long lda, const float *Bp, float *C,
                              long ldc, int first, int last, const float *bias, const float *R,
@@ -338,19 +413,9 @@ TGT512 static void tile_pair(long kc, const float *A, long lda, const float *Bp,
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7)
 #undef ROW
     }
-    __m512 L[MR2] = {l0, l1, l2, l3, l4, l5, l6, l7}, M[MR2] = {m0, m1, m2, m3, m4, m5, m6, m7},
-           H[MR2] = {h0, h1, h2, h3, h4, h5, h6, h7};
-    for (int part = 0; part < 2; part++) {
-        for (int half = 0; half < 2; half++) {
-            __m256 acc[MR][NV];
-            for (int r = 0; r < MR; r++)
-                store_quarter(L[4 * half + r], M[4 * half + r], H[4 * half + r], part, acc[r]);
-            long row = 4 * half, col = NR * part;
-            store_tile(acc, C + row * ldc + col, ldc, MR, NR, first, last,
-                       bias ? bias + col : NULL, R ? R + row * ldr + col : NULL, ldr, act,
-                       alpha, beta);
-        }
-    }
+    __m512 acc[MR2][3] = {{l0, m0, h0}, {l1, m1, h1}, {l2, m2, h2}, {l3, m3, h3},
+                          {l4, m4, h4}, {l5, m5, h5}, {l6, m6, h6}, {l7, m7, h7}};
+    STORE_WIDE(acc, 3, 2 * NR, C, ldc, first, last, bias, R, ldr, act, alpha, beta);
 }
 
 /* AVX-512: one panel of more than 8 columns (a lone full panel, or an edge of up to 16 or 24:
@@ -380,19 +445,11 @@ TGT512 static inline __attribute__((always_inline)) void tile_one_(
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7)
 #undef ROW
     }
-    __m512 L[MR2] = {l0, l1, l2, l3, l4, l5, l6, l7};
-    __m256 H[MR2] = {h0, h1, h2, h3, h4, h5, h6, h7};
-    for (int half = 0; half < 2; half++) {
-        __m256 acc[MR][NV];
-        for (int r = 0; r < MR; r++) {
-            acc[r][0] = _mm512_castps512_ps256(L[4 * half + r]);
-            acc[r][1] = _mm512_extractf32x8_ps(L[4 * half + r], 1);
-            acc[r][2] = H[4 * half + r];
-        }
-        long row = 4 * half;
-        store_tile(acc, C + row * ldc, ldc, MR, nr, first, last, bias,
-                   R ? R + row * ldr : NULL, ldr, act, alpha, beta);
-    }
+#define Z(h) _mm512_zextps256_ps512(h)
+    __m512 acc[MR2][3] = {{l0, Z(h0), z}, {l1, Z(h1), z}, {l2, Z(h2), z}, {l3, Z(h3), z},
+                          {l4, Z(h4), z}, {l5, Z(h5), z}, {l6, Z(h6), z}, {l7, Z(h7), z}};
+#undef Z
+    STORE_WIDE(acc, hi ? 2 : 1, nr, C, ldc, first, last, bias, R, ldr, act, alpha, beta);
 }
 
 TGT512 static void tile_one(long kc, const float *A, long lda, const float *Bp, float *C,

@@ -162,6 +162,70 @@ TGT static inline __m256 act256(__m256 v, int act, float alpha, float beta)
 }
 
 
+/* The AVX-512 forms of exp256, sigmoid256 and act256 (the same operations in the same order, so
+ * a value's bits are the AVX2 form's), for the float kernels' AVX-512 epilogues. GELU's two
+ * forms run as two halves through act256 (their AVX2 code's blends have no one-op zmm form). */
+#define TGT_ZMM __attribute__((target("avx512f,avx512dq,avx2,fma")))
+
+TGT_ZMM static inline __m512 exp512(__m512 x)
+{
+    x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
+                                                   _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+TGT_ZMM static inline __m512 sigmoid512(__m512 x)
+{
+    __m512 one = _mm512_set1_ps(1.0f);
+    return _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+TGT_ZMM static inline __m512 act512(__m512 v, int act, float alpha, float beta)
+{
+    __m512 zero = _mm512_setzero_ps();
+    switch (act) {
+    case ACT_RELU: return _mm512_max_ps(zero, v);
+    case ACT_SIGMOID: return sigmoid512(v);
+    case ACT_SILU: return _mm512_mul_ps(v, sigmoid512(v));
+    case ACT_TANH:
+        return _mm512_fmsub_ps(_mm512_set1_ps(2.0f), sigmoid512(_mm512_add_ps(v, v)),
+                               _mm512_set1_ps(1.0f));
+    case ACT_CLIP:
+        return _mm512_min_ps(_mm512_set1_ps(beta), _mm512_max_ps(_mm512_set1_ps(alpha), v));
+    case ACT_LEAKY_RELU:
+        return _mm512_mask_mul_ps(v, _mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ), v,
+                                  _mm512_set1_ps(alpha));
+    case ACT_HARD_SWISH: {
+        __m512 g = _mm512_fmadd_ps(v, _mm512_set1_ps(1.0f / 6.0f), _mm512_set1_ps(0.5f));
+        g = _mm512_min_ps(_mm512_set1_ps(1.0f), _mm512_max_ps(zero, g));
+        return _mm512_mul_ps(v, g);
+    }
+    case ACT_HARD_SWISH_AFFINE: {
+        __m512 g = _mm512_fmadd_ps(v, _mm512_set1_ps(1.0f / 6.0f), _mm512_set1_ps(0.5f));
+        g = _mm512_min_ps(_mm512_set1_ps(1.0f), _mm512_max_ps(zero, g));
+        return _mm512_fmadd_ps(_mm512_mul_ps(v, g), _mm512_set1_ps(alpha), _mm512_set1_ps(beta));
+    }
+    case ACT_NONE: return v;
+    default: {
+        __m256 lo = act256(_mm512_castps512_ps256(v), act, alpha, beta);
+        __m256 hi = act256(_mm512_extractf32x8_ps(v, 1), act, alpha, beta);
+        return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+    }
+    }
+}
+
 static inline float *scratch(long floats)
 {
     size_t bytes = ((size_t)floats * sizeof(float) + 63) & ~(size_t)63;
@@ -169,6 +233,9 @@ static inline float *scratch(long floats)
 }
 
 long kiln_sgemm_packed_size(long K, long N);
+/* gemm.c: whether the float kernels take their AVX-512 paths (the CPU has it and
+ * kiln_conv_set_isa did not pick AVX2) */
+int kiln_use_avx512(void);
 void kiln_sgemm_pack(long K, long N, const float *B, long sk, long sn, float *out);
 /* Rows [m0, m1) and panels [p0, p1) of C = act(A @ Bp + bias + R), single-threaded (gemm.c). */
 TGT void kiln_gemm_block(long m0, long m1, long p0, long p1, long N, long K, const float *A,

@@ -46,3 +46,19 @@ def concurrently():
         for t in threads:
             t.join()
     return run
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def conv_isa(request):
+    """Each instruction set of the float GEMM, direct conv and depthwise conv kernels
+    (kiln.native.set_conv_isa): the AVX2 path runs on an AVX-512 machine too, the AVX-512 one
+    where the CPU has it (skipped elsewhere). The best one is restored afterwards."""
+    from kiln import native
+
+    if not native.available:
+        pytest.skip(native.why_not or "no kiln.native")
+    if request.param not in native.conv_isas():
+        pytest.skip(f"this CPU has no {request.param}")
+    assert native.set_conv_isa(request.param) == request.param
+    yield request.param
+    native.set_conv_isa(None)

@@ -137,7 +137,7 @@ def test_shapes_cover_every_edge():
 @needs_native
 @pytest.mark.parametrize("epi", ["plain", "bias", "residual", "bias+residual"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_gemm_matches_torch(threads, shape, epi):
+def test_gemm_matches_torch(conv_isa, threads, shape, epi):
     m, n, k = shape
     x, w, b, r = _data(m, n, k)
     b = b if "bias" in epi else None
@@ -184,7 +184,7 @@ def test_uneven_panel_split(threads, n, m):
 @needs_native
 @pytest.mark.parametrize("m", [19, 49, 130])
 @pytest.mark.parametrize("n", [NR, NR + 9, NR + 16, 2 * NR + 16, 3 * NR, 5 * NR + 8, 64, 128])
-def test_lone_panels_and_edges_of_8_row_tiles(threads, m, n):
+def test_lone_panels_and_edges_of_8_row_tiles(conv_isa, threads, m, n):
     """The panels that are not one of a pair of full ones (a lone full panel, edges of up to 16
     or 24 columns: 64 and 128 output channels end in them) over rows in tiles of 8 (the AVX-512
     single-panel tile where the CPU has it) and a partial tile: correct, and the same bits on
@@ -288,7 +288,7 @@ def test_every_activation_is_tested():
 @pytest.mark.parametrize("shape", [(13, 33, KC + 1), (7, 15, 3), (128, 100, KC)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("act", ACTS, ids=_act_id)
-def test_activation_after_bias_and_residual(threads, act, shape):
+def test_activation_after_bias_and_residual(conv_isa, threads, act, shape):
     threads(2)
     name, alpha, beta = act
     m, n, k = shape
@@ -308,9 +308,9 @@ def _wide_tolerance(want):
 
 
 @needs_native
-@pytest.mark.parametrize("width", [1, NR])  # a masked 1-column tile and a full one
-@pytest.mark.parametrize("act", ACTS, ids=_act_id)
-def test_activation_wide_range(act, width):
+@pytest.mark.parametrize("width", [1, NR, 2 * NR + 16])  # a masked 1-column tile, a full one,
+@pytest.mark.parametrize("act", ACTS, ids=_act_id)             # an AVX-512 pair and lone panel
+def test_activation_wide_range(conv_isa, act, width):
     name, alpha, beta = act
     if name == "Clip" and alpha is not None and beta is not None:
         alpha, beta = -12.5, 20.25
@@ -330,7 +330,7 @@ def test_activation_wide_range(act, width):
 
 @needs_native
 @pytest.mark.parametrize("act", ACTS, ids=_act_id)
-def test_nan_propagates(act):
+def test_nan_propagates(conv_isa, act):
     """A NaN sum stays NaN through every activation (as in torch): row 3's NaN reaches all of
     its NR + 5 outputs (NaN * 0 is NaN), over a full panel and a masked one."""
     name, alpha, beta = act
@@ -341,6 +341,36 @@ def test_nan_propagates(act):
     got = native.gemm(x, native.PackedWeight(w), activation=name, alpha=alpha, beta=beta)
     assert bool(got[3].isnan().all())
     assert int(got.isnan().sum()) == n  # and no other row
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(200, 64, 16), (57, 2 * NR + 16, 16), (64, 3 * NR + 5, 27),
+                                   (24, 2 * NR, KC + 3)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("act", ACTS, ids=_act_id)
+def test_isas_agree_bit_for_bit(threads, act, shape):
+    """The AVX-512 tiles (their full-width epilogue: bias, residual, activation in zmm, masked
+    column edges; and K over one block, where the epilogue adds C) give the AVX2 tiles' bits:
+    narrow-K shapes of a mobile CNN's 1x1 convs, lone and paired panels, partial row tiles."""
+    if "avx512" not in native.conv_isas():
+        pytest.skip("this CPU has no AVX-512")
+    threads(2)
+    name, alpha, beta = act
+    m, n, k = shape
+    x, w, b, r = _data(m, n, k, seed=5)
+    x = x * 2
+    pw = native.PackedWeight(w)
+    outs = {}
+    try:
+        for isa in ("avx2", "avx512"):
+            native.set_conv_isa(isa)
+            outs[isa] = (native.gemm(x, pw, b, r, name, alpha, beta),
+                         native.gemm(x, pw, None, None, name, alpha, beta))
+    finally:
+        native.set_conv_isa(None)
+    _close(outs["avx512"][0], _reference(x, w, b, r, name, alpha, beta))
+    for a, z in zip(outs["avx2"], outs["avx512"]):
+        assert torch.equal(a, z) or (a.isnan() == z.isnan()).all() and torch.equal(
+            a.nan_to_num(0), z.nan_to_num(0))
 
 
 # ---------------------------------------------------------------- bad input
