@@ -20,7 +20,11 @@ from kiln.kernels.registry import kernels_for
 from kiln.passes.fusion.match import NOT_FUSED
 from kiln.passes.pipeline import optimize
 from kiln.passes.quantize.data import load_batches
-from kiln.passes.quantize.dynamic import fold_dynamic_quant, fuse_conv_integer_bias
+from kiln.passes.quantize.dynamic import (
+    fold_dynamic_quant,
+    fuse_conv_integer_bias,
+    fuse_dynamic_conv,
+)
 from kiln.passes.quantize.int8 import weight_grids
 from kiln.passes.quantize.qdq import (
     fold_qdq,
@@ -79,6 +83,8 @@ class Builder:
         if cfg.device == "cpu":  # (CUDA: no integer batched matmul kernel)
             fuse_qlinear_matmul(graph, self.log)
         fuse_conv_integer_bias(graph, self.log)
+        if cfg.device == "cpu":
+            fuse_dynamic_conv(graph, self.log)
         if cfg.optimize:
             graph = optimize(graph, log=_near_misses(self.log, near), device=cfg.device)
         keep_fp32 = [k for k, p in cfg.layer_precision.items() if p == "fp32"]

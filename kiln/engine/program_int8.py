@@ -6,7 +6,9 @@ QLinearMatMul's requantization) in the same call. A layer that took FBGEMM or on
 torch record, so that planned runs compute what the traced one did; so does a layout the
 record cannot take (a broadcast residual). ``QuantizeDequantize`` becomes an elementwise
 record, ``QLinearMatMulQDQ`` (two activations) a record of kiln_qbmm_qdq, which reads its
-operands at any strides (a transposed key).
+operands at any strides (a transposed key), and ``DynamicConvInteger`` a record of
+kiln_dq_qconv (qconv.c: the input's DynamicQuantizeLinear and the integer convolution in one
+call) where the traced run took qconv.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ import math
 import torch
 
 from kiln import native
-from kiln.engine.program import contiguous_strides
+from kiln.engine.program import contiguous_strides, is_contiguous
 from kiln.engine.program_linear import _rows
 from kiln.engine.program_ops import _dense_like, emit_pw
 from kiln.ops import int8 as I8
 
-OP_QGEMM, OP_QBMM = 11, 12  # chain.c's record kinds
+OP_QGEMM, OP_QBMM, OP_DQCONV = 11, 12, 13  # chain.c's record kinds
 _CPU = torch.device("cpu")
 
 
@@ -122,5 +124,35 @@ def _qbmm(pc, st, ins, outs):
     return [y]
 
 
+def _dq_conv(pc, st, ins, outs):
+    """DynamicConvInteger as one kiln_dq_qconv record, where qconv.c takes the layer (the
+    kernel's plan for the traced shape) and its input is a contiguous program value."""
+    from kiln.kernels.torch.quant_linear import _conv_bias, qconv_plan_for
+
+    x = ins[0] if ins else None
+    if x is None or len(outs) != 1 or len(st.ins) < 5 or not is_contiguous(x):
+        return None
+    w, wz, b, ws = (pc.consts.get(i) if i >= 0 else None for i in st.ins[1:5])
+    if not torch.is_tensor(w) or not torch.is_tensor(b) or not torch.is_tensor(ws) or \
+            ws.numel() != 1 or b.numel() != w.shape[0] or (st.ins[2] >= 0 and wz is None):
+        return None
+    plan = qconv_plan_for(tuple(x.shape), torch.uint8, w, wz, st.node.attrs, st.call.cache)
+    if plan is None or math.prod(plan.out) != math.prod(outs[0].shape):
+        return None
+    oc, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, _, a_zero, _ = plan.geo
+    bias = _conv_bias(st.call, b)
+    pc.keep += [plan, bias]
+    shape = tuple(outs[0].shape)
+    y = pc.alloc(shape, contiguous_strides(shape))
+    rec = [OP_DQCONV, *plan.head]
+    pc.put(rec, x)
+    rec += [oc, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, pc.fixed(plan.w.codes), a_zero,
+            pc.fixed(plan.w.wsum), pc.fixed(bias), pc.fparam(float(ws.float().reshape(())))]
+    pc.put(rec, y)
+    pc.emit(rec)
+    return [y]
+
+
 PLANNERS = {I8.Int8MatMul: _int8, I8.Int8MatMulQDQ: _int8,
-            I8.QuantizeDequantize: _quantize_dequantize, I8.QLinearMatMulQDQ: _qbmm}
+            I8.QuantizeDequantize: _quantize_dequantize, I8.QLinearMatMulQDQ: _qbmm,
+            I8.DynamicConvInteger: _dq_conv}

@@ -127,6 +127,9 @@ def _load():
     lib.kiln_qconv.argtypes = [_L, _L, _L, _L, _P, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _L,
                                _L, _L, _P, _I, _P, _P, _F, _P, _I]
     lib.kiln_qconv.restype = _I
+    lib.kiln_dq_qconv.argtypes = [_L, _L, _L, _L, _P] + [_L] * 11 + [_P, _I, _P, _P, _F, _P,
+                                                                     _I]
+    lib.kiln_dq_qconv.restype = _I
     lib.kiln_qbmm_qdq.argtypes = [_I, _P, _P, _P, _P, _P, _P, _P, _P, _I]
     lib.kiln_qbmm_qdq.restype = _I
     return lib, ""
@@ -456,8 +459,11 @@ class QConvWeight:
 
 
 def qconv_available() -> bool:
-    """Whether qconv.c runs here (it needs AVX512-VNNI)."""
-    return available and _lib.kiln_qgemm_best_path() >= QGEMM_PATHS["vnni"]
+    """Whether qconv.c (and the other VNNI-only kernels: the DynamicQuantizeLSTM step) runs
+    here: it needs AVX512-VNNI, and ``KILN_QGEMM_PATH`` unset or "vnni" (forcing qgemm's
+    avx2 or scalar path turns them off too, so that tests run a CPU without VNNI's kernels)."""
+    return available and _lib.kiln_qgemm_best_path() >= QGEMM_PATHS["vnni"] and \
+        os.environ.get("KILN_QGEMM_PATH", "") in ("", "vnni")
 
 
 class QConvPlan:
@@ -491,6 +497,25 @@ class QConvPlan:
         rc = _lib.kiln_qconv(*self.head, x.data_ptr(), self.signed, int(x_zero), *self.geo,
                              None if bias is None else bias.data_ptr(), float(scale),
                              y.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError("qconv: this CPU has no AVX512-VNNI, or out of memory")
+        return y
+
+    def run_dynamic(self, x: torch.Tensor, bias: torch.Tensor | None, w_scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """DynamicQuantizeLinear of the float32 ``x`` (of the planned shape; its uint8 codes
+        are what the plan takes) in C, then ConvIntegerScaled with ``S = x_scale * w_scale``
+        (qconv.c's kiln_dq_qconv): float32 [N, OC, OH, OW]."""
+        if tuple(x.shape) != self.shape or x.dtype != torch.float32 or self.dtype != torch.uint8:
+            raise ValueError(f"qconv: planned for the float32 input of {self.shape}, got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        y = torch.empty(self.out, dtype=torch.float32) if out is None else out
+        oc, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, codes, a_zero, wsum = self.geo
+        rc = _lib.kiln_dq_qconv(*self.head, x.data_ptr(), oc, kh, kw, sh, sw, ph, pw, dh, dw,
+                                oh, ow, codes, a_zero, wsum,
+                                None if bias is None else bias.data_ptr(), float(w_scale),
+                                y.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError("qconv: this CPU has no AVX512-VNNI, or out of memory")
         return y

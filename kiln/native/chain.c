@@ -10,7 +10,7 @@
 /* record kinds: kiln/engine/program_ops.py, program_gemm.py and program_rnn.py name the same */
 enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, OP_WINO = 7,
        OP_RNN = 8, OP_RMS = 9, OP_CONV = 10, OP_QGEMM = 11,
-       OP_QBMM = 12 };
+       OP_QBMM = 12, OP_DQCONV = 13 };
 #define GEMM_LEN 17 /* kind M N K a aoff lda w bias r roff ldr c coff ldc act fparam */
 #define LN_LEN 12   /* kind M N x xoff ldx y yoff ldy gamma beta fparam (OP_RMS too, no beta) */
 #define ATTN_LEN 36 /* kind B H Hkv Sq Skv D Dv, (buf off b h s) for q k v, (buf off b h q k) for
@@ -24,6 +24,8 @@ enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, O
 #define CONV_LEN 26 /* kind g[15] x xoff w bias r roff y yoff act fparam */
 #define QGEMM_LEN 23 /* kind path M N K x xoff ldx fparam(x_scale) x_zero w colsum w_scale
                       * w_scale_n bias r roff ldr y yoff ldy act fparam(epilogue's 6) */
+#define DQCONV_LEN 25 /* kind batch C H W x xoff OC kh kw sh sw ph pw dh dw OH OW a a_zero wsum
+                       * bias fparam(w_scale) y yoff */
 #define QBMM_LEN 25 /* kind path dims[5] a aoff sa[4] b boff sb[4] y yoff sc[3] fparam(13) */
 
 #include <time.h>
@@ -121,6 +123,14 @@ static long chain_run(const long *prog, long n, const float *fp, float *const *b
                               p + 15, PTR(p[19], p[20]), p + 21, fp + p[24], nthreads) != 0)
                 return i;  /* out of memory */
             i += QBMM_LEN;
+        } else if (p[0] == OP_DQCONV && i + DQCONV_LEN <= n) {
+            if (kiln_dq_qconv(p[1], p[2], p[3], p[4], PTR(p[5], p[6]), p[7], p[8], p[9], p[10],
+                              p[11], p[12], p[13], p[14], p[15], p[16], p[17],
+                              (const uint8_t *)PTR(p[18], 0), (int)p[19],
+                              (const int32_t *)PTR(p[20], 0), PTR(p[21], 0), fp[p[22]],
+                              PTR(p[23], p[24]), nthreads) != 0)
+                return i;  /* out of memory */
+            i += DQCONV_LEN;
         } else {
             return i;
         }

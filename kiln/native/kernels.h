@@ -273,6 +273,19 @@ TGT int kiln_conv(const long *g, const float *x, const float *wp, const float *b
 TGT void kiln_depthwise(const long *g, const float *x, const float *wp, const float *bias,
                         const float *r, float *y, int act, float p0, float p1, int nthreads);
 
+/* quant.c: DynamicQuantizeLinear's codes, scale and zero point of n floats */
+void kiln_dynamic_quantize(long n, const float *x, unsigned char *y, float *scale, float *zero,
+                           int nthreads);
+/* qconv.c: integer convolution of 8-bit codes (ConvInteger, ConvIntegerScaled) on VNNI */
+int kiln_qconv(long batch, long C, long H, long W, const uint8_t *x, int x_signed, int x_zero,
+               long OC, long kh, long kw, long sh, long sw, long ph, long pw, long dh, long dw,
+               long OH, long OW, const uint8_t *A, int a_zero, const int32_t *wsum,
+               const float *bias, float scale, void *out, int nthreads);
+/* qconv.c: DynamicQuantizeLinear of a float32 input, then kiln_qconv's ConvIntegerScaled */
+int kiln_dq_qconv(long batch, long C, long H, long W, const float *x, long OC, long kh, long kw,
+                  long sh, long sw, long ph, long pw, long dh, long dw, long OH, long OW,
+                  const uint8_t *A, int a_zero, const int32_t *wsum, const float *bias,
+                  float w_scale, float *out, int nthreads);
 /* quant.c: uint8 codes of float32 rows, by a given or (dynamic) their own scale and zero */
 void kiln_quantize_rows(long M, long K, const float *x, long ldx, unsigned char *y,
                         float *scale, float *zero, int dynamic, int nthreads);

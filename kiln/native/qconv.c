@@ -187,3 +187,27 @@ int kiln_qconv(long batch, long C, long H, long W, const uint8_t *x, int x_signe
     free(row_add);
     return 0;
 }
+
+/* DynamicQuantizeLinear of the float32 input x [batch, C, H, W] (its own range over the whole
+ * tensor, quant.c's codes), then kiln_qconv's ConvIntegerScaled with S = x_scale * w_scale
+ * (the float32 product the model's Mul computes): onnxruntime's DynamicQuantizeLinear ->
+ * ConvInteger -> bias -> rescale chain in one call. Returns -1 where the CPU has no VNNI or
+ * memory runs out. */
+int kiln_dq_qconv(long batch, long C, long H, long W, const float *x, long OC, long kh, long kw,
+                  long sh, long sw, long ph, long pw, long dh, long dw, long OH, long OW,
+                  const uint8_t *A, int a_zero, const int32_t *wsum, const float *bias,
+                  float w_scale, float *out, int nthreads)
+{
+    if (kiln_qgemm_best_path() < 3)
+        return -1;
+    long n = batch * C * H * W;
+    uint8_t *codes = malloc((size_t)n + 64);
+    if (!codes)
+        return -1;
+    float xs, xz;
+    kiln_dynamic_quantize(n, x, codes, &xs, &xz, nthreads);
+    int rc = kiln_qconv(batch, C, H, W, codes, 0, (int)xz, OC, kh, kw, sh, sw, ph, pw, dh, dw,
+                        OH, OW, A, a_zero, wsum, bias, xs * w_scale, out, nthreads);
+    free(codes);
+    return rc;
+}

@@ -74,3 +74,10 @@ ConvIntegerScaled = kiln_op(
         "rescale onnxruntime's dynamic quantizer writes around a ConvInteger, in its steps; "
         "inputs X (uint8), W, x_zero, w_zero (optional), B (float32 [M]), S (float32 scalar: "
         "x_scale * w_scale)")
+
+DynamicConvInteger = kiln_op(
+    "DynamicConvInteger", dict(ConvInteger.attrs), _conv_integer_scaled,
+    doc="DynamicQuantizeLinear(X) -> ConvIntegerScaled with S = x_scale * w_scale: X's uint8 "
+        "codes by its own range, float32(ConvInteger(codes, W, x_zero, w_zero) + "
+        "int32(floor(B / S))) * S, in onnxruntime's steps; inputs X (float32), W (8-bit "
+        "constant), w_zero (optional), B (float32 [M]), w_scale (float32 scalar)")

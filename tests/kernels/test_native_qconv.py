@@ -128,8 +128,8 @@ def test_no_qconv_where_it_cannot_take_the_layer(why):
 
 
 def test_dynamic_conv_model_on_qconv_matches_onnxruntime(tmp_path, monkeypatch):
-    """ddddocr's DynamicQuantizeLinear -> ConvInteger (+ bias, rescale) as one ConvIntegerScaled
-    on qconv: onnxruntime's output to the bit."""
+    """ddddocr's DynamicQuantizeLinear -> ConvInteger (+ bias, rescale) as one
+    DynamicConvInteger on qconv (kiln_dq_qconv): onnxruntime's output to the bit."""
     ort = pytest.importorskip("onnxruntime")
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -158,11 +158,11 @@ def test_dynamic_conv_model_on_qconv_matches_onnxruntime(tmp_path, monkeypatch):
     path = tmp_path / "dynconv.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
     calls = []
-    real = native.QConvPlan.run
-    monkeypatch.setattr(native.QConvPlan, "run",
+    real = native.QConvPlan.run_dynamic
+    monkeypatch.setattr(native.QConvPlan, "run_dynamic",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     e = Builder(BuilderConfig(device="cpu")).build(path)
-    assert list(e.choices.values()).count("TorchConvIntegerScaled") == 1
+    assert list(e.choices.values()).count("TorchDynamicConvInteger") == 1
     x = rng.standard_normal((1, 24, 13, 70)).astype(np.float32) * 3
     got = e.create_context().run({"x": x})["y"]
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(

@@ -407,28 +407,35 @@ def qconv_plan(x, w, w_zp, a, cache):
     :class:`kiln.native.QConvPlan`, kept in ``cache`` per shape), or None where it cannot take
     the layer: 8-bit CPU codes, a constant weight with one zero point, one group, 1-2 spatial
     dims."""
-    if cache is None or (a.group or 1) != 1 or not torch.is_tensor(x) or \
-            x.dtype not in (torch.uint8, torch.int8) or x.device.type != "cpu" or \
-            x.dim() not in (3, 4) or x.dim() != np.ndim(w) or not native.qconv_available():
+    if not torch.is_tensor(x) or x.device.type != "cpu":
+        return None
+    return qconv_plan_for(tuple(x.shape), x.dtype, w, w_zp, a, cache)
+
+
+def qconv_plan_for(shape: tuple, dtype, w, w_zp, a, cache):
+    """:func:`qconv_plan` for codes of ``shape`` and ``dtype`` (a program planner's traced
+    value)."""
+    if cache is None or (a.group or 1) != 1 or dtype not in (torch.uint8, torch.int8) or \
+            len(shape) not in (3, 4) or len(shape) != np.ndim(w) or \
+            not native.qconv_available():
         return None
     qw = _prepared(cache, "qconv_w", (w, w_zp), lambda: _qconv_weight(w, w_zp))
     if qw is None:
         return None
     plans = cache.setdefault("qconv_plans", {})
-    key = (tuple(x.shape), x.dtype, id(qw))
+    key = (shape, dtype, id(qw))
     plan = plans.get(key)
     if plan is None or plan.w is not qw:
-        n_sp = x.dim() - 2
+        n_sp = len(shape) - 2
         ks = list(a.kernel_shape or ()) or list(w.shape[2:])
         strides = list(a.strides or ()) or [1] * n_sp
         dils = list(a.dilations or ()) or [1] * n_sp
-        begin, end = conv_padding(tuple(x.shape), ks, strides, dils, a.pads,
-                                  a.auto_pad or "NOTSET")
-        shape = tuple(x.shape)
+        begin, end = conv_padding(shape, ks, strides, dils, a.pads, a.auto_pad or "NOTSET")
+        shape4 = shape
         if n_sp == 1:
-            shape, strides, dils = (shape[0], shape[1], 1, shape[2]), [1, *strides], [1, *dils]
+            shape4, strides, dils = (shape[0], shape[1], 1, shape[2]), [1, *strides], [1, *dils]
             begin, end = [0, *begin], [0, *end]
-        plan = plans[key] = native.QConvPlan(shape, x.dtype, qw, strides, [*begin, *end], dils)
+        plan = plans[key] = native.QConvPlan(shape4, dtype, qw, strides, [*begin, *end], dils)
     return plan
 
 
@@ -480,7 +487,7 @@ def conv_integer_scaled(n, x, w, x_zp, w_zp, b, s):
     if torch.is_tensor(s) and s.numel() == 1 and torch.is_tensor(b) and s.device.type == "cpu":
         sf = float(s.float().reshape(()).item())
         if sf != 0.0 and math.isfinite(sf):
-            bf = _prepared(n.cache, "qconv_b", (b,), lambda: b.float().reshape(-1).contiguous())
+            bf = _conv_bias(n, b)
             y = _qconv(x, w, x_zp, w_zp, n.a, n.cache, bf, sf) if bf.numel() == \
                 w.shape[0] else None
             if y is not None:
@@ -489,6 +496,28 @@ def conv_integer_scaled(n, x, w, x_zp, w_zp, b, s):
     bq = torch.floor(torch.div(b.float(), s.float())).to(torch.int32)
     acc = acc.add_(bq.reshape((1, -1) + (1,) * (acc.dim() - 2)))
     return acc.to(torch.float32).mul_(s.float().reshape(()))
+
+
+def _conv_bias(n, b):
+    return _prepared(n.cache, "qconv_b", (b,), lambda: b.float().reshape(-1).contiguous())
+
+
+@register(I8.DynamicConvInteger)
+def dynamic_conv_integer(n, x, w, w_zp, b, ws):
+    """DynamicQuantizeLinear and ConvIntegerScaled in one qconv.c call (kiln_dq_qconv) where
+    qconv takes the layer (AVX512-VNNI); elsewhere the two kernels one after the other (the
+    codes by kiln's C DynamicQuantizeLinear, the convolution in exact float32 chunks), with
+    ``S = x_scale * w_scale`` in float32 either way."""
+    wsf = ws.float().reshape(())
+    if x.dtype == torch.float32 and x.device.type == "cpu" and torch.is_tensor(b) and \
+            b.numel() == w.shape[0]:
+        plan = qconv_plan_for(tuple(x.shape), torch.uint8, w, w_zp, n.a, n.cache)
+        if plan is not None:
+            y = plan.run_dynamic(x if x.dim() == 4 else x.unsqueeze(2), _conv_bias(n, b),
+                                 float(wsf))
+            return y.squeeze(2) if x.dim() == 3 else y
+    xq, xs, xz = dynamic_quantize_linear(n, x.contiguous())
+    return conv_integer_scaled(n, xq, w, xz, w_zp, b, xs.float().reshape(()) * wsf)
 
 
 @register(Q.QLinearConv)
