@@ -305,9 +305,12 @@ def throughput_256(engine: LLMEngine, rng: random.Random, n: int = 256, in_len: 
     reqs = [engine.add_request(q, p) for q in prompts]
     n_out = steps = 0
     prefilled = None  # (seconds, tokens out) when the last prompt got its first token
+    walls = []  # each step's wall seconds
     try:
         while engine.has_unfinished():
+            t0 = time.perf_counter()
             n_out += sum(len(o.new_token_ids) for o in engine.step())
+            walls.append(time.perf_counter() - t0)
             steps += 1
             if prefilled is None and all(r.output_token_ids for r in reqs):
                 prefilled = (time.perf_counter() - t, n_out, steps)
@@ -321,7 +324,20 @@ def throughput_256(engine: LLMEngine, rng: random.Random, n: int = 256, in_len: 
         pt, pn, ps = prefilled
         row.update(prefill_phase_s=pt, prefill_phase_steps=ps,
                    decode_phase_tok_s=(n_out - pn) / max(total - pt, 1e-9))
+        row.update(step_times(walls[:ps], "prefill"), **step_times(walls[ps:], "decode"))
     return row
+
+
+def step_times(walls: list[float], phase: str) -> dict:
+    """A phase's steps: first, median and largest wall milliseconds, and the steps over twice
+    the median (first-use costs: Triton compiles, graph captures) with their seconds."""
+    if not walls:
+        return {}
+    med = statistics.median(walls)
+    slow = [w for w in walls if w > 2 * med]
+    return {f"{phase}_step_ms": {"first": walls[0] * 1e3, "median": med * 1e3,
+                                 "max": max(walls) * 1e3, "slow_steps": len(slow),
+                                 "slow_s": sum(slow)}}
 
 
 def kv_token_bytes(cfg: ModelConfig, kv_cache_dtype: str = "auto") -> int:

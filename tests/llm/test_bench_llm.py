@@ -52,6 +52,9 @@ def test_throughput_row_splits_the_time(tiny_dir, monkeypatch):
     assert row["throughput_256_tok_s"] > 0 and row["steps"] >= 5
     assert 0 < row["runner_s"] and row["host_s"] > 0
     assert 1 <= row["prefill_phase_steps"] < row["steps"]
+    for phase in ("prefill", "decode"):
+        t = row[f"{phase}_step_ms"]
+        assert 0 < t["median"] <= t["max"] and 0 <= t["slow_steps"] < row["steps"]
     assert "execute" not in vars(eng.runner)  # the runner's own method again
 
 
