@@ -217,12 +217,13 @@ def prefill_parts(runner, cfg, rows: int, prompts: int, prompt_len: int, timer) 
 
         def rope_write():
             triton_fused.rope_kv(qkv, m.cos, m.sin, pos, slots, fk, fv, h, kv, d,
-                                 attn.kv_scales(0))
+                                 attn.kv_scales(0), with_k=True)
     else:
         from kiln.llm import fused
 
         def rope_write():
-            fused.rope_kv(qkv, m.cos, m.sin, pos, slots, fk, fv, h, kv, d, attn.kv_scales(0))
+            fused.rope_kv(qkv, m.cos, m.sin, pos, slots, fk, fv, h, kv, d, attn.kv_scales(0),
+                          with_k=True)
     try:
         out["rope_kv_write_ms"] = timer(rope_write) * cfg.num_layers * 1e3
     except Exception as e:  # a diagnosis row, not the end of the run

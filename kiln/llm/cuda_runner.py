@@ -3,9 +3,11 @@
 Decode-only steps (every sequence adds one token) run the Triton kernel (for MHA models,
 ``KILN_LLM_DECODE_TILE=N`` picks its tiled variant, N tokens per iteration); a step with prefill
 chunks (``MixedMeta``) runs its decode rows through the same kernel and each chunk through SDPA
-(a whole prompt straight to flash attention, a continued chunk over its gathered blocks). The
-model gets the fused decode kernels of ``fused.py`` (add + RMSNorm, SiLU * up, RoPE + KV
-write). Decode steps are captured once per padded batch size of ``GRAPH_SIZES`` and replayed.
+(whole prompts straight to flash attention, consecutive ones of one length as one batched call;
+a continued chunk over its gathered blocks). The model gets the fused kernels of ``fused.py``
+(add + RMSNorm, SiLU * up, RoPE + KV write: in mixed steps too, returning the rotated K that
+whole prompts attend over). Decode steps are captured once per padded batch size of
+``GRAPH_SIZES`` and replayed.
 A decode step's inputs are one int32 buffer (filled on the host in a pinned copy, one
 host-to-device copy per step)::
 
@@ -62,7 +64,9 @@ class DecodeMeta:
 class MixedMeta:
     """A step with prefill chunks: every token's slot; the one-token rows (decodes) with their
     tables and lengths for the Triton kernel; per prefill chunk (first row, tokens, start
-    position, its blocks on the device where it continues a cached prefix, else None)."""
+    position, its blocks on the device where it continues a cached prefix, else None); and
+    ``runs``: the whole prompts (no cached prefix) as (first row, tokens, count) runs of
+    ``count`` consecutive prompts of the same length, each run one batched causal attention."""
 
     def __init__(self, entries, block_size: int, device):
         slots, dec_rows, dec_lens, dec_tabs, self.prefills = [], [], [], [], []
@@ -80,6 +84,15 @@ class MixedMeta:
                 self.prefills.append((row, n, start, blocks))
             row += n
         self.slots = torch.from_numpy(np.concatenate(slots)).to(device)
+        self.runs = []
+        for row, n, _, blocks in self.prefills:
+            if blocks is not None:
+                continue
+            last = self.runs[-1] if self.runs else None
+            if last is not None and last[1] == n and last[0] + last[1] * last[2] == row:
+                self.runs[-1] = (last[0], n, last[2] + 1)
+            else:
+                self.runs.append((row, n, 1))
         self.dec_rows = self.dec_tables = self.dec_lens = None
         if dec_rows:
             width = max(len(t) for t in dec_tabs)
@@ -101,6 +114,10 @@ class CudaAttention:
         self.sms = (torch.cuda.get_device_properties(cache.device).multi_processor_count
                     if cache.device.type == "cuda" else 132)
         self.mha_tile = mha_tile  # None: the tl.dot decode kernel for MHA too
+        # prefill switches (on by default; bench.llm_step times each off): equal-length whole
+        # prompts as one batched SDPA call; RoPE + the cache write as one kernel in mixed steps
+        self.batch_prefill = True
+        self.fuse_prefill_rope = True
 
     def __call__(self, layer, q, k, v, meta):
         if isinstance(meta, MixedMeta):
@@ -124,9 +141,16 @@ class CudaAttention:
         return self.scales.t[layer] if self.fp8 else None
 
     def _mixed(self, layer, q, k, v, meta: MixedMeta):
-        """Decode rows through the Triton kernel, each prefill chunk through SDPA (causal over
-        its own new keys, or over its cached prefix + chunk with an offset causal mask)."""
+        """The step's K/V into the cache, then ``_mixed_attend``."""
         self.write(layer, k, v, meta.slots)
+        return self._mixed_attend(layer, q, k, v, meta)
+
+    def _mixed_attend(self, layer, q, k, v, meta: MixedMeta):
+        """Decode rows through the Triton kernel, each prefill chunk through SDPA (causal over
+        its own new keys, or over its cached prefix + chunk with an offset causal mask); with
+        ``batch_prefill``, each run of equal-length whole prompts as one batched causal call.
+        k, v: the step's fresh K/V [T, KV, D] (read only by whole prompts; None where the step
+        has none)."""
         t, heads, hd = q.shape
         o = q.new_empty(t, heads, hd)
         if meta.dec_rows is not None:
@@ -136,7 +160,17 @@ class CudaAttention:
                                             self._splits(len(meta.dec_lens)),
                                             kv_scale=self.kv_scales(layer),
                                             mha_tile=self.mha_tile)
+        if self.batch_prefill:
+            for row, n, count in meta.runs:  # [count, H, n, D] views of the run's rows
+                end = row + n * count
+                qs, ks, vs = (x[row:end].view(count, n, x.shape[1], hd).transpose(1, 2)
+                              for x in (q, k, v))
+                out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                     enable_gqa=heads != ks.shape[1])
+                o[row:end] = out.transpose(1, 2).reshape(end - row, heads, hd)
         for row, n, start, blocks in meta.prefills:
+            if blocks is None and self.batch_prefill:  # in a run above
+                continue
             qs = q[row:row + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if blocks is None:  # the chunk is the whole context: its fresh (unquantized) K/V
                 ks, vs, mask = k[row:row + n], v[row:row + n], None
@@ -156,16 +190,28 @@ class CudaAttention:
         return o.reshape(t, -1)
 
     def fuses_rope(self, meta) -> bool:
-        """Decode steps take RoPE + the cache write as one kernel (``fused.rope_kv``), then
-        ``attend`` (not while FP8 scales wait for calibration: ``write`` does that)."""
-        return isinstance(meta, DecodeMeta) and not (self.fp8 and self.scales.calibrating)
+        """Decode steps, and mixed steps with ``fuse_prefill_rope``, take RoPE + the cache
+        write as one kernel (``fused.rope_kv``), then ``attend`` (not while FP8 scales wait for
+        calibration: ``write`` does that)."""
+        kind = isinstance(meta, DecodeMeta) or (isinstance(meta, MixedMeta)
+                                                and self.fuse_prefill_rope)
+        return kind and not (self.fp8 and self.scales.calibrating)
+
+    def needs_fresh_kv(self, meta) -> bool:
+        """Whether ``attend`` reads the step's rotated K and V (a mixed step with a whole
+        prompt: it attends over them unquantized), so the fused kernel returns K too."""
+        return isinstance(meta, MixedMeta) and bool(meta.runs)
 
     def flat_kv(self, layer):
         """The layer's K and V caches as [slots, kv_heads, head_dim] views."""
         kc, vc = self.cache[layer, 0], self.cache[layer, 1]
         return kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
 
-    def attend(self, layer, q, meta):
+    def attend(self, layer, q, meta, k=None, v=None):
+        """Attention of a step whose K/V are in the cache already; a mixed step's whole
+        prompts read their fresh ``k``, ``v`` [T, KV, D] (see ``needs_fresh_kv``)."""
+        if isinstance(meta, MixedMeta):
+            return self._mixed_attend(layer, q, k, v, meta)
         o = paged_decode(q, self.cache[layer, 0], self.cache[layer, 1], meta.tables, meta.lens,
                          self.scale, self._splits(q.shape[0]), kv_scale=self.kv_scales(layer),
                          mha_tile=self.mha_tile)

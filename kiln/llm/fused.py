@@ -4,7 +4,7 @@
     add_rms_norm   x + r -> RMSNorm * w           (the residual add and the next norm)
     silu_mul       [g | u] -> silu(g) * u          (after the merged gate|up GEMM)
     rope_kv        qkv -> RoPE(q); RoPE(k), v -> their KV-cache slots (quantized to e4m3
-                   with the layer's scales where the cache is FP8)
+                   with the layer's scales where the cache is FP8); with_k: RoPE(k) too
 
 ``LlamaModel`` runs the torch functions here unless it holds a :class:`FusedOps` (the CUDA
 runner gives it one; ``KILN_LLM_FUSED=0`` does not). ``FusedOps`` tries each Triton kernel and,
@@ -44,17 +44,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def rope_kv(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads, head_dim,
-            kv_scale=None):
+            kv_scale=None, with_k=False):
     """q [T, heads, head_dim] rotated; k rotated and v written into the flat caches
     [slots, kv_heads, head_dim] at ``slots``. cos, sin: the [max_position, head_dim] tables.
-    FP8 caches: quantized with ``kv_scale`` (float32 [K scale, V scale])."""
+    FP8 caches: quantized with ``kv_scale`` (float32 [K scale, V scale]). ``with_k``:
+    (q, the rotated k [T, kv_heads, head_dim]) instead of q."""
     t = qkv.shape[0]
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     ks, vs = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
-    kv_quant.store(k_cache, slots, rope(k.view(t, -1, head_dim), c, s), ks)
+    k = rope(k.view(t, -1, head_dim), c, s)
+    kv_quant.store(k_cache, slots, k, ks)
     kv_quant.store(v_cache, slots, v.reshape(t, -1, head_dim), vs)
-    return rope(q.view(t, -1, head_dim), c, s)
+    q = rope(q.view(t, -1, head_dim), c, s)
+    return (q, k) if with_k else q
 
 
 TORCH = {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rope_kv": rope_kv}
@@ -97,11 +100,11 @@ class FusedOps:
         return self._run("silu_mul", gu)
 
     def rope_kv(self, qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads,
-                head_dim, kv_scale=None):
+                head_dim, kv_scale=None, with_k=False):
         rows_ok = qkv.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
         cache_ok = all(c.stride(2) == 1 and c.stride(1) == head_dim for c in (k_cache, v_cache))
         if not (rows_ok and cache_ok):
             return rope_kv(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads,
-                           head_dim, kv_scale)
+                           head_dim, kv_scale, with_k)
         return self._run("rope_kv", qkv, cos, sin, positions, slots, k_cache, v_cache, heads,
-                         kv_heads, head_dim, kv_scale)
+                         kv_heads, head_dim, kv_scale, with_k)

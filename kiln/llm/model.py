@@ -159,6 +159,7 @@ class LlamaModel:
         # a backend whose step takes RoPE + the cache write as one kernel (CUDA decode)
         fuses = getattr(attn, "fuses_rope", None)
         fuse_rope = self.fused is not None and fuses is not None and fuses(meta)
+        need_kv = fuse_rope and attn.needs_fresh_kv(meta)
         if not fuse_rope:
             cos = self.cos[positions].unsqueeze(1)
             sin = self.sin[positions].unsqueeze(1)
@@ -167,7 +168,13 @@ class LlamaModel:
         for i, lay in enumerate(self.layers):
             x, y = ops.add_rms_norm(x, res, lay.ln1, eps)
             qkv = self._linear(y, lay.qkv, lay.qkv_bias)
-            if fuse_rope:
+            if fuse_rope and need_kv:  # a prefill's attention reads the fresh K/V too
+                q, k = self.fused.rope_kv(qkv, self.cos, self.sin, positions, meta.slots,
+                                          *attn.flat_kv(i), cfg.num_heads, cfg.num_kv_heads,
+                                          hd, attn.kv_scales(i), with_k=True)
+                v = qkv[:, self.q_size + self.kv_size:].view(t, -1, hd)
+                o = attn.attend(i, q, meta, k, v)
+            elif fuse_rope:
                 q = self.fused.rope_kv(qkv, self.cos, self.sin, positions, meta.slots,
                                        *attn.flat_kv(i), cfg.num_heads, cfg.num_kv_heads, hd,
                                        attn.kv_scales(i))

@@ -4,7 +4,8 @@
     silu_mul       [g | u] -> silu(g) * u                                         grid (T, I / B)
     rope_kv        qkv -> q rotated to q_out; k rotated and v written to their    grid (T, H + KV)
                    cache slots (rotate-half RoPE, cos/sin rows gathered by position;
-                   an FP8 cache gets k / sk and v / sv saturated at +-448 in e4m3)
+                   an FP8 cache gets k / sk and v / sv saturated at +-448 in e4m3);
+                   optionally the rotated k too (a prefill attends over it unquantized)
 
 Each computes in float32 and rounds once to the activations' dtype. ``fused.py`` picks these
 or the torch ops they replace; tested under ``TRITON_INTERPRET=1`` against those torch ops.
@@ -83,8 +84,8 @@ def _to_e4m3(x, scale):
 
 @triton.jit
 def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, kv_scale_ptr,
-             stride_t, stride_slot, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
-             FP8_KV: tl.constexpr):
+             k_out_ptr, stride_t, stride_slot, H: tl.constexpr, KV: tl.constexpr,
+             D: tl.constexpr, FP8_KV: tl.constexpr, K_OUT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)  # heads 0..H-1 are q, H..H+KV-1 are k (with their v)
     d = tl.arange(0, D)
@@ -103,6 +104,8 @@ def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, 
         slot = tl.load(slot_ptr + t).to(tl.int64)
         dst = slot * stride_slot + (j - H) * D + d
         v = tl.load(src + KV * D + d)
+        if K_OUT:  # the rotated k in the activations' dtype too (attention over fresh keys)
+            tl.store(k_out_ptr + (t * KV + j - H) * D + d, out.to(k_out_ptr.dtype.element_ty))
         if FP8_KV:  # no reassignment: Triton wants one type per name across the branches
             tl.store(k_ptr + dst, _to_e4m3(out, tl.load(kv_scale_ptr)))
             tl.store(v_ptr + dst, _to_e4m3(v, tl.load(kv_scale_ptr + 1)))
@@ -113,8 +116,10 @@ def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, 
 
 def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
             slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
-            kv_heads: int, head_dim: int, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, heads, head_dim] rotated; k rotated and v written at ``slots`` of the caches.
+            kv_heads: int, head_dim: int, kv_scale: torch.Tensor | None = None,
+            with_k: bool = False):
+    """q [T, heads, head_dim] rotated; k rotated and v written at ``slots`` of the caches;
+    ``with_k``: (q, k [T, kv_heads, head_dim] rotated, in qkv's dtype) instead of q.
 
     qkv [T, (heads + 2 kv_heads) * head_dim] (rows may be strided, each row contiguous);
     cos, sin [max_position, head_dim] contiguous; positions, slots [T]; k_cache, v_cache
@@ -126,8 +131,9 @@ def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: 
     if fp8_kv and kv_scale is None:
         raise ValueError("rope_kv: an FP8 KV cache needs kv_scale")
     q = torch.empty(t, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(t, kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device) if with_k else q
     _rope_kv[(t, heads + kv_heads)](qkv, cos, sin, positions, slots, q, k_cache, v_cache,
-                                    kv_scale if fp8_kv else cos, qkv.stride(0),
+                                    kv_scale if fp8_kv else cos, k, qkv.stride(0),
                                     k_cache.stride(0), H=heads, KV=kv_heads, D=head_dim,
-                                    FP8_KV=fp8_kv)
-    return q
+                                    FP8_KV=fp8_kv, K_OUT=with_k)
+    return (q, k) if with_k else q

@@ -35,7 +35,7 @@ def test_mixed_steps_match_each_request_alone(tiny_dir, monkeypatch, fused_ops):
     eng.runner = CudaModelRunner(eng.model, 64, eng.config.block_size, cuda_graphs=False,
                                  max_model_len=256, fused_ops=fused_ops)
     seen = []
-    orig = CudaAttention._mixed
+    orig = CudaAttention._mixed_attend  # both paths: after write (torch RoPE) or the fused one
 
     def spy(self, layer, q, k, v, meta):
         if layer == 0:
@@ -43,7 +43,7 @@ def test_mixed_steps_match_each_request_alone(tiny_dir, monkeypatch, fused_ops):
                          [start for _, _, start, blocks in meta.prefills if blocks is not None]))
         return orig(self, layer, q, k, v, meta)
 
-    monkeypatch.setattr(CudaAttention, "_mixed", spy)
+    monkeypatch.setattr(CudaAttention, "_mixed_attend", spy)
     prompts = ["Hello there", LONG, LONG + "again"]
     got = {}
     reqs = [eng.add_request(prompts[0], p)]
@@ -126,3 +126,83 @@ def test_mixed_attention_fp8_cache_matches_torch_attention():
     fresh = slice(1, 6)
     err = (got[fresh] - want[fresh]).abs().max().item()
     assert 0 < err < 0.1, err  # fresh K/V against their e4m3 copies
+
+
+@pytest.mark.parametrize("batch_prefill", [True, False])
+def test_equal_length_prompts_run_as_one_batched_attention(batch_prefill):
+    """Whole prompts of one length next to each other form a run (one batched causal SDPA);
+    a decode row, another length or a cached prefix ends it. Batched or one call a prompt, the
+    output is the torch path's."""
+    from kiln.llm.attention import TorchPagedAttention, build_meta
+    from kiln.llm.cuda_runner import MixedMeta
+
+    g = torch.Generator().manual_seed(3)
+    heads, kv, d, bs = 4, 2, 16, 4
+    entries = [(0, 5, [1, 2]), (0, 5, [3, 4]), (0, 3, [5]), (6, 1, [6, 7]), (0, 3, [8]),
+               (0, 3, [9]), (0, 3, [10]), (19, 4, [0, 11, 12, 13, 14, 15]), (0, 5, [16, 17])]
+    t = sum(n for _, n, _ in entries)
+    q = torch.randn(t, heads, d, generator=g)
+    k = torch.randn(t, kv, d, generator=g)
+    v = torch.randn(t, kv, d, generator=g)
+    cache = torch.randn(1, 2, 18, bs, kv, d, generator=g)
+    ref_cache = cache.clone()
+    want = TorchPagedAttention(ref_cache, heads)(0, q, k, v, build_meta(entries, bs, "cpu"))
+    meta = MixedMeta(entries, bs, DEV)
+    assert meta.runs == [(0, 5, 2), (10, 3, 1), (14, 3, 3), (27, 5, 1)]
+    attn = CudaAttention(cache.to(DEV), heads)
+    attn.batch_prefill = batch_prefill
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(qs, *a, **kw):
+        calls.append(qs.shape[0])
+        return real(qs, *a, **kw)
+
+    import kiln.llm.cuda_runner as cr
+
+    orig = cr.F.scaled_dot_product_attention
+    cr.F.scaled_dot_product_attention = sdpa
+    try:
+        got = attn(0, q.to(DEV), k.to(DEV), v.to(DEV), meta).cpu()
+    finally:
+        cr.F.scaled_dot_product_attention = orig
+    torch.testing.assert_close(got, want, **TOL)
+    # runs of 2, 1, 3, 1 prompts + the continued chunk; else one call per chunk
+    assert sorted(calls) == ([1, 1, 1, 2, 3] if batch_prefill else [1] * 8)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_fused_prefill_matches_torch_path_and_batches(tiny_dir, monkeypatch, kv_dtype):
+    """Four prompts of one length (token ids) in one step with the fused kernels: RoPE + the
+    cache write as one kernel that hands back the rotated K, one batched SDPA for the four;
+    each request's tokens are its tokens alone on the torch path (FP16 cache and FP8)."""
+    from kiln.llm import fused
+
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [[5 + i, 40, 300 + 7 * i, 9, 1000 + i, 23] for i in range(4)]
+    want = [o.outputs[0].token_ids for o in LLM(
+        tiny_dir, num_blocks=64, kv_cache_dtype=kv_dtype).generate(prompts, p)]
+    llm = LLM(tiny_dir, num_blocks=64, kv_cache_dtype=kv_dtype)
+    eng = llm.engine
+    eng.runner = CudaModelRunner(eng.model, 64, eng.config.block_size, cuda_graphs=False,
+                                 max_model_len=256, fused_ops=True, kv_cache_dtype=kv_dtype)
+    runs, k_flags = [], []
+    orig_attend = CudaAttention._mixed_attend
+    orig_rope = fused.FusedOps.rope_kv
+
+    def spy(self, layer, q, k, v, meta):
+        if layer == 0:
+            runs.append(list(meta.runs))
+        return orig_attend(self, layer, q, k, v, meta)
+
+    def rope_spy(self, *a, with_k=False):
+        k_flags.append(with_k)
+        return orig_rope(self, *a, with_k=with_k)
+
+    monkeypatch.setattr(CudaAttention, "_mixed_attend", spy)
+    monkeypatch.setattr(fused.FusedOps, "rope_kv", rope_spy)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+    assert got == want
+    assert [(0, 6, 4)] in runs
+    assert True in k_flags and False in k_flags  # K asked for in the prefill step only
+    assert eng.runner.model.fused.paths["rope_kv"] == "triton"

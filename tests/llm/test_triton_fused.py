@@ -71,6 +71,30 @@ def test_rope_kv_matches_torch(dtype):
     assert torch.equal(kc[untouched], kc_ref[untouched])
 
 
+@pytest.mark.parametrize("fp8_kv", [False, True])
+def test_rope_kv_with_k_returns_the_rotated_k(fp8_kv):
+    """with_k (a prefill attends over its fresh keys): the rotated k comes back unquantized in
+    qkv's dtype, the same as the torch op's, beside the same q and cache bytes as without it."""
+    from kiln.llm import kv_quant
+
+    qkv, cos, sin, positions, slots, (kc, vc), dims = _rope_case(torch.float16)
+    sc = torch.tensor([0.01, 0.02], device=DEV) if fp8_kv else None
+    if fp8_kv:
+        kc, vc = kc.to(kv_quant.FP8), vc.to(kv_quant.FP8)
+    kc2, vc2, kc_ref, vc_ref = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    q, k = triton_fused.rope_kv(qkv, cos, sin, positions, slots, kc, vc, *dims, sc,
+                                with_k=True)
+    q_ref, k_ref = fused.rope_kv(qkv, cos, sin, positions, slots, kc_ref, vc_ref, *dims, sc,
+                                 with_k=True)
+    q_plain = triton_fused.rope_kv(qkv, cos, sin, positions, slots, kc2, vc2, *dims, sc)
+    assert k.shape == (3, dims[1], dims[2]) and k.dtype == qkv.dtype
+    torch.testing.assert_close(k, k_ref, **TOL[torch.float16])
+    torch.testing.assert_close(q, q_ref, **TOL[torch.float16])
+    assert torch.equal(q, q_plain)
+    assert torch.equal(kc.view(torch.uint8), kc2.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), vc2.view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rope_kv_fp8_cache_matches_torch(dtype):
     """An e4m3 cache: the kernel writes k / sk (rotated) and v / sv, saturated at 448, as the
