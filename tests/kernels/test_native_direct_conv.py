@@ -38,6 +38,15 @@ CASES = [  # N, C, K, H, W, kernel, pads (t, l, b, r), stride, dilation, bias, r
     (1, 12, 1, 10, 10, 3, (1, 1, 1, 1), 1, 1, True, False, "HardSwish"),  # one output channel
     (1, 3, 64, 45, 45, 7, (3, 3, 3, 3), 2, 1, True, False, "Relu"),       # a 7 x 7 stem
     (1, 10, 29, 13, 15, (3, 2), (1, 0, 2, 1), (2, 1), (2, 1), True, True, "Silu"),  # mixed
+    # the 3-channel 3x3 blocks (AVX-512: 12 pixels x 32 channels, 16 x 16; AVX2: 4 x 24, 6 x
+    # 16, 8 x 8), rows long enough for whole blocks and their 4- and 1-pixel remainders
+    (1, 3, 32, 40, 61, 3, (1, 1, 1, 1), 2, 1, True, False, "Relu"),       # 32: one group
+    (1, 3, 24, 9, 77, 3, (1, 1, 1, 1), 2, 1, True, True, "HardSwish"),    # 24: masked zmm
+    (1, 3, 48, 7, 50, 3, (0, 0, 1, 1), 2, 1, True, True, "Silu"),         # 32 + 16
+    (2, 3, 40, 6, 38, 3, (1, 1, 1, 1), 1, 1, False, True, "Clip"),        # 32 + 8, stride 1
+    (1, 3, 16, 5, 70, 3, (1, 1, 1, 1), 2, 1, True, False, ""),            # 16 pixels x 16
+    (1, 3, 8, 5, 40, 3, (1, 1, 1, 1), 1, 1, True, False, "Relu"),         # one vector
+    (1, 2, 20, 6, 45, 3, (1, 1, 1, 1), 1, 1, True, True, "Relu"),         # window of 18
 ]
 
 
@@ -50,7 +59,7 @@ def _reference(x, w, b, r, pads, stride, dil, act):
 
 @needs_native
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:9])))
-def test_direct_conv_matches_torch(case):
+def test_direct_conv_matches_torch(conv_isa, case):
     n, c, k, h, w, ks, pads, s, d, has_b, has_r, act = case
     kh, kw = (ks, ks) if isinstance(ks, int) else ks
     (sh, sw), (dh, dw) = [(v, v) if isinstance(v, int) else v for v in (s, d)]
@@ -69,6 +78,36 @@ def test_direct_conv_matches_torch(case):
     got = out.permute(0, 3, 1, 2).double()
     assert got.shape == want.shape
     assert float((got - want).abs().max()) <= RTOL * float(want.abs().max())
+
+
+@needs_native
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] * (c[5] if isinstance(c[5], int)
+                                                          else c[5][0] * c[5][1]) < 32],
+                         ids=lambda c: "-".join(map(str, c[:9])))
+def test_direct_conv_isas_agree_bit_for_bit(case):
+    """The register-block kernel's AVX-512 blocks sum each output's taps in the AVX2 blocks'
+    order (then the bias, the residual, the activation): the same bits on either path."""
+    if "avx512" not in native.conv_isas():
+        pytest.skip("this CPU has no AVX-512")
+    n, c, k, h, w, ks, pads, s, d, has_b, has_r, act = case
+    kh, kw = (ks, ks) if isinstance(ks, int) else ks
+    (sh, sw), (dh, dw) = [(v, v) if isinstance(v, int) else v for v in (s, d)]
+    g = torch.Generator().manual_seed(4)
+    x, wt = torch.randn(n, h, w, c, generator=g), torch.randn(k, c, kh, kw, generator=g)
+    b = torch.randn(k, generator=g) if has_b else None
+    ho = (h + pads[0] + pads[2] - dh * (kh - 1) - 1) // sh + 1
+    wo = (w + pads[1] + pads[3] - dw * (kw - 1) - 1) // sw + 1
+    r = torch.randn(n, ho, wo, k, generator=g) if has_r else None
+    alpha, beta = (-0.5, 0.5) if act == "Clip" else (None, None)
+    run = native.conv_fn(native.ConvWeight(wt), (sh, sw), (dh, dw), b, act, alpha, beta)
+    outs = []
+    try:
+        for isa in ("avx2", "avx512"):
+            native.set_conv_isa(isa)
+            outs.append(run(x, pads[:2], r, torch.empty(n, ho, wo, k)))
+    finally:
+        native.set_conv_isa(None)
+    assert torch.equal(outs[0], outs[1])
 
 
 @needs_native
