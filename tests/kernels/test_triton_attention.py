@@ -61,7 +61,7 @@ def test_triton_attention_default_tactic_3d():
     assert_close(y, _ref(q, kt.transpose(-1, -2), v, None, False, 1 / math.sqrt(32)))
 
 
-def test_triton_attention_falls_back_for_fp32_and_bool_mask():
+def test_triton_attention_falls_back_for_fp32_and_integer_masks():
     q, k, v = randn(1, 4, 16), randn(1, 4, 16), randn(1, 4, 16)
     n = call(FT.Attention, num_heads=2, scale=0.5)
     assert not A.supports(n, (q, k, v, None))
@@ -69,19 +69,57 @@ def test_triton_attention_falls_back_for_fp32_and_bool_mask():
     want = _ref(_heads(q, 2), _heads(k, 2), _heads(v, 2), None, False, 0.5)
     torch.testing.assert_close(y, want.transpose(1, 2).flatten(-2), atol=1e-5, rtol=1e-5)
     h = q.half()
-    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool, device=q.device)
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.uint8, device=q.device)
     assert not A.supports(n, (h, h, h, mask))
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+def test_triton_attention_bool_key_padding_mask(causal):
+    """A boolean mask (True: attend), as HF's SDPA exports build it from attention_mask: the
+    padded keys of each sequence get no weight; same result as the additive -inf form."""
+    b, h, s, d = 3, 2, 19, 16
+    q, k, v = (randn(b, s, h * d, dtype=torch.float16) for _ in range(3))
+    lengths = torch.tensor([19, 11, 1])
+    keep = (torch.arange(s)[None, :] < lengths[:, None]).reshape(b, 1, 1, s).to(q.device)
+    n = call(FT.Attention, SMALL, num_heads=h, scale=0.25, causal=causal)
+    assert A.supports(n, (q, k, v, keep))
+    y = A.attention(n, q, k, v, keep)
+    additive = torch.zeros(keep.shape, device=q.device).masked_fill(~keep, float("-inf"))
+    want = _ref(_heads(q, h), _heads(k, h), _heads(v, h), additive, causal, 0.25)
+    assert_close(y, want.transpose(1, 2).flatten(-2), scale=2)
+
+
+def test_triton_attention_merged_qkv_views():
+    """qkv_split: input 0 is the merged projection [B, S, Dq + Dk + Dv]; q, k, v are read as
+    strided views of it (no copy), inputs 1 and 2 absent."""
+    b, h, s, d = 2, 2, 13, 16
+    qkv = randn(b, s, 3 * h * d, dtype=torch.float16)
+    mask = randn(b, 1, 1, s, dtype=torch.float16)
+    n = call(FT.Attention, SMALL, num_heads=h, scale=0.25, qkv_split=[h * d] * 3)
+    assert A.supports(n, (qkv, None, None, mask))
+    y = A.attention(n, qkv, None, None, mask)
+    q, k, v = qkv.split([h * d] * 3, dim=-1)
+    want = _ref(_heads(q, h), _heads(k, h), _heads(v, h), mask, False, 0.25)
+    assert y.shape == (b, s, h * d)
+    assert_close(y, want.transpose(1, 2).flatten(-2), scale=2)
+    assert A.tactics(n, (qkv, None, None, mask))
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [0, 1])
-def test_triton_attention_gpu_bert_shape(causal):
+@pytest.mark.parametrize("bool_mask", [False, True])
+def test_triton_attention_gpu_bert_shape(causal, bool_mask):
     b, h, s, d = 64, 12, 128, 64
     q, k, v = (randn(b, s, h * d, dtype=torch.float16, device="cuda") for _ in range(3))
     mask = randn(b, 1, 1, s, dtype=torch.float16, device="cuda")
+    if bool_mask:  # key padding: the second half of every other sequence
+        mask = torch.ones(b, 1, 1, s, dtype=torch.bool, device="cuda")
+        mask[::2, ..., s // 2:] = False
     n = call(FT.Attention, num_heads=h, scale=d ** -0.5, causal=causal)
-    want = _ref(_heads(q, h), _heads(k, h), _heads(v, h), mask, causal, d ** -0.5)
+    add = (torch.zeros(mask.shape, device="cuda").masked_fill(~mask, float("-inf"))
+           if bool_mask else mask)
+    want = _ref(_heads(q, h), _heads(k, h), _heads(v, h), add, causal, d ** -0.5)
     want = want.transpose(1, 2).flatten(-2)
     for t in [None, *A.tactics(n, (q, k, v, mask))]:
         n.tactic = t

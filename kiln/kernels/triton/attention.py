@@ -3,9 +3,12 @@
 One program per (BLOCK_M query rows, batch x head); it walks the keys BLOCK_N at a time with an
 online softmax (running max and sum, fp32), so the [Sq, Sk] score matrix never reaches memory.
 q/k/v/mask are read through their strides: the packed [B, S, H*D] layout, k given transposed and
-masks broadcast over batch or heads cost no copy. Causal is top-left aligned (key j <= query i),
-as kiln's Attention op defines it. Tactic: ``{"BLOCK_M", "BLOCK_N", "num_warps",
-"num_stages"}``. fp32 inputs, boolean masks and other layouts run the PyTorch kernel (SDPA).
+masks broadcast over batch or heads cost no copy, nor does a merged projection's output
+(``qkv_split``: q, k and v are views of it). Masks are additive floats or booleans (True:
+attend, as SDPA reads them; HF's SDPA exports build a boolean key-padding mask, which cuDNN's
+SDPA took 2x longer over than with no mask at BERT-base b64). Causal is top-left aligned (key
+j <= query i), as kiln's Attention op defines it. Tactic: ``{"BLOCK_M", "BLOCK_N",
+"num_warps", "num_stages"}``. fp32 inputs and other layouts run the PyTorch kernel (SDPA).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ _LOG2E = 1.4426950408889634
 def _attn_kernel(Q, K, V, Mask, Out, qk_scale, Sq, Sk, H, D, DV,
                  s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                  s_mb, s_mh, s_mm, s_mn, s_ob, s_oh, s_om, s_od,
-                 HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                 HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr,
+                 BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     start_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
@@ -50,11 +54,14 @@ def _attn_kernel(Q, K, V, Mask, Out, qk_scale, Sq, Sk, H, D, DV,
         kt = tl.load(k_base + cols[None, :] * s_kn,
                      mask=(cols[None, :] < Sk) & (offs_d[:, None] < D), other=0.0)
         s = tl.dot(q, kt) * qk_scale  # log2 units: exp2 below
-        if HAS_MASK:
-            s += tl.load(m_base + cols[None, :] * s_mn,
-                         mask=(offs_m[:, None] < Sq) & (cols[None, :] < Sk),
-                         other=0.0).to(tl.float32) * 1.4426950408889634
         keep = cols[None, :] < Sk
+        if HAS_MASK:
+            m_ptrs = m_base + cols[None, :] * s_mn
+            m_ok = (offs_m[:, None] < Sq) & (cols[None, :] < Sk)
+            if MASK_BOOL:  # uint8 view of a bool mask: 0 masks the key out
+                keep = keep & (tl.load(m_ptrs, mask=m_ok, other=1) != 0)
+            else:
+                s += tl.load(m_ptrs, mask=m_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None])
         s = tl.where(keep, s, -float("inf"))
@@ -95,9 +102,22 @@ def _bhsd(n, q, k, v):
     return q, k, v
 
 
-def supports(n, inputs) -> bool:
-    q, k, v = inputs[:3]
+def _inputs(n, inputs):
+    """(q, k, v, mask), q/k/v as views of the merged projection where ``qkv_split`` says so."""
+    q = inputs[0]
+    k = inputs[1] if len(inputs) > 1 else None
+    v = inputs[2] if len(inputs) > 2 else None
     mask = inputs[3] if len(inputs) > 3 else None
+    split = n.a.qkv_split
+    if split and isinstance(q, torch.Tensor) and q.shape[-1] == sum(split):
+        q, k, v = q.split(list(split), dim=-1)
+    return q, k, v, mask
+
+
+def supports(n, inputs) -> bool:
+    q, k, v, mask = _inputs(n, inputs)
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return False
     if not (on_device(q, k, v, mask) and q.dtype in HALF and k.dtype == v.dtype == q.dtype):
         return False
     views = _bhsd(n, q, k, v)
@@ -108,7 +128,7 @@ def supports(n, inputs) -> bool:
             or v4.shape[-1] > 256 or 0 in q4.shape or k4.shape[-2] == 0:
         return False
     if mask is not None:
-        if not mask.dtype.is_floating_point or mask.dim() > 4:
+        if not (mask.dtype.is_floating_point or mask.dtype == torch.bool) or mask.dim() > 4:
             return False
         try:  # not torch.broadcast_shapes (its first call imports torch's symbolic shapes)
             broadcast_ints(mask.shape, (*q4.shape[:-1], k4.shape[-2]))
@@ -118,7 +138,7 @@ def supports(n, inputs) -> bool:
 
 
 def tactics(n, inputs) -> list[dict]:
-    q4, k4, _ = _bhsd(n, *inputs[:3])
+    q4, k4, _ = _bhsd(n, *_inputs(n, inputs)[:3])
     sq, d = q4.shape[-2], q4.shape[-1]
     out = []
     for bm, bn, w, s in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
@@ -139,6 +159,8 @@ def flash_attention(n, q, k, v, mask=None, causal=False, scale=None):
     t = tactic_of(n, default)
     o = torch.empty((b, sq, h, dv), dtype=q.dtype, device=q.device).transpose(1, 2)
     if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = mask.view(torch.uint8)  # same bytes; Triton reads uint8, not i1 storage
         m4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(b, h, sq, sk)
         ms = list(m4.stride())  # 0 on the broadcast dims
     else:
@@ -147,7 +169,8 @@ def flash_attention(n, q, k, v, mask=None, causal=False, scale=None):
     grid = (cdiv(sq, t["BLOCK_M"]), b * h)
     launch(_attn_kernel, grid, q, k, v, m4, o, scale * _LOG2E, sq, sk, h, d, dv,
            *q.stride(), *k.stride(), *v.stride(), *ms, *o.stride(),
-           HAS_MASK=mask is not None, CAUSAL=bool(causal), BLOCK_M=t["BLOCK_M"],
+           HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
+           CAUSAL=bool(causal), BLOCK_M=t["BLOCK_M"],
            BLOCK_N=t["BLOCK_N"], BLOCK_D=max(16, next_pow2(d)), BLOCK_DV=max(16, next_pow2(dv)),
            num_warps=t["num_warps"], num_stages=t["num_stages"])
     return o
@@ -155,9 +178,10 @@ def flash_attention(n, q, k, v, mask=None, causal=False, scale=None):
 
 @register(FT.Attention, backend="cuda", name="TritonFlashAttention", tactics=tactics,
           supports=supports)
-def attention(n, q, k, v, mask=None):
+def attention(n, q, k=None, v=None, mask=None):
     if not supports(n, (q, k, v, mask)):
         return torch_ft.attention(n, q, k, v, mask)
+    q, k, v, mask = _inputs(n, (q, k, v, mask))
     q4, k4, v4 = _bhsd(n, q, k, v)
     o = flash_attention(n, q4, k4, v4, mask, bool(n.a.causal), n.a.scale)
     if n.a.num_heads:
