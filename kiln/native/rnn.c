@@ -508,6 +508,34 @@ int kiln_dq_lstm(const long *g, const int *acts, const float *ab, float clip, co
     return 0;
 }
 
+/* kiln_dq_lstm of several directions (a bidirectional layer's two), each direction an item of
+ * kiln's team: on two cores each keeps its own R in its own L2 across the steps. args: per
+ * direction 14 pointers (g acts ab xw rq rs bias peep h0 c0 lens y yh yc), clips: one per
+ * direction. Returns 1 when scratch memory ran out for any of them. */
+struct dq_dirs {
+    void *const *args;
+    const float *clips;
+    _Atomic int failed;
+};
+
+static void dq_dir_items(void *ctx, long i0, long i1)
+{
+    struct dq_dirs *d = ctx;
+    for (long i = i0; i < i1; i++) {
+        void *const *a = d->args + 14 * i;
+        if (kiln_dq_lstm(a[0], a[1], a[2], d->clips[i], a[3], a[4], a[5], a[6], a[7], a[8], a[9],
+                         a[10], a[11], a[12], a[13]) != 0)
+            d->failed = 1;
+    }
+}
+
+int kiln_dq_lstm_dirs(long ndirs, void *const *args, const float *clips, int nthreads)
+{
+    struct dq_dirs d = {args, clips, 0};
+    kiln_parallel(ndirs, dq_dir_items, &d, nthreads);
+    return d.failed;
+}
+
 /* A native program's record of a recurrent node (kiln/engine/program_rnn.py):
  * kind, fparam, kiln_rnn's long array (the constants' pointers in place), then (buf off) for
  * xw x h0 c0 y yh yc (buf -1: absent), resolved against the program's buffers here. */

@@ -42,6 +42,9 @@ if _lib is not None:
     _lib.kiln_dq_lstm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float] + \
         [ctypes.c_void_p] * 11
     _lib.kiln_dq_lstm.restype = ctypes.c_int
+    _lib.kiln_dq_lstm_dirs.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_int]
+    _lib.kiln_dq_lstm_dirs.restype = ctypes.c_int
 
 
 def available() -> bool:
@@ -234,6 +237,31 @@ def dq_lstm(g: tuple, acts: tuple, clip: float, xw, rq, rs, bias, peep, h0, c0, 
                                          yc))) != 0:
         raise MemoryError("DynamicQuantizeLSTM: no scratch memory")
     return y, yh, yc
+
+
+def dq_lstm_dirs(jobs: list, nthreads: int | None = None) -> list:
+    """:func:`dq_lstm` of several directions in one C call (rnn.c's kiln_dq_lstm_dirs), the
+    directions over kiln's team (one per thread): ``jobs`` a list of :func:`dq_lstm`'s
+    argument tuples; returns their (Y, Y_h, Y_c) in order."""
+    outs, keep, ptrs = [], [], []
+    clips = (ctypes.c_float * max(len(jobs), 1))()
+    for i, (g, acts, clip, xw, rq, rs, bias, peep, h0, c0, lens) in enumerate(jobs):
+        t, b, h = g[:3]
+        y, yh, yc = torch.empty((t, b, h)), torch.empty((b, h)), torch.empty((b, h))
+        codes, alphas, betas = acts
+        ci, fa = (ctypes.c_int * 3)(*codes), (ctypes.c_float * 6)(*alphas, *betas)
+        gl = (ctypes.c_long * 4)(*g)
+        keep += [ci, fa, gl]
+        clips[i] = clip
+        ptrs += [ctypes.addressof(gl), ctypes.addressof(ci), ctypes.addressof(fa)]
+        ptrs += [None if v is None else v.data_ptr()
+                 for v in (xw, rq, rs, bias, peep, h0, c0, lens, y, yh, yc)]
+        outs.append((y, yh, yc))
+    arr = (ctypes.c_void_p * max(len(ptrs), 1))(*ptrs)
+    nt = torch.get_num_threads() if nthreads is None else nthreads
+    if _lib.kiln_dq_lstm_dirs(len(jobs), arr, clips, nt) != 0:
+        raise MemoryError("DynamicQuantizeLSTM: no scratch memory")
+    return outs
 
 
 def vnni_weight(w: torch.Tensor) -> torch.Tensor:

@@ -160,10 +160,12 @@ def test_dynamic_quantize_lstm_native_recurrence_matches_torch_steps(case, monke
 
     model, feeds, _ = _model(**case)
     calls = []
-    native = DL._run_native
+    native, both = DL._run_native, DL._run_native_dirs
     monkeypatch.setattr(DL, "_run_native", lambda *a: calls.append(1) or native(*a))
+    monkeypatch.setattr(DL, "_run_native_dirs", lambda *a: calls.append(2) or both(*a))
     got = run_kiln(model, feeds)
-    assert calls
+    assert calls and set(calls) == {
+        2 if case.get("direction", "bidirectional") == "bidirectional" else 1}
     monkeypatch.setattr(DL, "_native_fits", lambda n, rq, x: False)
     want = run_kiln(model, feeds)
     for g, w in zip(got, want):
@@ -190,6 +192,40 @@ def test_dynamic_quantize_lstm_vnni_step_matches_int16_step(case, monkeypatch):
     assert made and all(r is not None for r in made)
     monkeypatch.setattr(DL, "_vnni_r", lambda n, w: None)
     want = run_kiln(model, feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.skipif(not __import__("kiln").native.available, reason="needs kiln.native")
+@pytest.mark.parametrize("isa", ["vnni", "avx2"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bidirectional_directions_in_one_call_match_one_by_one(isa, threads, monkeypatch):
+    """A bidirectional layer's two recurrences in one C call (a direction per thread of kiln's
+    team) give what the two calls one after the other give, to the bit, on the VNNI step and
+    on the int16 one (KILN_QGEMM_PATH=avx2 turns VNNI's kernels off); lengths that differ per
+    row and states in."""
+    import torch
+
+    from kiln import native
+    from kiln.kernels.torch import dynamic_quantize_lstm as DL
+
+    if isa not in native.qgemm_paths():
+        pytest.skip(f"this CPU has no {isa} path")
+    monkeypatch.setenv("KILN_QGEMM_PATH", isa)
+    model, feeds, _ = _model(batch=3, hid=40, seq=6, lens=[6, 2, 5], states=True)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        calls = []
+        both = DL._run_native_dirs
+        monkeypatch.setattr(DL, "_run_native_dirs", lambda *a: calls.append(1) or both(*a))
+        got = run_kiln(model, feeds)
+        assert calls
+        monkeypatch.setattr(DL, "_run_native_dirs", lambda jobs: [DL._run_native(j)
+                                                                  for j in jobs])
+        want = run_kiln(model, feeds)
+    finally:
+        torch.set_num_threads(old)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
 

@@ -108,6 +108,8 @@ def _reverse_within(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
 @register(D.DynamicQuantizeLSTM)
 def dynamic_quantize_lstm(n, x, w, r, b=None, seq_lens=None, h0=None, c0=None, p=None,
                           w_scale=None, w_zp=None, r_scale=None, r_zp=None):
+    """Both directions' input projections first; then the recurrences, the native ones of a
+    bidirectional layer in one C call (a direction per thread), the others one by one."""
     if w_scale is None or r_scale is None:
         raise ValueError(f"DynamicQuantizeLSTM '{n.node_name}': W_scale and R_scale are required")
     seq, batch = x.shape[0], x.shape[1]
@@ -123,6 +125,7 @@ def dynamic_quantize_lstm(n, x, w, r, b=None, seq_lens=None, h0=None, c0=None, p
     native_acts = _native_acts(n.a, dirs)
     y = x.new_zeros((seq, dirs, batch, hid))
     yh, yc = x.new_zeros((dirs, batch, hid)), x.new_zeros((dirs, batch, hid))
+    results, native_jobs, revs = {}, {}, []
     for d in range(dirs):
         rev = d == 1 or (dirs == 1 and n.a.direction == "reverse")
         xd = _reverse_within(x, lens) if rev else x
@@ -131,13 +134,19 @@ def dynamic_quantize_lstm(n, x, w, r, b=None, seq_lens=None, h0=None, c0=None, p
         pd = None if p is None else p[d].float()
         xw = _qmatmul(xd[:steps].reshape(-1, xd.shape[2]), wq[d], ws[d])
         xw = xw.reshape(steps, batch, 4 * hid)
-        yd = None
         if native_acts is not None and _native_fits(n, rq[d], x):
-            yd, hd, cd = _run_native(n, native_acts[d], xw, rq[d], rs[d], bias[d], pd, h, c,
-                                     lens, steps)
-        if yd is None:
-            yd, hd, cd = _run(n, acts[d], xw, rq[d], rs[d], bias[d], pd, h, c, lens, steps)
-        y[:steps, d] = _reverse_within(yd, lens) if rev else yd
+            native_jobs[d] = _native_job(n, native_acts[d], xw, rq[d], rs[d], bias[d], pd, h,
+                                         c, lens, steps)
+        else:
+            results[d] = _run(n, acts[d], xw, rq[d], rs[d], bias[d], pd, h, c, lens, steps)
+        revs.append(rev)
+    if len(native_jobs) > 1:  # both directions at once, one per thread (rnn.c)
+        results.update(zip(native_jobs, _run_native_dirs(list(native_jobs.values()))))
+    else:
+        results.update({d: _run_native(job) for d, job in native_jobs.items()})
+    for d in range(dirs):
+        yd, hd, cd = results[d]
+        y[:steps, d] = _reverse_within(yd, lens) if revs[d] else yd
         yh[d], yc[d] = hd, cd
     outs = (y, yh, yc)
     return outs[:max(n.n_out, 1)] if n.n_out > 1 else y
@@ -204,8 +213,8 @@ def _vnni_r(n, w: torch.Tensor):
     return got[1]
 
 
-def _run_native(n, acts, xw, rq, rs, bias, p, h, c, lens, steps):
-    """:func:`_run` in one C call (kiln/native/rnn.c's kiln_dq_lstm)."""
+def _native_job(n, acts, xw, rq, rs, bias, p, h, c, lens, steps) -> tuple:
+    """kiln_dq_lstm's arguments for one direction (:func:`kiln.native.rnn.dq_lstm`)."""
     from kiln.native import rnn as NR
 
     batch, hid = h.shape
@@ -215,12 +224,24 @@ def _run_native(n, acts, xw, rq, rs, bias, p, h, c, lens, steps):
         r = _pairs_i16(n, rq[0])
     else:
         flags |= NR.VNNI
-    y, y_h, y_c = NR.dq_lstm(
-        (steps, batch, hid, flags), acts, float(n.a.clip or 0.0), xw.contiguous(),
-        r, rs.contiguous(), bias.contiguous(),
-        None if p is None else p.contiguous(), h.contiguous(), c.contiguous(),
-        lens.to(torch.int64).contiguous())
-    return y, y_h, y_c
+    return ((steps, batch, hid, flags), acts, float(n.a.clip or 0.0), xw.contiguous(), r,
+            rs.contiguous(), bias.contiguous(), None if p is None else p.contiguous(),
+            h.contiguous(), c.contiguous(), lens.to(torch.int64).contiguous())
+
+
+def _run_native(job: tuple):
+    """One direction's recurrence in one C call (kiln/native/rnn.c's kiln_dq_lstm)."""
+    from kiln.native import rnn as NR
+
+    return NR.dq_lstm(*job)
+
+
+def _run_native_dirs(jobs: list) -> list:
+    """Several directions' recurrences in one C call, a direction per thread of kiln's team
+    (kiln_dq_lstm_dirs): the same values as :func:`_run_native` of each."""
+    from kiln.native import rnn as NR
+
+    return NR.dq_lstm_dirs(jobs)
 
 
 def _run(n, acts, xw, rq, rs, bias, p, h, c, lens, steps):
