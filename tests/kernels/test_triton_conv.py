@@ -82,7 +82,7 @@ def test_triton_conv_epilogue_wide_offsets():
     # the int64 offsets of outputs of 2**31 elements or more, on a tiny tensor
     y, b = nhwc(2, 6, 3, 3), randn(6)
     want = _epilogue_ref(y, b, None, "Relu")
-    common.launch(conv._bias_act_kernel, (3, 1), y, b, y, 18, 6, 0.0, 0.0, HAS_BIAS=True,
+    common.launch(common.bias_act_kernel, (3, 1), y, b, y, 18, 6, 0.0, 0.0, HAS_BIAS=True,
                   HAS_RES=False, ACT=common.ACT_CODE["Relu"], WIDE=True, BLOCK_P=8, BLOCK_C=8,
                   num_warps=1)
     assert_close(y, want)

@@ -4,6 +4,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from kiln.kernels.registry import kernels_for
 from kiln.kernels.triton import gemm as G
 from kiln.ops import fused_conv as FC
 from kiln.ops import nn as N
@@ -12,6 +13,7 @@ from tests.kernels.triton_util import assert_close, call, dot_dtypes, gpu, randn
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "SPLIT_K": 1,
          "num_warps": 1, "num_stages": 1}
 SPLIT = dict(SMALL, SPLIT_K=2, GROUP_M=1)
+CUBLAS = {"impl": "cublas", "BLOCK": 64, "num_warps": 1}  # cuBLAS, then the Triton epilogue
 
 # the torch activations the fused epilogue must reproduce (alpha, beta as the op's attributes)
 ACT = {"": lambda y: y, "Relu": torch.relu, "Gelu": F.gelu, "Silu": F.silu,
@@ -20,7 +22,8 @@ ACT = {"": lambda y: y, "Relu": torch.relu, "Gelu": F.gelu, "Silu": F.silu,
        "Clip": lambda y: y.clamp(-0.5, 0.5), "LeakyRelu": lambda y: F.leaky_relu(y, 0.5)}
 
 
-@pytest.mark.parametrize("tactic", [None, SMALL, SPLIT], ids=["default", "small", "splitk"])
+@pytest.mark.parametrize("tactic", [None, SMALL, SPLIT, CUBLAS],
+                         ids=["default", "small", "splitk", "cublas"])
 @pytest.mark.parametrize("act", sorted(ACT))
 def test_triton_fused_matmul_epilogue(act, tactic):
     x, w = randn(2, 5, 40, dtype=torch.float16), randn(40, 24, dtype=torch.float16)
@@ -70,6 +73,24 @@ def test_triton_matmul_falls_back_for_fp32_and_batched():
     assert not G._matmul_supports(n, (a3, b3))
 
 
+def test_triton_fused_matmul_offers_cublas_only_with_an_epilogue():
+    """The cuBLAS + Triton-epilogue tactics are offered where there is an epilogue to run
+    (an activation or a residual; the bias rides in cuBLASLt) and say they load cuBLAS; a plain
+    product (the PyTorch kernel is that already) gets the Triton tiles alone."""
+    x, w, b = randn(4, 32, dtype=torch.float16), randn(32, 16, dtype=torch.float16), \
+        randn(16, dtype=torch.float16)
+    k = [k for k in kernels_for(FC.FusedMatMul, "cuda") if k.name == "TritonFusedMatMul"][0]
+    gelu = k.tactic_space(call(FC.FusedMatMul, activation="Gelu"), (x, w, b))
+    assert [t for t in gelu if t.get("impl") == "cublas"] == list(G.CUBLAS_TACTICS)
+    assert all(k.library(t) == "cublas" for t in gelu if t.get("impl") == "cublas")
+    assert all(k.library(t) is None for t in gelu if "impl" not in t)
+    plain = k.tactic_space(call(FC.FusedMatMul), (x, w, b))
+    assert plain and not any(t.get("impl") == "cublas" for t in plain)
+    res = k.tactic_space(call(FC.FusedMatMul, has_residual=1), (x, w, b, randn(4, 16,
+                                                                             dtype=torch.float16)))
+    assert any(t.get("impl") == "cublas" for t in res)
+
+
 def test_triton_gemm_tactic_space():
     big = G.gemm_tactics(8192, 768, 3072)
     assert all(t["SPLIT_K"] == 1 for t in big)  # 8192x768 fills the GPU: no split-K
@@ -86,7 +107,7 @@ def test_triton_gemm_gpu_bert_shapes(m, k, nn):
     b = randn(nn, dtype=torch.float16, device="cuda")
     n = call(FC.FusedMatMul, activation="Gelu")
     want = F.gelu(x.float() @ w.float() + b.float())
-    for t in [None, *G.gemm_tactics(m, nn, k)]:
+    for t in [None, *G._matmul_tactics(n, (x, w, b))]:
         n.tactic = t
         assert_close(G.fused_matmul(n, x, w, b), want, scale=3)
 

@@ -10,8 +10,8 @@ import os
 
 import torch
 
-from kiln.kernels.triton.binary import launch  # noqa: F401  (every kernel launches through it)
-from kiln.kernels.triton.lazy import jit, tl
+from kiln.kernels.triton.binary import launch
+from kiln.kernels.triton.lazy import cdiv, jit, tl
 
 # read once: Triton picks the interpreter as each kernel is materialized (lazy.jit), not per call
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -130,3 +130,40 @@ def epilogue(acc, Bias, cols, n_cols, r_ptrs, mask, act_a, act_b,
     if HAS_RES:
         acc += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
     return act(acc, ACT, act_a, act_b)
+
+
+# rows (P) vary per layer: one binary per tile and epilogue, not one per layer shape
+@jit(do_not_specialize=["P"])
+def bias_act_kernel(Y, Bias, R, P, C, alpha, beta,
+                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
+                    WIDE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    if WIDE:  # 2**31 elements or more
+        rows = rows.to(tl.int64)
+    offs = rows[:, None] * C + cols[None, :]
+    mask = (rows[:, None] < P) & (cols[None, :] < C)
+    y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
+    y = epilogue(y, Bias, cols, C, R + offs, mask, alpha, beta, HAS_BIAS, HAS_RES, ACT)
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def rows_act_(y, res=None, activation: str = "", alpha: float = 0.0, beta: float = 0.0,
+              block: int = 2048, num_warps: int = 4):
+    """``y = act(y + res)`` in place on a contiguous ``y`` seen as [rows, last dim] (``res``:
+    contiguous, y's shape): the epilogue of a cuBLAS product whose bias cuBLASLt already
+    added. Returns ``y``."""
+    if not y.is_contiguous() or (res is not None and (res.shape != y.shape
+                                                      or not res.is_contiguous())):
+        raise ValueError("rows_act_: y and the residual must be contiguous, of one shape")
+    if y.numel() == 0 or (res is None and not activation):
+        return y
+    c = y.shape[-1]
+    rows = y.numel() // c
+    bc = min(next_pow2(c), block)
+    bp = max(1, block // bc)
+    launch(bias_act_kernel, (cdiv(rows, bp), cdiv(c, bc)), y, y, y if res is None else res,
+           rows, c, float(alpha), float(beta), HAS_BIAS=False, HAS_RES=res is not None,
+           ACT=ACT_CODE[activation], WIDE=y.numel() >= 2**31, BLOCK_P=bp, BLOCK_C=bc,
+           num_warps=num_warps)
+    return y

@@ -42,14 +42,14 @@ from kiln.kernels.triton.common import (
     ACT_CODE,
     FLOATS,
     HALF,
-    epilogue,
+    bias_act_kernel,
     launch,
     next_pow2,
     on_device,
     tactic_of,
 )
 from kiln.kernels.triton.gemm import gemm2d, gemm_tactics
-from kiln.kernels.triton.lazy import cdiv, jit, tl
+from kiln.kernels.triton.lazy import cdiv
 from kiln.ops import fused_conv as FC
 
 CL = torch.channels_last
@@ -59,22 +59,6 @@ DEFAULT = {"epilogue": "triton", "BLOCK": 1024, "num_warps": 4}
 _CONFIGS = ((1024, 4), (2048, 4), (4096, 8))
 _HAVE_CUDNN_FUSED = (hasattr(torch, "cudnn_convolution_relu")
                      and hasattr(torch, "cudnn_convolution_add_relu"))
-
-
-# rows (P) vary per layer: one binary per tile and epilogue, not one per layer shape
-@jit(do_not_specialize=["P"])
-def _bias_act_kernel(Y, Bias, R, P, C, alpha, beta,
-                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
-                     WIDE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    if WIDE:  # 2**31 elements or more
-        rows = rows.to(tl.int64)
-    offs = rows[:, None] * C + cols[None, :]
-    mask = (rows[:, None] < P) & (cols[None, :] < C)
-    y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
-    y = epilogue(y, Bias, cols, C, R + offs, mask, alpha, beta, HAS_BIAS, HAS_RES, ACT)
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
 def bias_act_(y, bias=None, res=None, activation: str = "", alpha: float = 0.0,
@@ -91,7 +75,7 @@ def bias_act_(y, bias=None, res=None, activation: str = "", alpha: float = 0.0,
     bc = min(next_pow2(c), block)
     bp = max(1, block // bc)
     grid = (cdiv(rows, bp), cdiv(c, bc))
-    launch(_bias_act_kernel, grid, y, y if bias is None else bias, y if res is None else res,
+    launch(bias_act_kernel, grid, y, y if bias is None else bias, y if res is None else res,
            rows, c, float(alpha), float(beta), HAS_BIAS=bias is not None,
            HAS_RES=res is not None, ACT=ACT_CODE[activation], WIDE=y.numel() >= 2**31,
            BLOCK_P=bp, BLOCK_C=bc, num_warps=num_warps)
