@@ -44,5 +44,6 @@ part llm "${LLM_S:-170}" python -m bench.llm --device cuda --models 7b --peers 0
   --cuda-weights dtype --kv-cache-dtype fp8 --agree 0 ${LLM_ARGS:-} --json "$OUT/llm.json"
 part step "${STEP_S:-140}" python -m bench.llm_step --kv-cache-dtype fp8 ${STEP_ARGS:-} \
   --json "$OUT/step.json"
-part attn "${ATTN_S:-50}" python -m bench.llm_attention ${ATTN_ARGS:-} --json "$OUT/attn.json"
+part attn "${ATTN_S:-50}" python -m bench.llm_attention ${ATTN_ARGS:---warps 4,8 --dot-tiles \
+32,64,128} --json "$OUT/attn.json"
 echo "[$(( $(date +%s) - t0 )) s] done" | tee -a "$S"

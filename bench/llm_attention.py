@@ -65,9 +65,10 @@ def _time(fn, iters, device) -> float:
 
 def run(batch=256, ctx=640, heads=32, kv_heads=32, head_dim=128, block_size=16, layers=32,
         kvs=("auto", "fp8"), tiles=(0, 32, 64, 128), iters=20, device="cuda",
-        warps=(4,)) -> list[dict]:
+        warps=(4,), dot_tiles=()) -> list[dict]:
     """One row per KV dtype and kernel: ``tiles`` 0 = the tl.dot kernel, N = the tiled MHA
-    kernel with N tokens a tile, once per ``warps``."""
+    kernel with N tokens a tile, once per ``warps``; ``dot_tiles``: the tl.dot kernel with N
+    tokens a tile (``KILN_LLM_DECODE_DOT_TILE=N:W``), once per ``warps``."""
     q, kc, vc, tables, lens = make_case(batch, ctx, heads, kv_heads, head_dim, block_size, device)
     scale = head_dim ** -0.5
     sms = (torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda"
@@ -82,9 +83,12 @@ def run(batch=256, ctx=640, heads=32, kv_heads=32, head_dim=128, block_size=16, 
             kv_quant.resolve(kv, q.dtype)
             sc = torch.stack([kc.abs().amax(), vc.abs().amax()]).float() * (2 / kv_quant.FP8_MAX)
             k, v = kv_quant.quantize(kc, sc[0]), kv_quant.quantize(vc, sc[1])
-        kernels = [(t, w) for t in tiles for w in (warps if t else (None,))]
-        for tile, w in kernels:
+        kernels = [(t, w, None) for t in tiles for w in (warps if t else (None,))]
+        kernels += [(0, None, (t, w)) for t in dot_tiles for w in warps]
+        for tile, w, dot in kernels:
             name = "dot" if not tile else f"tile{tile}" + (f":{w}" if len(warps) > 1 else "")
+            if dot:
+                name = f"dot{dot[0]}:{dot[1]}"
             row = {"kv_cache_dtype": kv, "kernel": name,
                    "batch": batch, "ctx": ctx, "heads": heads, "kv_heads": kv_heads,
                    "head_dim": head_dim, "splits": splits}
@@ -94,9 +98,9 @@ def run(batch=256, ctx=640, heads=32, kv_heads=32, head_dim=128, block_size=16, 
                 print(row, flush=True)
                 continue
 
-            def call(k=k, v=v, sc=sc, tile=tile, w=w):
+            def call(k=k, v=v, sc=sc, tile=tile, w=w, dot=dot):
                 return paged_decode(q, k, v, tables, lens, scale, splits, kv_scale=sc,
-                                    mha_tile=(tile, w) if tile else None)
+                                    mha_tile=(tile, w) if tile else None, dot_tile=dot)
             try:
                 out = call().float()
                 sec = _time(call, iters, device)
@@ -129,6 +133,8 @@ def main(argv=None):
     ap.add_argument("--tiles", default="0,32,64,128",
                     help="kernels: 0 = tl.dot, N = the tiled MHA kernel, N tokens a tile")
     ap.add_argument("--warps", default="4", help="warps of the tiled kernel, e.g. 4,8")
+    ap.add_argument("--dot-tiles", default="",
+                    help="the tl.dot kernel at N tokens a tile, e.g. 32,64,128 (x --warps)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--json", help="write the rows here")
@@ -136,7 +142,8 @@ def main(argv=None):
     rows = run(args.batch, args.ctx, args.heads, args.kv_heads, args.head_dim, args.block_size,
                args.layers, [k for k in args.kv.split(",") if k],
                [int(t) for t in args.tiles.split(",") if t], args.iters, args.device,
-               [int(w) for w in args.warps.split(",") if w])
+               [int(w) for w in args.warps.split(",") if w],
+               [int(t) for t in args.dot_tiles.split(",") if t])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

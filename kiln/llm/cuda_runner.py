@@ -41,9 +41,17 @@ from kiln.llm import fp8, kv_quant
 from kiln.llm.attention import TorchPagedAttention
 from kiln.llm.fused import FusedOps
 from kiln.llm.runner import ModelRunner
-from kiln.llm.triton_attention import decode_splits, mha_tile_from_env, paged_decode
+from kiln.llm.triton_attention import (
+    decode_splits,
+    dot_tile_from_env,
+    mha_tile_from_env,
+    paged_decode,
+)
 
 FP8_DECODE_TILE = (128, 4)  # MHA decode over an FP8 cache: the tiled kernel (see __init__)
+# what _tune_decode times: (tokens a tile, warps) of the tl.dot kernel, and of the tiled MHA one
+DOT_CANDIDATES = ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))
+MHA_CANDIDATES = ((64, 4), (128, 4), (128, 8))
 
 log = logging.getLogger("kiln.llm")
 
@@ -106,7 +114,7 @@ class MixedMeta:
 
 class CudaAttention:
     def __init__(self, cache: torch.Tensor, num_heads: int,
-                 scales: kv_quant.KVScales | None = None, mha_tile=None):
+                 scales: kv_quant.KVScales | None = None, mha_tile=None, dot_tile=None):
         self.torch_path = TorchPagedAttention(cache, num_heads, scales)
         self.scales, self.fp8 = self.torch_path.scales, self.torch_path.fp8
         self.cache, self.num_heads = cache, num_heads
@@ -114,6 +122,7 @@ class CudaAttention:
         self.sms = (torch.cuda.get_device_properties(cache.device).multi_processor_count
                     if cache.device.type == "cuda" else 132)
         self.mha_tile = mha_tile  # None: the tl.dot decode kernel for MHA too
+        self.dot_tile = dot_tile  # the tl.dot kernel's (tokens, warps); None: one block, 4
         # prefill switches (on by default; bench.llm_step times each off): equal-length whole
         # prompts as one batched SDPA call; RoPE + the cache write as one kernel in mixed steps
         self.batch_prefill = True
@@ -159,7 +168,7 @@ class CudaAttention:
                                             meta.dec_lens, self.scale,
                                             self._splits(len(meta.dec_lens)),
                                             kv_scale=self.kv_scales(layer),
-                                            mha_tile=self.mha_tile)
+                                            mha_tile=self.mha_tile, dot_tile=self.dot_tile)
         if self.batch_prefill:
             for row, n, count in meta.runs:  # [count, H, n, D] views of the run's rows
                 end = row + n * count
@@ -214,7 +223,7 @@ class CudaAttention:
             return self._mixed_attend(layer, q, k, v, meta)
         o = paged_decode(q, self.cache[layer, 0], self.cache[layer, 1], meta.tables, meta.lens,
                          self.scale, self._splits(q.shape[0]), kv_scale=self.kv_scales(layer),
-                         mha_tile=self.mha_tile)
+                         mha_tile=self.mha_tile, dot_tile=self.dot_tile)
         return o.reshape(q.shape[0], -1)
 
     def _splits(self, batch: int) -> int:
@@ -247,21 +256,30 @@ class CudaModelRunner(ModelRunner):
                  max_batch: int = 256, max_model_len: int | None = None,
                  tune_gemv: bool | None = None, fused_ops: bool | None = None,
                  kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False,
-                 decode_tile: int | tuple[int, int] | None = None):
+                 decode_tile: int | tuple[int, int] | None = None,
+                 dot_tile: int | tuple[int, int] | None = None,
+                 tune_decode: bool | None = None):
         # MHA decode in the tiled kernel: (tokens, warps), from KILN_LLM_DECODE_TILE unless
-        # given (0: the tl.dot kernel); read before super() makes the attention backend.
+        # given (0: the tl.dot kernel); the tl.dot kernel's tile from KILN_LLM_DECODE_DOT_TILE
+        # unless given; read before super() makes the attention backend.
         # Default: the tiled kernel at (128, 4) over an FP8 cache, the tl.dot kernel over FP16
         # (H200, Llama-2-7B shape, b256 x 640 tokens, `python -m bench.llm_attention --warps
-        # 4,8`: FP16 dot 750 us against tile128:4 782 us; FP8 dot 1008 us against 629 us)
+        # 4,8`: FP16 dot 750 us against tile128:4 782 us; FP8 dot 1008 us against 629 us);
+        # on a GPU, _tune_decode then times the candidates once at load unless one was set.
+        chosen = [decode_tile is not None, dot_tile is not None,
+                  os.environ.get("KILN_LLM_DECODE_TILE") is not None,
+                  os.environ.get("KILN_LLM_DECODE_DOT_TILE") is not None]
         if decode_tile is None and os.environ.get("KILN_LLM_DECODE_TILE") is None:
             fp8_kv = kv_quant.resolve(kv_cache_dtype, model.dtype) == kv_quant.FP8
             decode_tile = FP8_DECODE_TILE if fp8_kv else 0
         self.decode_tile = mha_tile_from_env() if decode_tile is None else (decode_tile or None)
+        self.dot_tile = dot_tile_from_env() if dot_tile is None else dot_tile
         # one more block than the pool: the scratch block that padding rows write into
         super().__init__(model, num_blocks + 1, block_size, kv_cache_dtype=kv_cache_dtype,
                          calculate_kv_scales=calculate_kv_scales)
         self.num_blocks = num_blocks
         self.scratch = num_blocks
+        self.max_batch = max(max_batch, 1)
         self.max_blocks = -(-(max_model_len or model.cfg.max_position) // block_size)
         self.sizes = [s for s in GRAPH_SIZES if s <= max(max_batch, 1)] if cuda_graphs else []
         self.steps: dict[int, _Step] = {}
@@ -277,10 +295,20 @@ class CudaModelRunner(ModelRunner):
         model.fused = FusedOps() if fused_ops else None
         if tune_gemv:
             self._tune_gemv()
+        if tune_decode is None:
+            tune_decode = (model.device.type == "cuda"
+                           and os.environ.get("KILN_LLM_DECODE_TUNE") != "0")
+            if tune_decode and any(chosen):
+                tune_decode = False
+                self.decode_tune = "off: a decode tile was given (argument or KILN_LLM_DECODE_" \
+                                   "TILE / KILN_LLM_DECODE_DOT_TILE)"
+        self.decode_tune = getattr(self, "decode_tune", "off")
+        if tune_decode:
+            self._tune_decode()
 
     def _make_attention(self):
         return CudaAttention(self.cache, self.model.cfg.num_heads, self.kv_scales,
-                             self.decode_tile)
+                             self.decode_tile, self.dot_tile)
 
     # --- load-time choices ---------------------------------------------------------------
 
@@ -315,6 +343,76 @@ class CudaModelRunner(ModelRunner):
             m.gemv_silu.clear()
             self.paths["gemv"] = {"error": f"{type(e).__name__}"}
         log.info("kiln.llm CUDA gemv choices: %s", self.paths["gemv"])
+
+    def decode_candidates(self) -> list[tuple[str, tuple | None, tuple | None]]:
+        """(name, mha_tile, dot_tile) of the decode kernel configurations _tune_decode times:
+        the tl.dot kernel at 16 to 128 tokens a tile, and for MHA models the tiled kernel."""
+        out = [(f"dot{t}:{w}", None, (t, w)) for t, w in DOT_CANDIDATES]
+        cfg = self.model.cfg
+        if cfg.num_heads == cfg.num_kv_heads:
+            out += [(f"tile{t}:{w}", (t, w), None) for t, w in MHA_CANDIDATES]
+        return out
+
+    def _tune_decode(self, batch: int | None = None, ctx: int | None = None,
+                     candidates=None, iters: int = 10, warmup: int = 3):
+        """Time each decode kernel configuration once, on layer 0 of the real cache (blocks
+        picked at random from the pool, no memory taken), at ``batch`` sequences (default the
+        largest graph batch, at most 256) of ``ctx`` cached tokens (default 640, within
+        max_model_len), and keep the fastest for every decode step from now on (its graphs
+        are captured later). The timings go to ``describe()["decode_tune"]``; a candidate that
+        fails is a row there; none that runs leaves the defaults."""
+        import time
+
+        attn, cfg, bs = self.attn, self.model.cfg, self.block_size
+        dev = self.model.device
+        ctx = max(1, min(ctx or 640, self.max_blocks * bs))
+        per = -(-ctx // bs)
+        b = max(1, min(batch or min(self.max_batch, 256), self.num_blocks // per))
+        ctx = min(ctx, per * bs)
+        g = torch.Generator().manual_seed(0)
+        tables = torch.randperm(self.num_blocks, generator=g)[:b * per].view(b, per)
+        tables = tables.to(device=dev, dtype=torch.int32)
+        lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+        q = torch.randn(b, cfg.num_heads, cfg.head_dim, generator=g).to(dev, self.model.dtype)
+        kc, vc = self.cache[0, 0], self.cache[0, 1]
+        splits, scale = attn._splits(b), attn.scale
+        cuda = dev.type == "cuda"
+        results, best = {}, None
+        for name, mha_tile, dot_tile in candidates or self.decode_candidates():
+            def call(mt=mha_tile, dt=dot_tile):
+                return paged_decode(q, kc, vc, tables, lens, scale, splits,
+                                    kv_scale=attn.kv_scales(0), mha_tile=mt, dot_tile=dt)
+            try:
+                for _ in range(warmup):
+                    call()
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                        enable_timing=True)
+                    start.record()
+                    for _ in range(iters):
+                        call()
+                    end.record()
+                    end.synchronize()
+                    us = start.elapsed_time(end) * 1e3 / iters
+                else:
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        call()
+                    us = (time.perf_counter() - t0) * 1e6 / iters
+            except Exception as e:  # a configuration that fails to compile or launch: a row
+                results[name] = f"{type(e).__name__}: {str(e)[:120]}"
+                continue
+            results[name] = round(us, 1)
+            if best is None or us < best[0]:
+                best = (us, name, mha_tile, dot_tile)
+        if best is None:
+            log.warning("decode kernel tuning: no configuration ran (%s); defaults kept", results)
+            self.decode_tune = {"batch": b, "ctx": ctx, "us": results, "picked": None}
+            return
+        _, name, attn.mha_tile, attn.dot_tile = best
+        self.decode_tile, self.dot_tile = attn.mha_tile, attn.dot_tile
+        self.decode_tune = {"batch": b, "ctx": ctx, "us": results, "picked": name}
+        log.info("kiln.llm decode kernel: %s (b%d x %d tokens: %s)", name, b, ctx, results)
 
     # --- the step ------------------------------------------------------------------------
 
@@ -480,4 +578,5 @@ class CudaModelRunner(ModelRunner):
         fused = self.model.fused.paths if self.model.fused is not None else "off"
         return {"decode": self.paths["decode"], "graphs": sorted(self.graphs),
                 "gemv": dict(self.paths["gemv"]), "fused": fused,
-                "decode_tile": self.attn.mha_tile, **self.describe_kv()}
+                "decode_tile": self.attn.mha_tile, "dot_tile": self.attn.dot_tile,
+                "decode_tune": self.decode_tune, **self.describe_kv()}

@@ -24,11 +24,12 @@ import triton.language as tl
 @triton.jit
 def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, kv_scale_ptr,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, scale,
-                  HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                  D: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr,
-                  FP8_KV: tl.constexpr, TILE: tl.constexpr):
-    # TILE tokens per iteration: one block (TILE == BS), or whole blocks looked up per token
-    # where blocks are shorter than the 16 rows tl.dot needs (TILE = 16, a multiple of BS)
+                  SPLITS, HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                  D: tl.constexpr, BS: tl.constexpr, FP8_KV: tl.constexpr,
+                  TILE: tl.constexpr):
+    # TILE tokens per iteration (the dot tile, 16 or more: tl.dot's least rows): one block
+    # (TILE == BS), or each token's block looked up on its own (a tile spans TILE / BS blocks,
+    # or part of one). SPLITS is a runtime value: one compile serves every batch size.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -84,9 +85,8 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, kv
 @triton.jit
 def _decode_split_tiles(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
                         kv_scale_ptr, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
-                        stride_tb, scale, HEADS: tl.constexpr, D: tl.constexpr,
-                        BS: tl.constexpr, SPLITS: tl.constexpr, TILE: tl.constexpr,
-                        FP8_KV: tl.constexpr):
+                        stride_tb, scale, SPLITS, HEADS: tl.constexpr, D: tl.constexpr,
+                        BS: tl.constexpr, TILE: tl.constexpr, FP8_KV: tl.constexpr):
     """The MHA variant (one query head per KV head): TILE tokens per iteration, each token's
     block looked up on its own (a tile spans TILE / BS blocks), scores and the weighted sum of
     V as elementwise products and sums in float32 instead of a 16-row padded tl.dot."""
@@ -131,8 +131,8 @@ def _decode_split_tiles(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_p
 
 
 @triton.jit
-def _decode_reduce(acc_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, HEADS: tl.constexpr,
-                   D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def _decode_reduce(acc_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, SPLITS,
+                   HEADS: tl.constexpr, D: tl.constexpr, SPLITS_PAD: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -155,13 +155,9 @@ def decode_splits(batch: int, kv_heads: int, sms: int = 132) -> int:
     return max(1, min(8, -(-4 * sms // max(batch * kv_heads, 1))))
 
 
-def mha_tile_from_env() -> tuple[int, int] | None:
-    """``KILN_LLM_DECODE_TILE=N`` or ``N:W``: MHA decode (no GQA) in the tiled kernel, N tokens
-    per iteration (a power of two; tiles need not line up with blocks), W warps (default 4);
-    0: the tl.dot kernel; unset: None here (CudaModelRunner then picks by the cache's dtype)."""
-    import os
-
-    v = os.environ.get("KILN_LLM_DECODE_TILE", "")
+def parse_tile(v: str, name: str, least: int = 1) -> tuple[int, int] | None:
+    """``N`` or ``N:W`` -> (N, W) (W default 4); "" or "0" -> None. N a power of two, at least
+    ``least``; W 1, 2, 4, 8 or 16."""
     if not v or v == "0":
         return None
     try:
@@ -169,23 +165,44 @@ def mha_tile_from_env() -> tuple[int, int] | None:
         n, w = int(n), int(w or 4)
     except ValueError:
         n = w = 0
-    if n < 1 or n & (n - 1) or w not in (1, 2, 4, 8, 16):
-        raise ValueError(f"KILN_LLM_DECODE_TILE={v}: N or N:W, N a power of two (tokens per "
-                         "iteration), W warps (1, 2, 4, 8 or 16)")
+    if n < least or n & (n - 1) or w not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{name}={v}: N or N:W, N a power of two of at least {least} (tokens "
+                         "per iteration), W warps (1, 2, 4, 8 or 16)")
     return n, w
+
+
+def mha_tile_from_env() -> tuple[int, int] | None:
+    """``KILN_LLM_DECODE_TILE=N`` or ``N:W``: MHA decode (no GQA) in the tiled kernel, N tokens
+    per iteration (a power of two; tiles need not line up with blocks), W warps (default 4);
+    0: the tl.dot kernel; unset: None here (CudaModelRunner then picks by the cache's dtype)."""
+    import os
+
+    return parse_tile(os.environ.get("KILN_LLM_DECODE_TILE", ""), "KILN_LLM_DECODE_TILE")
+
+
+def dot_tile_from_env() -> tuple[int, int] | None:
+    """``KILN_LLM_DECODE_DOT_TILE=N`` or ``N:W``: the tl.dot kernel's tile, N tokens per
+    iteration (a power of two, at least 16), W warps; unset or 0: None (one block, at least 16
+    tokens, 4 warps)."""
+    import os
+
+    return parse_tile(os.environ.get("KILN_LLM_DECODE_DOT_TILE", ""),
+                      "KILN_LLM_DECODE_DOT_TILE", least=16)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, scale: float,
                  splits: int = 8, kv_scale: torch.Tensor | None = None,
-                 mha_tile: int | tuple[int, int] | None = None) -> torch.Tensor:
+                 mha_tile: int | tuple[int, int] | None = None,
+                 dot_tile: int | tuple[int, int] | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its cached keys.
 
     q [B, H, D]; k_cache, v_cache [blocks, block_size, KV, D] (q's dtype, or float8_e4m3fn
     with ``kv_scale`` = float32 [K scale, V scale]); tables [B, max_blocks] int32; lens [B]
     int32 (tokens in the cache, the new one included). Returns [B, H, D]. ``mha_tile``: where
     H == KV, the tiled kernel (``_decode_split_tiles``) with that many tokens per iteration,
-    or (tokens, warps).
+    or (tokens, warps). ``dot_tile``: the tl.dot kernel's tokens per iteration (a power of two,
+    at least 16), or (tokens, warps); None: one block (at least 16 tokens), 4 warps.
     """
     b, heads, d = q.shape
     _, bs, kv, _ = k_cache.shape
@@ -202,16 +219,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _decode_split_tiles[(b, kv, splits)](
             q, k_cache, v_cache, tables, lens, acc, ml, kv_scale if fp8_kv else lens,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            tables.stride(0), scale, HEADS=heads, D=d, BS=bs, SPLITS=splits,
+            tables.stride(0), scale, splits, HEADS=heads, D=d, BS=bs,
             TILE=tile, FP8_KV=fp8_kv, num_warps=warps)
     else:
+        tile, warps = (dot_tile if isinstance(dot_tile, tuple) else (dot_tile, 4)) if dot_tile \
+            else (max(16, bs), 4)
+        if tile < 16 or tile & (tile - 1):
+            raise ValueError(f"paged_decode: dot_tile {tile}: a power of two of at least 16")
         _decode_split[(b, kv, splits)](
             q, k_cache, v_cache, tables, lens, acc, ml, kv_scale if fp8_kv else lens,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            tables.stride(0), scale, HEADS=heads, GROUP=group,
-            GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BS=bs, SPLITS=splits,
-            FP8_KV=fp8_kv, TILE=max(16, bs))
+            tables.stride(0), scale, splits, HEADS=heads, GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BS=bs,
+            FP8_KV=fp8_kv, TILE=tile, num_warps=warps)
     out = torch.empty_like(q)
-    _decode_reduce[(b, heads)](acc, ml, out, out.stride(0), out.stride(1), HEADS=heads, D=d,
-                               SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
+    _decode_reduce[(b, heads)](acc, ml, out, out.stride(0), out.stride(1), splits, HEADS=heads,
+                               D=d, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
     return out

@@ -119,11 +119,13 @@ def test_attention_bench_rows_under_the_interpreter():
     from bench.llm_attention import run
 
     rows = run(batch=2, ctx=40, heads=2, kv_heads=2, head_dim=16, kvs=("auto", "fp8"),
-               tiles=(0, 32), iters=1, device="cpu")
+               tiles=(0, 32), iters=1, device="cpu", dot_tiles=(32,))
     assert [(r["kv_cache_dtype"], r["kernel"]) for r in rows] == [
-        ("auto", "dot"), ("auto", "tile32"), ("fp8", "dot"), ("fp8", "tile32")]
-    assert rows[0]["max_diff_vs_fp16_dot"] == 0 and rows[1]["max_diff_vs_fp16_dot"] < 1e-5
-    assert all(0 < r["max_diff_vs_fp16_dot"] < 0.1 * r["ref_max"] for r in rows[2:])
+        ("auto", "dot"), ("auto", "tile32"), ("auto", "dot32:4"), ("fp8", "dot"),
+        ("fp8", "tile32"), ("fp8", "dot32:4")]
+    assert rows[0]["max_diff_vs_fp16_dot"] == 0
+    assert all(r["max_diff_vs_fp16_dot"] < 1e-5 for r in rows[1:3])
+    assert all(0 < r["max_diff_vs_fp16_dot"] < 0.1 * r["ref_max"] for r in rows[3:])
     assert all(r["gb_s"] > 0 for r in rows)
     gqa = run(batch=1, ctx=16, heads=4, kv_heads=2, head_dim=16, kvs=("auto",), tiles=(32,),
               iters=1, device="cpu")

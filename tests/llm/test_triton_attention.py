@@ -48,6 +48,25 @@ def test_paged_decode_tiled_mha_matches_sdpa(tile, splits, lens):
     _check_paged_decode(4, 2, splits, lens, tile=tile)  # GQA: mha_tile ignored
 
 
+@pytest.mark.parametrize("dot_tile,bs", [(32, 16), ((64, 8), 16), (16, 32), (64, 4)])
+# tiles over 2 and 4 blocks (8 warps), half a block of 32, 16 blocks of 4
+@pytest.mark.parametrize("splits,lens", [(1, [33, 5]), (3, [1, 17, 40])])
+def test_paged_decode_dot_tile_matches_sdpa(dot_tile, bs, splits, lens):
+    """The tl.dot kernel with ``dot_tile`` tokens an iteration, each token's block looked up on
+    its own (a tile across blocks, or within one), GQA and MHA."""
+    _check_paged_decode(4, 2, splits, lens, dot_tile=dot_tile, bs=bs)
+    _check_paged_decode(3, 3, splits, lens, dot_tile=dot_tile, bs=bs)
+
+
+def test_paged_decode_refuses_a_bad_dot_tile():
+    c = torch.zeros(2, 16, 1, 16, device=DEV)
+    q = torch.zeros(1, 1, 16, device=DEV)
+    for bad in (8, 48):
+        with pytest.raises(ValueError, match=f"dot_tile {bad}: a power of two"):
+            paged_decode(q, c, c, torch.zeros(1, 1, dtype=torch.int32, device=DEV),
+                         torch.ones(1, dtype=torch.int32, device=DEV), 0.25, dot_tile=bad)
+
+
 def _scattered_tables(lens, bs: int, blocks: int, g) -> torch.Tensor:
     """Block tables for sequences of ``lens`` tokens over a random permutation of the
     ``blocks`` (scattered, non-increasing block ids); int32 [seqs, max blocks] on the CPU."""
@@ -61,9 +80,9 @@ def _scattered_tables(lens, bs: int, blocks: int, g) -> torch.Tensor:
     return tables
 
 
-def _check_paged_decode(heads, kv, splits, lens, tile=None):
+def _check_paged_decode(heads, kv, splits, lens, tile=None, dot_tile=None, bs=16):
     g = torch.Generator().manual_seed(0)
-    d, bs, blocks = 16, 16, 12
+    d, blocks = 16, 12 * 16 // bs
     dtype = torch.float16 if DEV == "cuda" else torch.float32
     kc = torch.randn(blocks, bs, kv, d, generator=g).to(DEV, dtype)
     vc = torch.randn(blocks, bs, kv, d, generator=g).to(DEV, dtype)
@@ -71,7 +90,7 @@ def _check_paged_decode(heads, kv, splits, lens, tile=None):
     q = torch.randn(len(lens), heads, d, generator=g).to(DEV, dtype)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
     got = paged_decode(q, kc, vc, tables.to(DEV), lens_t, d ** -0.5, splits=splits,
-                       mha_tile=tile)
+                       mha_tile=tile, dot_tile=dot_tile)
     want = reference(q, kc, vc, tables.to(DEV), lens_t, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1e-5
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
@@ -192,6 +211,21 @@ def test_decode_tile_from_env(monkeypatch):
             mha_tile_from_env()
 
 
+def test_dot_tile_from_env(monkeypatch):
+    from kiln.llm.triton_attention import dot_tile_from_env
+
+    monkeypatch.delenv("KILN_LLM_DECODE_DOT_TILE", raising=False)
+    assert dot_tile_from_env() is None
+    monkeypatch.setenv("KILN_LLM_DECODE_DOT_TILE", "64")
+    assert dot_tile_from_env() == (64, 4)
+    monkeypatch.setenv("KILN_LLM_DECODE_DOT_TILE", "128:8")
+    assert dot_tile_from_env() == (128, 8)
+    for bad in ("8", "48", "64:3"):  # tl.dot needs 16 rows at least
+        monkeypatch.setenv("KILN_LLM_DECODE_DOT_TILE", bad)
+        with pytest.raises(ValueError, match=f"KILN_LLM_DECODE_DOT_TILE={bad}: .*at least 16"):
+            dot_tile_from_env()
+
+
 @pytest.fixture(scope="module")
 def mha_dir(tmp_path_factory):
     """The tiny Llama with as many KV heads as query heads (MHA, as Llama-2-7B)."""
@@ -264,3 +298,52 @@ def test_cuda_runner_default_decode_tile(mha_dir, kv_dtype, env, want, monkeypat
                         max_model_len=64, fused_ops=False, tune_gemv=False,
                         kv_cache_dtype=kv_dtype)
     assert r.decode_tile == want
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_tune_decode_keeps_the_fastest_that_runs(mha_dir, kv_dtype, monkeypatch):
+    """_tune_decode times each candidate on layer 0 of the real cache and keeps the fastest
+    (here a fake clock makes dot32:4 fastest); a candidate that fails is a row, never picked;
+    decode steps then run the pick and give the torch path's tokens."""
+    import time as _time
+
+    from kiln.llm import LLM, SamplingParams, cuda_runner
+    from kiln.llm.cuda_runner import CudaModelRunner
+
+    used = []
+
+    def spy(*a, mha_tile=None, dot_tile=None, **kw):
+        used.append((mha_tile, dot_tile))
+        return paged_decode(*a, mha_tile=mha_tile, dot_tile=dot_tile, **kw)
+
+    monkeypatch.setattr(cuda_runner, "paged_decode", spy)
+    prompts = ["Hello there", "1, 2, 3"]
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(mha_dir, num_blocks=32).generate(prompts, p)]
+    llm = LLM(mha_dir, num_blocks=32)
+    eng = llm.engine
+    r = eng.runner = CudaModelRunner(eng.model, 32, eng.config.block_size, cuda_graphs=False,
+                                     max_model_len=256, fused_ops=False, kv_cache_dtype=kv_dtype)
+    assert r.decode_tune == "off"  # not on the CPU unless asked
+    clock = [0.0]
+
+    def fake_clock():  # every call of the dot32 configuration costs 1 s, the others 3 s
+        last = used[-1] if used else (None, None)
+        clock[0] += 1.0 if last == (None, (32, 4)) else 3.0
+        return clock[0]
+
+    cands = [("dot16:4", None, (16, 4)), ("dot32:4", None, (32, 4)), ("bad", None, (8, 4)),
+             ("tile64:4", (64, 4), None)]
+    with monkeypatch.context() as m:
+        m.setattr(_time, "perf_counter", fake_clock)
+        r._tune_decode(batch=2, ctx=40, candidates=cands, iters=1, warmup=1)
+    t = r.describe()["decode_tune"]
+    assert t["picked"] == "dot32:4" and (t["batch"], t["ctx"]) == (2, 40), t
+    assert isinstance(t["us"]["dot16:4"], float) and "ValueError" in t["us"]["bad"]
+    assert (r.attn.mha_tile, r.attn.dot_tile) == (None, (32, 4))
+    assert r.describe()["dot_tile"] == (32, 4)
+    used.clear()
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+    n = 4 if kv_dtype == "auto" and DEV == "cpu" else 2
+    assert [g[:n] for g in got] == [w[:n] for w in want]
+    assert used and all(u == (None, (32, 4)) for u in used)
