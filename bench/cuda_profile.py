@@ -88,7 +88,9 @@ def kiln_fn(path: Path, feeds: dict, tune: bool, tmp: Path):
     info = {"build_s": build_s, "layers": sum(builder.report.get("nodes_after", {}).values()),
             "nodes_after": builder.report.get("nodes_after"),
             "autotune": builder.report.get("autotune_summary"),
-            "log": [ln[:400] for ln in lines if ln.startswith("autotune")]}
+            # a fused layer's name can be 1,000 characters: keep its head and the pick
+            "log": [ln if len(ln) <= 500 else ln[:120] + " ... " + ln[-380:]
+                    for ln in lines if ln.startswith("autotune")]}
     return (lambda: ctx.run(dev, copy_outputs=False)), info
 
 
