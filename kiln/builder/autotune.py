@@ -321,8 +321,13 @@ def select(node_name: str, op, call: Call, inputs, cands: list[Candidate],
         alive = sorted((r for r in pending if r[0] in est), key=lambda r: (est[r[0]], r[0]))
         full = alive[:keep]
         extra = [r for r in alive[keep:] if r[1].kernel.backend == "cpu"]
-        if all(r[1].kernel.plans(r[1].tactic) for r in full):
-            extra += [r for r in alive[keep:] if not r[1].kernel.plans(r[1].tactic)][:1]
+        # the fastest candidate that needs no CUDA library is timed in full too where none
+        # of those is one: plan_margin and drop_plans weigh the libraries against it (SDPA's
+        # and cuBLAS's as well as cuDNN's; with cuDNN's alone, BERT's Triton attention went
+        # unmeasured and SDPA was kept as 'the only kernel')
+        if all(r[1].kernel.library(r[1].tactic) is not None for r in full):
+            extra += [r for r in alive[keep:]
+                      if r[1].kernel.library(r[1].tactic) is None][:1]
         full += [r for r in extra if r not in full]
         for r in alive:
             if r not in full:

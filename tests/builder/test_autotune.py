@@ -450,6 +450,25 @@ def test_autotune_pruning_keeps_the_fastest_plan_free_candidate():
     assert sel.tactic == {"B": 3} and sel.plan_free  # 0.4 ms is within 300% of 0.1 ms
 
 
+def test_autotune_pruning_keeps_the_fastest_library_free_candidate_for_any_library():
+    """Where the fastest estimates and the PyTorch kernel all use a CUDA library that makes no
+    plan (SDPA, cuBLAS), the fastest library-free one is still timed in full, so the
+    engine-wide rule has a library-free pick to switch to (``Selection.planless``)."""
+    tactics = [{"B": b} for b in range(5)]
+    est = {_key("TritonFake", t): 0.1 * (t["B"] + 1) for t in tactics} | {_key("TorchFake"): 0.9}
+    clock = EstimatingClock(dict(est), est)
+    k = dataclasses.replace(_kernel(clock, "TritonFake"),
+                            makes_plan=lambda t: "sdpa" if t["B"] < 3 else None)
+    torch_k = dataclasses.replace(_kernel(clock, "TorchFake", backend="cpu"),
+                                  makes_plan=lambda t: "sdpa")
+    cands = [Candidate(k, t) for t in tactics] + [Candidate(torch_k)]
+    sel = select("n1", OP, _call(), (X,), cands, clock, verify=False, keep=3)
+    assert _key("TritonFake", {"B": 3}) in clock.full
+    assert _key("TritonFake", {"B": 4}) not in clock.full
+    assert sel.tactic == {"B": 0} and sel.library == "sdpa"
+    assert sel.planless[1:] == ("TritonFake", {"B": 3}, 0.4)
+
+
 def test_no_tune_skips_timing_and_picks_the_pytorch_kernels(monkeypatch):
     """``tune=False`` (``kiln build --no-tune``) on CUDA times nothing and gives every layer
     the PyTorch kernel, never an untimed Triton one."""
