@@ -1,18 +1,30 @@
 /* Depthwise convolution (one input channel per output channel) on NHWC tensors, the bias,
  * the residual and the activation applied in registers. Pads are given per side, so an
  * explicit Pad folded into the conv (TF-style "same" padding, often asymmetric) costs nothing.
- * The weight is packed [kh][kw][C] (kiln_dw_pack), so that a vector of 8 channels of one tap is
+ * The weight is packed [kh][kw][C] (kiln_dw_pack), so that a vector of channels of one tap is
  * one load.
  *
- * Work is split into (image, output row, 8-channel block) items, so that a map of few rows
- * (a text line's 3 x 96) still spreads over the threads (kiln's team, team.c). Inside an
- * item, output pixels whose window lies wholly inside the row's width run PX at a time: each
- * tap's weight vector is loaded once for PX accumulators (one load per FMA was the old
- * kernel's bound); the pixels at the left and right borders, whose windows stick out, run one
- * at a time. */
+ * Work is split into (image, output row, channel block) items, so that a map of few rows (a
+ * text line's 3 x 96) still spreads over the threads (kiln's team, team.c); a block is 8
+ * channels (AVX2) or 16 (AVX-512, where kiln_use_avx512 says so). Inside an item, output
+ * pixels whose window lies wholly inside the row's width run in blocks; the pixels at the left
+ * and right borders, whose windows stick out, one at a time with the taps checked (dw_edge*).
+ * - AVX2: blocks of PX = 8, 4, 1 pixels, each tap's weight vector loaded once for the block's
+ *   pixels (one load per FMA was the kernel before that's bound).
+ * - AVX-512: blocks of PXZ = 16, 8, 4, 2, 1 pixels. For 3x3 and 5x5 windows without dilation a
+ *   block loads each input vector of a tap row once for every output pixel whose window holds
+ *   it (a stride-1 3-tap row: 18 loads for 16 pixels, not 48) and the row's weights once, then
+ *   the FMAs (dw_run16); other windows go as AVX2's (dw_block16). On AVX2 the shared loads
+ *   measured no faster (16 ymm registers for 8 sums, 5 weights and the input), and copying a
+ *   short row (7 or 14 pixels) into a zero-padded buffer so that its border pixels take the
+ *   blocks cost more than the border pixels did, on both paths: neither is here.
+ * Each output sums its taps in (ky, kx) order after the bias on every path, so the two
+ * instruction sets agree to the bit. */
 #include "kernels.h"
 
-#define PX 8 /* output pixels per block of the interior */
+#define PX 8     /* output pixels per AVX2 block */
+#define PXZ 16   /* per AVX-512 block */
+#define KWMAX 5  /* the widest window row dw_run takes */
 
 void kiln_dw_pack(long C, long kh, long kw, const float *w, float *out)
 {
@@ -47,11 +59,17 @@ struct dw_row {  /* one item's geometry: the input row base, the taps in range, 
     long W, C, kw, sw, dw, pl, ih0, dh, ky0, ky1;
     int act;
     float p0, p1;
+    /* the AVX-512 blocks' view of x: tap (ky, kx) of output pixel ow, channel c + j, is at
+     * x0 + ky ys + (ow sw + kx dw) xs + cx + j */
+    const float *x0;
+    long ys, xs, cx;
 };
+
+/* ---------------------------------------------------------------- AVX2 */
 
 /* n output pixels (ow0, ow0 + 1, ...) whose windows are inside the width: n <= PX, a constant
  * after inlining. */
-TGT static inline __attribute__((always_inline)) void dw_block(const struct dw_row *q, long ow0,
+TGT static inline __attribute__((always_inline)) void dw_block8(const struct dw_row *q, long ow0,
                                                                 long c, int n, __m256 b0, int full,
                                                                 __m256i mask)
 {
@@ -79,7 +97,7 @@ TGT static inline __attribute__((always_inline)) void dw_block(const struct dw_r
 }
 
 /* One output pixel whose window may stick out left or right. */
-TGT static inline void dw_edge(const struct dw_row *q, long ow, long c, __m256 b0, int full,
+TGT static inline void dw_edge8(const struct dw_row *q, long ow, long c, __m256 b0, int full,
                                __m256i mask)
 {
     __m256 acc = b0;
@@ -99,8 +117,9 @@ TGT static inline void dw_edge(const struct dw_row *q, long ow, long c, __m256 b
     st(q->y + o, act256(acc, q->act, q->p0, q->p1), full, mask);
 }
 
-TGT static void dw_item(const struct dw_row *q, long Wo, long c, const float *bias)
-{
+TGT static void dw_item8(const struct dw_row *q, long Wo, long c, const float *bias)
+{  /* the AVX2 path: the PX-pixel blocks reload a tap's input per pixel (dw_run16's shared loads
+    * took as long or longer here, 16 ymm registers holding 8 sums, 5 weights and the input) */
     long m = q->C - c < 8 ? q->C - c : 8;
     int full = m == 8;
     __m256i mask = tail_mask(m);
@@ -115,51 +134,205 @@ TGT static void dw_item(const struct dw_row *q, long Wo, long c, const float *bi
         lo = hi;
     long ow = 0;
     for (; ow < lo; ow++)
-        dw_edge(q, ow, c, b0, full, mask);
+        dw_edge8(q, ow, c, b0, full, mask);
     if (full) {
         for (; ow + PX <= hi; ow += PX)
-            dw_block(q, ow, c, PX, b0, 1, mask);
+            dw_block8(q, ow, c, PX, b0, 1, mask);
         for (; ow + 4 <= hi; ow += 4)
-            dw_block(q, ow, c, 4, b0, 1, mask);
+            dw_block8(q, ow, c, 4, b0, 1, mask);
         for (; ow < hi; ow++)
-            dw_block(q, ow, c, 1, b0, 1, mask);
+            dw_block8(q, ow, c, 1, b0, 1, mask);
     } else {
         for (; ow + 4 <= hi; ow += 4)
-            dw_block(q, ow, c, 4, b0, 0, mask);
+            dw_block8(q, ow, c, 4, b0, 0, mask);
         for (; ow < hi; ow++)
-            dw_block(q, ow, c, 1, b0, 0, mask);
+            dw_block8(q, ow, c, 1, b0, 0, mask);
     }
     for (; ow < Wo; ow++)
-        dw_edge(q, ow, c, b0, full, mask);
+        dw_edge8(q, ow, c, b0, full, mask);
+}
+
+/* ---------------------------------------------------------------- AVX-512 */
+
+TGT_ZMM static inline __attribute__((always_inline)) void dw_run16(
+    const struct dw_row *q, long ow0, long c, const int n, const int KW, const int SW, __m512 b0,
+    __mmask16 m)
+{
+    __m512 acc[PXZ];
+    for (int p = 0; p < n; p++)
+        acc[p] = b0;
+    long C = q->C, xs = q->xs;
+    for (long ky = q->ky0; ky < q->ky1; ky++) {
+        const float *xr = q->x0 + ky * q->ys + ow0 * SW * xs + q->cx;
+        const float *wr = q->wp + ky * KW * C + c;
+        __m512 w[KWMAX];
+        for (int kx = 0; kx < KW; kx++)
+            w[kx] = _mm512_maskz_loadu_ps(m, wr + kx * C);
+#pragma GCC unroll 40
+        for (int i = 0; i < (n - 1) * SW + KW; i++) {
+            __m512 xi = _mm512_maskz_loadu_ps(m, xr + i * xs);
+#pragma GCC unroll 16
+            for (int p = 0; p < n; p++) {
+                int kx = i - p * SW;
+                if (kx >= 0 && kx < KW)
+                    acc[p] = _mm512_fmadd_ps(xi, w[kx], acc[p]);
+            }
+        }
+    }
+    for (int p = 0; p < n; p++) {
+        long o = (ow0 + p) * C + c;
+        __m512 v = acc[p];
+        if (q->r)
+            v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, q->r + o));
+        _mm512_mask_storeu_ps(q->y + o, m, act512(v, q->act, q->p0, q->p1));
+    }
+}
+
+TGT_ZMM static inline __attribute__((always_inline)) void dw_block16(
+    const struct dw_row *q, long ow0, long c, const int n, __m512 b0, __mmask16 m)
+{
+    __m512 acc[PXZ];
+    for (int p = 0; p < n; p++)
+        acc[p] = b0;
+    long step = q->sw * q->xs;
+    for (long ky = q->ky0; ky < q->ky1; ky++) {
+        const float *xr = q->x0 + ky * q->ys + q->cx;
+        const float *wr = q->wp + ky * q->kw * q->C + c;
+        for (long kx = 0; kx < q->kw; kx++) {
+            __m512 wv = _mm512_maskz_loadu_ps(m, wr + kx * q->C);
+            const float *xp = xr + (ow0 * q->sw + kx * q->dw) * q->xs;
+            for (int p = 0; p < n; p++)
+                acc[p] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, xp + p * step), wv, acc[p]);
+        }
+    }
+    for (int p = 0; p < n; p++) {
+        long o = (ow0 + p) * q->C + c;
+        __m512 v = acc[p];
+        if (q->r)
+            v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, q->r + o));
+        _mm512_mask_storeu_ps(q->y + o, m, act512(v, q->act, q->p0, q->p1));
+    }
+}
+
+TGT_ZMM static void dw_edge16(const struct dw_row *q, long ow, long c, __m512 b0, __mmask16 m)
+{
+    __m512 acc = b0;
+    for (long ky = q->ky0; ky < q->ky1; ky++) {
+        const float *xr = q->xn + (q->ih0 + ky * q->dh) * q->W * q->C + c;
+        for (long kx = 0; kx < q->kw; kx++) {
+            long iw = ow * q->sw - q->pl + kx * q->dw;
+            if (iw < 0 || iw >= q->W)
+                continue;
+            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, xr + iw * q->C),
+                                  _mm512_maskz_loadu_ps(m, q->wp + (ky * q->kw + kx) * q->C + c),
+                                  acc);
+        }
+    }
+    long o = ow * q->C + c;
+    if (q->r)
+        acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(m, q->r + o));
+    _mm512_mask_storeu_ps(q->y + o, m, act512(acc, q->act, q->p0, q->p1));
+}
+
+#define RUN16(KW, SW)                                                              \
+    do {                                                                           \
+        for (; ow + PXZ <= hi; ow += PXZ)                                          \
+            dw_run16(q, ow, c, PXZ, KW, SW, b0, m);                                \
+        for (; ow + 8 <= hi; ow += 8)                                              \
+            dw_run16(q, ow, c, 8, KW, SW, b0, m);                                  \
+        for (; ow + 4 <= hi; ow += 4)                                              \
+            dw_run16(q, ow, c, 4, KW, SW, b0, m);                                  \
+        for (; ow + 2 <= hi; ow += 2)                                              \
+            dw_run16(q, ow, c, 2, KW, SW, b0, m);                                  \
+        for (; ow < hi; ow++)                                                      \
+            dw_run16(q, ow, c, 1, KW, SW, b0, m);                                  \
+    } while (0)
+
+TGT_ZMM static long dw_span16(const struct dw_row *q, long ow, long hi, long c, __m512 b0,
+                              __mmask16 m)
+{
+    int kind = q->dw == 1 ? (int)(q->kw * 10 + q->sw) : 0;
+    if (kind == 31)
+        RUN16(3, 1);
+    else if (kind == 32)
+        RUN16(3, 2);
+    else if (kind == 51)
+        RUN16(5, 1);
+    else if (kind == 52)
+        RUN16(5, 2);
+    for (; ow + PXZ <= hi; ow += PXZ)
+        dw_block16(q, ow, c, PXZ, b0, m);
+    for (; ow + 4 <= hi; ow += 4)
+        dw_block16(q, ow, c, 4, b0, m);
+    for (; ow < hi; ow++)
+        dw_block16(q, ow, c, 1, b0, m);
+    return ow;
+}
+
+/* ---------------------------------------------------------------- items */
+
+/* Pixels [0, lo) and [hi, Wo) at the borders, [lo, hi) in blocks (AVX-512). */
+TGT_ZMM static void dw_pixels16(const struct dw_row *q, long lo, long hi, long Wo, long c,
+                                const float *bias)
+{
+    long m = q->C - c < 16 ? q->C - c : 16, ow = 0;
+    __mmask16 mk = m >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << m) - 1);
+    __m512 b0 = bias ? _mm512_maskz_loadu_ps(mk, bias + c) : _mm512_setzero_ps();
+    for (; ow < lo; ow++)
+        dw_edge16(q, ow, c, b0, mk);
+    ow = dw_span16(q, ow, hi, c, b0, mk);
+    for (; ow < Wo; ow++)
+        dw_edge16(q, ow, c, b0, mk);
+}
+
+/* One AVX-512 item: 16 channels from c of output row q's pixels [0, Wo). */
+TGT_ZMM static void dw_item16(struct dw_row *q, long Wo, long c, const float *bias)
+{
+    /* interior: ow * sw - pl >= 0 and ow * sw - pl + (kw - 1) dw <= W - 1 */
+    long lo = (q->pl + q->sw - 1) / q->sw;
+    long last = q->W - 1 + q->pl - (q->kw - 1) * q->dw;
+    long hi = last < 0 ? 0 : last / q->sw + 1;
+    if (hi > Wo)
+        hi = Wo;
+    if (lo > hi)
+        lo = hi;
+    q->x0 = q->xn + q->ih0 * q->W * q->C - q->pl * q->C;
+    q->ys = q->dh * q->W * q->C;
+    q->xs = q->C;
+    q->cx = c;
+    dw_pixels16(q, lo, hi, Wo, c, bias);
 }
 
 struct dw_job {
     const long *g;
     const float *x, *wp, *bias, *r;
     float *y;
-    int act;
+    int act, wide;
     float p0, p1;
 };
 
-/* Items [i0, i1) of (image, output row, 8-channel block). */
-TGT static void dw_items(void *arg, long i0, long i1)
+/* Items [i0, i1) of (image, output row, channel block). */
+static void dw_items(void *arg, long i0, long i1)
 {
     const struct dw_job *j = arg;
     const long *g = j->g;
     long H = g[1], W = g[2], C = g[3], Ho = g[4], Wo = g[5], kh = g[6], kw = g[7];
     long sh = g[8], sw = g[9], dh = g[10], dw = g[11], pt = g[12], pl = g[13];
-    long cb = (C + 7) / 8;
+    long cbw = j->wide ? 16 : 8, cb = (C + cbw - 1) / cbw;
     for (long it = i0; it < i1; it++) {
-        long n = it / (Ho * cb), oh = it / cb % Ho, c = it % cb * 8;
+        long n = it / (Ho * cb), oh = it / cb % Ho, c = it % cb * cbw;
         struct dw_row q = {j->x + n * H * W * C, j->wp,
                            j->r ? j->r + (n * Ho + oh) * Wo * C : NULL,
                            j->y + (n * Ho + oh) * Wo * C, W, C, kw, sw, dw, pl, oh * sh - pt, dh,
-                           0, kh, j->act, j->p0, j->p1};
+                           0, kh, j->act, j->p0, j->p1, NULL, 0, 0, 0};
         while (q.ky0 < kh && q.ih0 + q.ky0 * dh < 0)  /* taps whose row is inside the image */
             q.ky0++;
         while (q.ky1 > q.ky0 && q.ih0 + (q.ky1 - 1) * dh >= H)
             q.ky1--;
-        dw_item(&q, Wo, c, j->bias);
+        if (j->wide)
+            dw_item16(&q, Wo, c, j->bias);
+        else
+            dw_item8(&q, Wo, c, j->bias);
     }
 }
 
@@ -169,7 +342,9 @@ TGT void kiln_depthwise(const long *g, const float *x, const float *wp, const fl
                         const float *r, float *y, int act, float p0, float p1, int nthreads)
 {
     long N = g[0], C = g[3], Ho = g[4], Wo = g[5], kh = g[6], kw = g[7];
-    struct dw_job j = {g, x, wp, bias, r, y, act, p0, p1};
+    int wide = kiln_use_avx512();
+    struct dw_job j = {g, x, wp, bias, r, y, act, wide, p0, p1};
     int nt = N * Ho * Wo * C * kh * kw >= (1L << 15) ? nthreads : 1;
-    kiln_parallel(N * Ho * ((C + 7) / 8), dw_items, &j, nt);
+    long cbw = wide ? 16 : 8;
+    kiln_parallel(N * Ho * ((C + cbw - 1) / cbw), dw_items, &j, nt);
 }

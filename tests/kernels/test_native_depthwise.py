@@ -52,6 +52,14 @@ CASES = [  # N, C, H, W, k, pads (t, l, b, r), stride, dilation, bias, residual,
     (1, 13, 4, 29, 3, (1, 1, 1, 1), 1, 1, True, True, "Relu"),      # tail channels, blocked
     (2, 24, 5, 40, 3, (0, 1, 1, 0), 2, 1, False, False, "Clip"),   # stride 2, "same"
     (1, 8, 4, 30, 3, (1, 2, 1, 2), 1, 2, True, False, ""),         # dilation 2, blocked
+    # AVX-512's 16-channel blocks and 16/8/4/2/1-pixel runs of shared input loads (3x3, 5x5,
+    # strides 1 and 2), channel tails of 16-wide blocks, other windows in dw_block16
+    (1, 40, 3, 47, 3, (1, 1, 1, 1), 1, 1, True, True, "Silu"),      # 47 = 1 + 16 + 16 + ... + 1
+    (1, 58, 4, 63, 3, (1, 1, 1, 1), 2, 1, True, False, "Relu"),     # shufflenet's 58, stride 2
+    (2, 33, 5, 38, 5, (2, 2, 2, 2), 1, 1, False, True, "HardSwish"),  # 5x5, tail of 1
+    (1, 48, 6, 45, 5, (1, 2, 2, 1), 2, 1, True, False, "Clip"),     # 5x5 s2, asymmetric
+    (1, 16, 3, 37, 7, (3, 3, 3, 3), 1, 1, True, False, "Sigmoid"),  # 7x7: dw_block16
+    (1, 20, 4, 35, 3, (2, 2, 2, 2), 1, 2, True, True, "LeakyRelu"),  # dilation 2, 16 + 4
 ]
 
 
@@ -63,7 +71,7 @@ def _data(n, c, h, w, k, seed=0):
 
 @needs_native
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:8])))
-def test_depthwise_matches_torch(case):
+def test_depthwise_matches_torch(conv_isa, case):
     n, c, h, w, k, pads, s, d, has_b, has_r, act = case
     x, wt, b, g = _data(n, c, h, w, k)
     b = b if has_b else None
@@ -77,6 +85,32 @@ def test_depthwise_matches_torch(case):
     rn = None if r is None else r.permute(0, 2, 3, 1).contiguous()
     run(nhwc, pads[:2], rn, out)
     _close(out.permute(0, 3, 1, 2), _reference(x, wt, b, r, pads, s, d, act))
+
+
+@needs_native
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:8])))
+def test_depthwise_isas_agree_bit_for_bit(case):
+    """AVX-512's blocks (shared input loads, 16 channels) sum each output's taps in the AVX2
+    kernel's order after the bias: the same bits on either path, borders and tails included."""
+    if "avx512" not in native.conv_isas():
+        pytest.skip("this CPU has no AVX-512")
+    n, c, h, w, k, pads, s, d, has_b, has_r, act = case
+    x, wt, b, g = _data(n, c, h, w, k, seed=6)
+    b = b if has_b else None
+    ho = (h + pads[0] + pads[2] - d * (k - 1) - 1) // s + 1
+    wo = (w + pads[1] + pads[3] - d * (k - 1) - 1) // s + 1
+    r = torch.randn(n, ho, wo, c, generator=g) if has_r else None
+    alpha, beta = {"Clip": (-0.5, 0.5), "LeakyRelu": (0.1, None)}.get(act, (None, None))
+    run = native.depthwise_fn(native.DepthwiseWeight(wt), (s, s), (d, d), b, act, alpha, beta)
+    nhwc = x.permute(0, 2, 3, 1).contiguous()
+    outs = []
+    try:
+        for isa in ("avx2", "avx512"):
+            native.set_conv_isa(isa)
+            outs.append(run(nhwc, pads[:2], r, torch.empty(n, ho, wo, c)))
+    finally:
+        native.set_conv_isa(None)
+    assert torch.equal(outs[0], outs[1])
 
 
 @needs_native
