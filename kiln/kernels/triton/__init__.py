@@ -17,4 +17,5 @@ from kiln.kernels.triton import (
     pointwise,  # noqa: F401
     pool,  # noqa: F401
     softmax,  # noqa: F401
+    squeeze_excite,  # noqa: F401
 )
