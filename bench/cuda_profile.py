@@ -66,14 +66,16 @@ def kernel_table(fn, iters: int, top: int) -> dict:
                      "share": total[n] / s if s else 0.0} for n in rows]}
 
 
-def kiln_fn(path: Path, feeds: dict, tune: bool, tmp: Path):
+def kiln_fn(path: Path, feeds: dict, tune: bool, tmp: Path, precision: str = "fp16",
+            calib: list | None = None):
     import torch
 
     import kiln
 
     cache = tmp / f"{path.stem}.cache"
+    low = {"int8": dict(int8=True, calib=calib), "fp8": dict(fp8=True, calib=calib)}
     cfg = kiln.BuilderConfig(device="cuda", fp16=True, low_precision_io=True, tune=tune,
-                             timing_cache=str(cache),
+                             timing_cache=str(cache), **low.get(precision, {}),
                              profiles=[kiln.Profile.fixed({k: v.shape for k, v in feeds.items()})])
     t0 = time.perf_counter()
     lines: list[str] = []
@@ -118,6 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--no-tune", action="store_true")
     p.add_argument("--peer", action="store_true", help="also torch eager FP16")
+    p.add_argument("--precision", choices=("fp16", "int8", "fp8"), default="fp16",
+                   help="kiln's engine: FP16, or FP16 with INT8 / FP8 layers calibrated on "
+                        "four seeded batches of the corpus feeds (default fp16)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--json", default=None)
@@ -135,8 +140,10 @@ def main(argv=None) -> int:
                  "device": torch.cuda.get_device_name()}
     systems = {}
     with tempfile.TemporaryDirectory() as tmp:
-        fn, info = kiln_fn(Path(args.corpus) / entry.file, feeds, not args.no_tune, Path(tmp))
-        systems["kiln fp16"] = (fn, info)
+        calib = [entry.feeds(seed=s, batch=args.batch) for s in range(1, 5)]
+        fn, info = kiln_fn(Path(args.corpus) / entry.file, feeds, not args.no_tune, Path(tmp),
+                           args.precision, calib)
+        systems[f"kiln {args.precision}"] = (fn, info)
         if args.peer and entry.has_torch_definition:
             systems["torch eager fp16"] = (torch_fn(args.model, entry, feeds), {})
         for name, (fn, info) in systems.items():
