@@ -78,7 +78,8 @@ class Builder:
         self.report = {}
         lower_qlinear(graph, self.log)  # QOperator layers in QDQ form, which folds below
         grid = weight_grids(graph)  # a quantized model's weight scales, before they fold
-        explicit = {**fold_qdq(graph, self.log), **fold_dynamic_quant(graph, self.log)}
+        explicit = {**fold_qdq(graph, self.log, shared=cfg.qdq_shared_int8),
+                    **fold_dynamic_quant(graph, self.log)}
         fuse_qdq_pairs(graph, self.log)  # the pairs left, each one pass
         if cfg.device == "cpu":  # (CUDA: no integer batched matmul kernel)
             fuse_qlinear_matmul(graph, self.log)

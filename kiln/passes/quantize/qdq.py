@@ -55,21 +55,30 @@ def _pair_scale(q, d) -> tuple[float, int] | None:
     return float(qs), int(qz) + (128 if codes.name == "int8" else 0)
 
 
-def fold_qdq(graph: Graph, log=lambda m: None) -> dict[str, tuple[float, int]]:
+def fold_qdq(graph: Graph, log=lambda m: None, shared: bool = False
+             ) -> dict[str, tuple[float, int]]:
     """Remove activation Q/DQ pairs (see the module docstring); returns the scales they set:
-    tensor name -> (scale, uint8 zero point)."""
+    tensor name -> (scale, uint8 zero point). ``shared`` (``BuilderConfig.qdq_shared_int8``):
+    a pair read by weight layers and by other ops too stays for the others, and the weight
+    layers read its input with its scale (they quantize it to the same codes)."""
     scales: dict[str, tuple[float, int]] = {}
     outputs = {id(v) for v in graph.outputs}
     users = graph.users()
-    dead, kept = set(), 0
+    dead, kept, split = set(), 0, 0
     for d in [n for n in graph.nodes if n.op is Q.DequantizeLinear]:
         q = d.inputs[0].producer
         if q is None or q.op is not Q.QuantizeLinear or id(d.outputs[0]) in outputs:
             continue
         readers = users.get(id(d.outputs[0]), [])
         sz = _pair_scale(q, d)
-        if not all(_weight_layer_input(n, d.outputs[0]) for n in readers):
+        layers = [n for n in readers if _weight_layer_input(n, d.outputs[0])]
+        if len(layers) < len(readers):
             kept += 1  # its rounding is part of the model's math for what reads it
+            if shared and layers and sz is not None:
+                for n in layers:  # (the layers read it as their input 0 only)
+                    n.inputs[0] = q.inputs[0]
+                scales[q.inputs[0].name] = sz
+                split += 1
             continue
         if sz is None:
             continue
@@ -84,7 +93,9 @@ def fold_qdq(graph: Graph, log=lambda m: None) -> dict[str, tuple[float, int]]:
     if scales or kept:
         log(f"explicit quantization: {len(dead)} Q/DQ pair(s) folded, {len(scales)} "
             f"activation scale(s) taken from the model; {kept} pair(s) feeding other ops "
-            "kept as quantize-dequantize in float")
+            "kept as quantize-dequantize in float"
+            + (f", {split} of them also read by INT8 layers on their codes (qdq_shared_int8)"
+               if split else ""))
     return scales
 
 
