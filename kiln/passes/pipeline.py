@@ -37,13 +37,14 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
         squeeze_excite,
     )
 
-    # matmul_norm and packed_qkv only where they pay: on the CPU each saves a PyTorch call per
-    # block; the CUDA backend tunes FusedMatMul's Triton kernels, its own norm kernels and its
-    # attention on separate q, k, v instead
-    cpu_only = [act_affine, matmul_norm, packed_qkv] if device == "cpu" else []
+    # packed_qkv only where it pays: on the CPU it saves a PyTorch call per block; the CUDA
+    # backend tunes its attention on separate q, k, v instead. matmul_norm runs on both: on
+    # CUDA its kernel lets the norm add the residual of a cuBLAS product as it reads the row
+    # (kiln.kernels.triton.gemm.fused_matmul_layernorm), or norms a Triton tile's output
+    late = [act_affine, matmul_norm, packed_qkv] if device == "cpu" else [matmul_norm]
     order = [refine, fold, eliminate, pad_conv, conv_bn, conv_bias, layernorm, rmsnorm, gelu,
              activation, input_affine, attention, qkv, matmul_add, squeeze_excite,
-             conv_bias_act, *cpu_only, pointwise, layout, eliminate]
+             conv_bias_act, *late, pointwise, layout, eliminate]
     # refine, fold and eliminate walk subgraphs themselves; a fusion sees one graph, so it is
     # run again on every subgraph (an If branch or Loop body of Conv + Relu fuses as the outer
     # graph does, and its layers run as the outer graph's would)

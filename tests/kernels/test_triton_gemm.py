@@ -121,3 +121,41 @@ def test_triton_gemm_best_tiles_keeps_the_wave_model_best():
     big = G.best_tiles(tiles, 8192, 768, keep=4)
     assert all(t["BLOCK_M"] >= 128 for t in big)  # many tiles: the big ones, in full waves
     assert len(G.gemm_tactics(8192, 768, 3072)) <= G.TILE_KEEP
+
+
+LN_CASES = [({"impl": "cublas", "LN_WARPS": 1}, ""), ({"impl": "cublas", "LN_WARPS": 4}, ""),
+            (dict(SMALL, LN_WARPS=1), ""), (dict(SMALL, LN_WARPS=1), "Gelu")]
+
+
+@pytest.mark.parametrize("tactic,act", LN_CASES)
+@pytest.mark.parametrize("with_res", [False, True])
+def test_triton_fused_matmul_layernorm(tactic, act, with_res):
+    """LayerNorm(act(x @ w + b + r)): cuBLAS with the residual added by the norm kernel, or the
+    Triton tile with its epilogue and the norm in place, against the written-out block."""
+    x, w = randn(2, 5, 40, dtype=torch.float16), randn(40, 24, dtype=torch.float16)
+    b, r = randn(24, dtype=torch.float16), randn(2, 5, 24, dtype=torch.float16)
+    scale, ln_b = randn(24, dtype=torch.float16), randn(24, dtype=torch.float16)
+    r = r if with_res else None
+    n = call(FC.FusedMatMulLayerNorm, tactic, activation=act, has_residual=int(with_res),
+             epsilon=1e-5)
+    assert G._mm_ln_supports(n, (x, w, b, r, scale, ln_b))
+    y = G.fused_matmul_layernorm(n, x, w, b, r, scale, ln_b)
+    pre = x.float() @ w.float() + b.float() + (0 if r is None else r.float())
+    want = F.layer_norm(ACT[act](pre), (24,), scale.float(), ln_b.float(), 1e-5)
+    assert y.dtype == torch.float16 and y.shape == (2, 5, 24)
+    assert_close(y, want, scale=3)
+
+
+def test_triton_fused_matmul_layernorm_tactics():
+    """cuBLAS tactics only where no activation sits between the product and the norm; the
+    Triton tiles always (library-free, for a fast first run); rows past 8192 run PyTorch's."""
+    x, w, s = randn(4, 32, dtype=torch.float16), randn(32, 16, dtype=torch.float16), \
+        randn(16, dtype=torch.float16)
+    plain = G._mm_ln_tactics(call(FC.FusedMatMulLayerNorm), (x, w, None, None, s))
+    gelu = G._mm_ln_tactics(call(FC.FusedMatMulLayerNorm, activation="Gelu"),
+                            (x, w, None, None, s))
+    assert [t for t in plain if t.get("impl") == "cublas"]
+    assert not [t for t in gelu if t.get("impl") == "cublas"] and gelu
+    wide = randn(32, 8200, dtype=torch.float16)
+    assert not G._mm_ln_supports(call(FC.FusedMatMulLayerNorm),
+                                 (x, wide, None, None, randn(8200, dtype=torch.float16)))

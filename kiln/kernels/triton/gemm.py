@@ -24,16 +24,19 @@ from kiln.kernels.torch import fused_conv as torch_fused
 from kiln.kernels.torch import nn_norm as torch_nn
 from kiln.kernels.triton.common import (
     ACT_CODE,
+    FLOATS,
     HALF,
     act,
     epilogue,
     grouped_tile,
     launch,
+    next_pow2,
     on_device,
     rows_act_,
     tactic_of,
 )
 from kiln.kernels.triton.lazy import cdiv, jit, tl
+from kiln.kernels.triton.norm import norm_rows
 from kiln.ops import fused_conv as FC
 from kiln.ops import nn as N
 
@@ -307,3 +310,52 @@ def fused_gemm(n, a, b, c=None, r=None):
     if not _gemm_supports(n, (a, b, c, r)):
         return torch_fused.fused_gemm(n, a, b, c, r)
     return _gemm(n, a, b, c, r, n.a.activation, act_a=n.a.alpha, act_b=n.a.beta)
+
+
+# ---------------------------------------------------------------- product + LayerNorm
+
+# LayerNorm warps per row (BERT's 768-wide rows: one warp per row was the tuner's pick)
+LN_WARPS = (1, 4)
+
+
+def _mm_ln_supports(n, inputs) -> bool:
+    x, w = inputs[0], inputs[1]
+    b, r = (inputs[2] if len(inputs) > 2 else None), (inputs[3] if len(inputs) > 3 else None)
+    scale = inputs[4] if len(inputs) > 4 else None
+    ln_bias = inputs[5] if len(inputs) > 5 else None
+    nn = w.shape[-1] if isinstance(w, torch.Tensor) and w.dim() == 2 else 0
+    return (scale is not None and _matmul_supports(n, (x, w, b, r)) and on_device(scale, ln_bias)
+            and scale.dtype in FLOATS and (ln_bias is None or ln_bias.dtype == scale.dtype)
+            and scale.numel() == nn and (ln_bias is None or ln_bias.numel() == nn)
+            and next_pow2(nn) <= 8192)
+
+
+def _mm_ln_tactics(n, inputs) -> list[dict]:
+    tiles = [dict(t, LN_WARPS=1) for t in gemm_tactics(*_mm_shapes(n, inputs))]
+    if n.a.activation:  # cuBLAS + LN(y + r) only where no activation sits between them
+        return tiles
+    return tiles + [{"impl": "cublas", "LN_WARPS": w} for w in LN_WARPS]
+
+
+@register(FC.FusedMatMulLayerNorm, backend="cuda", name="TritonFusedMatMulLayerNorm",
+          tactics=_mm_ln_tactics, supports=_mm_ln_supports, makes_plan=_matmul_plan)
+def fused_matmul_layernorm(n, x, w, b=None, r=None, scale=None, ln_bias=None):
+    """LayerNorm(act(x @ w + b + r)): the Triton tile with its fused epilogue, then the norm in
+    place on its fresh output; or cuBLAS(Lt) for ``x @ w + b`` and the norm kernel adding the
+    residual as it reads the row (BERT's post-norm blocks: no separate residual pass)."""
+    if not _mm_ln_supports(n, (x, w, b, r, scale, ln_bias)):
+        return torch_fused.fused_matmul_layernorm(n, x, w, b, r, scale, ln_bias)
+    t = getattr(n, "tactic", None) or {}
+    nn = w.shape[1]
+    eps = float(n.a.epsilon if n.a.epsilon is not None else 1e-5)
+    block, warps = next_pow2(nn), t.get("LN_WARPS", 1)
+    x2 = x.reshape(-1, x.shape[-1])
+    r2 = None if r is None else r.reshape(-1, nn)
+    b1 = None if b is None else b.reshape(-1)
+    if t.get("impl") == "cublas" and not n.a.activation and (r2 is None or r2.is_contiguous()):
+        y = F.linear(x2, w.t(), b1)
+        norm_rows(y, scale, ln_bias, nn, eps, False, block, warps, res=r2, out=y)
+    else:
+        y = gemm2d(n, x2, w, b1, r2, n.a.activation, 1.0, n.a.alpha, n.a.beta)
+        norm_rows(y, scale, ln_bias, nn, eps, False, block, warps, out=y)
+    return y.reshape(*x.shape[:-1], nn)

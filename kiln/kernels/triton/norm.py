@@ -18,15 +18,24 @@ from kiln.ops.rules import norm_axis
 
 
 @jit
-def _norm_kernel(X, W, B, Y, stride_x, stride_y, n_cols, eps,
+def _row(x_row, r_row, c, m, HAS_R: tl.constexpr):
+    """A chunk of the normalized row in fp32: x, plus the residual where there is one."""
+    x = tl.load(x_row + c, mask=m, other=0.0).to(tl.float32)
+    if HAS_R:
+        x += tl.load(r_row + c, mask=m, other=0.0).to(tl.float32)
+    return x
+
+
+@jit
+def _norm_kernel(X, W, B, Y, R, stride_x, stride_y, stride_r, n_cols, eps,
                  HAS_B: tl.constexpr, RMS: tl.constexpr, BLOCK: tl.constexpr,
-                 ONE_BLOCK: tl.constexpr):
+                 ONE_BLOCK: tl.constexpr, HAS_R: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
-    x_row, y_row = X + row * stride_x, Y + row * stride_y
+    x_row, y_row, r_row = X + row * stride_x, Y + row * stride_y, R + row * stride_r
     cols = tl.arange(0, BLOCK)
     if ONE_BLOCK:
         m = cols < n_cols
-        x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+        x = _row(x_row, r_row, cols, m, HAS_R)
         if RMS:
             xc = x
         else:
@@ -42,19 +51,19 @@ def _norm_kernel(X, W, B, Y, stride_x, stride_y, n_cols, eps,
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for off in range(0, n_cols, BLOCK):
                 c = off + cols
-                acc += tl.load(x_row + c, mask=c < n_cols, other=0.0).to(tl.float32)
+                acc += _row(x_row, r_row, c, c < n_cols, HAS_R)
             mean = tl.sum(acc, axis=0) / n_cols
         acc2 = tl.zeros([BLOCK], dtype=tl.float32)
         for off in range(0, n_cols, BLOCK):
             c = off + cols
-            x = tl.load(x_row + c, mask=c < n_cols, other=0.0).to(tl.float32)
+            x = _row(x_row, r_row, c, c < n_cols, HAS_R)
             xc = tl.where(c < n_cols, x - mean, 0.0)
             acc2 += xc * xc
         inv = 1.0 / tl.sqrt(tl.sum(acc2, axis=0) / n_cols + eps)
         for off in range(0, n_cols, BLOCK):
             c = off + cols
             m = c < n_cols
-            x = tl.load(x_row + c, mask=m, other=0.0).to(tl.float32)
+            x = _row(x_row, r_row, c, m, HAS_R)
             y = (x - mean) * inv * tl.load(W + c, mask=m, other=0.0).to(tl.float32)
             if HAS_B:
                 y += tl.load(B + c, mask=m, other=0.0).to(tl.float32)
@@ -91,16 +100,25 @@ def _launch(n, x, scale, bias, rms: bool):
     eps = n.a.epsilon if n.a.epsilon is not None else 1e-5
     block = min(next_pow2(cols), 8192)
     t = tactic_of(n, {"BLOCK": block, "num_warps": warps_for(block)})
+    return norm_rows(x, scale, bias, cols, float(eps), rms, t["BLOCK"], t["num_warps"])
+
+
+def norm_rows(x, scale, bias, cols: int, eps: float, rms: bool, block: int, num_warps: int,
+              res=None, out=None):
+    """LayerNorm (``rms``: RMSNorm) of ``x (+ res)`` over rows of ``cols`` elements, into
+    ``out`` (default: a new tensor; ``x`` itself works: each row is read before it is
+    written). ``res``: x's shape and layout."""
     x2 = x.reshape(-1, cols)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    r2 = x2 if res is None else res.reshape(-1, cols)
     w = scale.contiguous()
     b = bias.contiguous() if bias is not None else w
     launch(
-        _norm_kernel, (x2.shape[0],), x2, w, b, y, x2.stride(0), cols, cols, float(eps),
-        HAS_B=bias is not None, RMS=rms, BLOCK=t["BLOCK"], ONE_BLOCK=t["BLOCK"] >= cols,
-        num_warps=t["num_warps"])
+        _norm_kernel, (x2.shape[0],), x2, w, b, y, r2, x2.stride(0), cols, r2.stride(0), cols,
+        eps, HAS_B=bias is not None, RMS=rms, BLOCK=block, ONE_BLOCK=block >= cols,
+        num_warps=num_warps, HAS_R=res is not None)
     return y
 
 

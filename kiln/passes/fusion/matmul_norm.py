@@ -1,14 +1,16 @@
-"""Fusion (CPU builds): a fused matrix product and the LayerNormalization that alone reads it.
+"""Fusion: a fused matrix product and the LayerNormalization that alone reads it.
 
     FusedMatMul(x, W, b, r)  ──>  LayerNormalization(scale, bias)    BERT's post-norm blocks
                          ==>  FusedMatMulLayerNorm(x, W, b, r, scale, bias)  "mm + ln"
 
 The product's kernel then normalizes its own fresh output in place, in the same step: one step
 less per block, and on the CPU the norm runs in kiln's C library right after the GEMM instead of
-as a separate PyTorch call. Fires only when the product's output feeds the norm alone (and is no
-graph output), the norm has one output, normalizes the last axis, and has a constant 1-D scale
-(and bias, if any) as long as that axis. Pre-norm blocks (GPT-2), where the residual sum is read
-again by the next block's residual add, keep their separate norm.
+as a separate PyTorch call; on CUDA a cuBLAS product's residual is added by the norm kernel as
+it reads the row, instead of by a pass of its own. Fires only when the product's output feeds
+the norm alone (and is no graph output), the norm has one output, normalizes the last axis,
+and has a constant 1-D scale (and bias, if any) as long as that axis. Pre-norm blocks (GPT-2),
+where the residual sum is read again by the next block's residual add, keep their separate
+norm.
 """
 
 from __future__ import annotations
