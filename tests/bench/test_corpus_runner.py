@@ -201,3 +201,19 @@ def test_check_accepts_an_error_within_onnxruntimes_own_spread():
     row = {}
     check(row, out, ref)  # no second opinion: 1e-4 stands
     assert not row["correct"]
+
+
+def test_steady_check_fails_a_row_whose_later_run_misses():
+    """A first run within 1e-4 and a later (planned) one beyond it: the row is a mismatch,
+    saying so; a later run within it keeps the row correct and records its error."""
+    from bench.corpus.runner import check, steady_check
+
+    ref = {"y": np.array([1.0, 2.0])}
+    row: dict = {}
+    check(row, {"y": np.array([1.0, 2.0])}, ref)
+    steady_check(row, {"y": np.array([1.0, 2.0 + 2e-8])}, ref)
+    assert row["correct"] and row["steady_max_rel_err"] == pytest.approx(1e-8)
+    steady_check(row, {"y": np.array([1.0, 2.02])}, ref)
+    assert not row["correct"] and row["status"] == "mismatch"
+    assert row["error"].startswith("a later (planned) run: output 'y'")
+    assert row["steady_max_rel_err"] == pytest.approx(0.01)
