@@ -50,6 +50,8 @@ class EngineConfig:
             (dequantized per step; no native decode): for tests, not for speed.
         calculate_kv_scales: FP8 KV scales from the first step's K/V amax (with 2x headroom)
             instead of 1.0.
+        warmup: on CUDA, compile the step kernels and capture every decode graph size at
+            load (a few seconds for a 7B model) instead of inside the first requests' steps.
     """
     device: str = "auto"
     dtype: str = "auto"
@@ -66,6 +68,7 @@ class EngineConfig:
     native_decode: bool = True
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
+    warmup: bool = True
 
 
 # device type -> (max_num_seqs, max_num_batched_tokens) where EngineConfig leaves them at 0
@@ -128,6 +131,8 @@ class LLMEngine:
         max_len = cfg.max_model_len or min(mc.max_position, 4096 if device == "cpu" else 1 << 30)
         # an ONNX decoder keeps its own past tensors: a cached block is no past for it
         prefix = cfg.enable_prefix_caching and not getattr(self.runner, "own_kv", False)
+        if cfg.warmup and device == "cuda" and hasattr(self.runner, "warmup"):
+            self.runner.warmup()
         self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, prefix)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,

@@ -206,3 +206,33 @@ def test_fused_prefill_matches_torch_path_and_batches(tiny_dir, monkeypatch, kv_
     assert [(0, 6, 4)] in runs
     assert True in k_flags and False in k_flags  # K asked for in the prefill step only
     assert eng.runner.model.fused.paths["rope_kv"] == "triton"
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_warmup_runs_a_mixed_step_on_the_scratch_block_only(tiny_dir, monkeypatch, kv_dtype):
+    """warmup(): one mixed step (two whole prompts as one run, two decode rows) that writes
+    nothing outside the scratch block; skipped while FP8 scales wait for calibration."""
+    llm = LLM(tiny_dir, num_blocks=16)
+    eng = llm.engine
+    r = CudaModelRunner(eng.model, 16, eng.config.block_size, cuda_graphs=False,
+                        max_model_len=64, fused_ops=True, kv_cache_dtype=kv_dtype)
+    seen = []
+    orig = CudaAttention._mixed_attend
+
+    def spy(self, layer, q, k, v, meta):
+        seen.append((list(meta.runs), meta.dec_rows is not None and len(meta.dec_rows)))
+        return orig(self, layer, q, k, v, meta)
+
+    monkeypatch.setattr(CudaAttention, "_mixed_attend", spy)
+    before = r.cache.clone()
+    r.warmup()
+    bs = eng.config.block_size
+    assert seen and seen[0] == ([(0, bs, 2)], 2)
+    pool = (slice(None), slice(None), slice(0, r.scratch))
+    assert torch.equal(r.cache[pool].view(torch.uint8), before[pool].view(torch.uint8))
+    assert not torch.equal(r.cache.view(torch.uint8), before.view(torch.uint8))  # scratch
+    seen.clear()
+    cal = CudaModelRunner(eng.model, 16, eng.config.block_size, cuda_graphs=False,
+                          max_model_len=64, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    cal.warmup()
+    assert not seen and cal.kv_scales.calibrating

@@ -265,12 +265,12 @@ def test_cuda_runner_tiled_mha_decode(mha_dir, kv_dtype, monkeypatch):
     prompts = ["Hello there", "The capital of France is", "1, 2, 3"]
     p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(mha_dir, num_blocks=32).generate(prompts, p)]
-    tiled.clear()  # on a GPU the reference run above decodes in the tl.dot kernel
     llm = LLM(mha_dir, num_blocks=32)
     eng = llm.engine
     eng.runner = CudaModelRunner(eng.model, 32, eng.config.block_size, cuda_graphs=False,
                                  max_model_len=256, fused_ops=True, kv_cache_dtype=kv_dtype,
                                  calculate_kv_scales=True, decode_tile=(32, 4))
+    tiled.clear()  # on a GPU the engines above tune, warm up and decode in other kernels
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
     n = 6 if kv_dtype == "auto" and DEV == "cpu" else 4
     assert [g[:n] for g in got] == [w[:n] for w in want]
@@ -305,8 +305,6 @@ def test_tune_decode_keeps_the_fastest_that_runs(mha_dir, kv_dtype, monkeypatch)
     """_tune_decode times each candidate on layer 0 of the real cache and keeps the fastest
     (here a fake clock makes dot32:4 fastest); a candidate that fails is a row, never picked;
     decode steps then run the pick and give the torch path's tokens."""
-    import time as _time
-
     from kiln.llm import LLM, SamplingParams, cuda_runner
     from kiln.llm.cuda_runner import CudaModelRunner
 
@@ -323,8 +321,10 @@ def test_tune_decode_keeps_the_fastest_that_runs(mha_dir, kv_dtype, monkeypatch)
     llm = LLM(mha_dir, num_blocks=32)
     eng = llm.engine
     r = eng.runner = CudaModelRunner(eng.model, 32, eng.config.block_size, cuda_graphs=False,
-                                     max_model_len=256, fused_ops=False, kv_cache_dtype=kv_dtype)
-    assert r.decode_tune == "off"  # not on the CPU unless asked
+                                     max_model_len=256, fused_ops=False, kv_cache_dtype=kv_dtype,
+                                     tune_decode=False)
+    assert r.decode_tune == "off"
+    used.clear()
     clock = [0.0]
 
     def fake_clock():  # every call of the dot32 configuration costs 1 s, the others 3 s
@@ -334,9 +334,7 @@ def test_tune_decode_keeps_the_fastest_that_runs(mha_dir, kv_dtype, monkeypatch)
 
     cands = [("dot16:4", None, (16, 4)), ("dot32:4", None, (32, 4)), ("bad", None, (8, 4)),
              ("tile64:4", (64, 4), None)]
-    with monkeypatch.context() as m:
-        m.setattr(_time, "perf_counter", fake_clock)
-        r._tune_decode(batch=2, ctx=40, candidates=cands, iters=1, warmup=1)
+    r._tune_decode(batch=2, ctx=40, candidates=cands, iters=1, warmup=1, clock=fake_clock)
     t = r.describe()["decode_tune"]
     assert t["picked"] == "dot32:4" and (t["batch"], t["ctx"]) == (2, 40), t
     assert isinstance(t["us"]["dot16:4"], float) and "ValueError" in t["us"]["bad"]
