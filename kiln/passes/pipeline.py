@@ -42,15 +42,21 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     # CUDA its kernel lets the norm add the residual of a cuBLAS product as it reads the row
     # (kiln.kernels.triton.gemm.fused_matmul_layernorm), or norms a Triton tile's output
     late = [act_affine, matmul_norm, packed_qkv] if device == "cpu" else [matmul_norm]
+    # CUDA's generated pointwise kernel also takes boolean mask steps (fusion.pointwise.MASK)
+    elementwise = pointwise if device == "cpu" else _CudaPointwise
     order = [refine, fold, eliminate, pad_conv, conv_bn, conv_bias, layernorm, rmsnorm, gelu,
              activation, input_affine, attention, qkv, matmul_add, squeeze_excite,
-             conv_bias_act, *late, pointwise, layout, eliminate]
+             conv_bias_act, *late, elementwise, layout, eliminate]
     # refine, fold and eliminate walk subgraphs themselves; a fusion sees one graph, so it is
     # run again on every subgraph (an If branch or Loop body of Conv + Relu fuses as the outer
     # graph does, and its layers run as the outer graph's would)
     walks_subgraphs = {refine, fold, eliminate}
     return [(name, fn if m in walks_subgraphs else _with_subgraphs(fn))
             for m in order for name, fn in getattr(m, "PASSES", [])]
+
+
+class _CudaPointwise:  # fusion.pointwise's passes as a CUDA build runs them
+    from kiln.passes.fusion.pointwise import CUDA_PASSES as PASSES
 
 
 def _with_subgraphs(fn: Pass) -> Pass:

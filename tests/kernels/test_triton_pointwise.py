@@ -150,3 +150,24 @@ def test_triton_supports_checks_never_call_torch_broadcast_shapes():
     for mod in (pointwise, attention):
         src = open(mod.__file__).read()
         assert "torch.broadcast_shapes(" not in src, mod.__name__
+
+
+def test_triton_pointwise_attention_mask_program():
+    """The [And, Where] program CUDA builds fuse from HF's SDPA mask: bool inputs that
+    broadcast ([B, 1, Sq, 1] & [B, 1, 1, Sk]), fp16 constants, an fp16 [B, 1, Sq, Sk] out;
+    the same as the PyTorch kernel's program."""
+    from kiln.kernels.torch import fused_transformer as torch_ft
+
+    steps = [["And", ["i0", "i1"]], ["Where", ["s0", "i2", "i3"]]]
+    q = torch.rand(2, 1, 6, 1, device=DEVICE) > 0.3
+    k = torch.rand(2, 1, 1, 7, device=DEVICE) > 0.3
+    zero, neg = (torch.tensor([v], dtype=torch.float16, device=DEVICE) for v in (0.0, -1e4))
+    n = call(FT.FusedPointwise, program=json.dumps(steps))
+    n.n_in, n.out_types = 4, (TensorType(DType.float16, (2, 1, 6, 7)),)
+    assert P.supports(n, (q, k, zero, neg))
+    y = P.fused_pointwise(n, q, k, zero, neg)
+    want = torch_ft.fused_pointwise(call(FT.FusedPointwise, program=json.dumps(steps)),
+                                    q, k, zero, neg)
+    assert y.dtype == torch.float16 and y.shape == (2, 1, 6, 7)
+    torch.testing.assert_close(y.cpu(), want.cpu(), atol=0, rtol=0)
+    assert (y == 0).sum() == (q & k).sum()

@@ -2,6 +2,7 @@ import json
 
 import numpy as np
 
+from kiln.frontend import import_onnx
 from kiln.ops import fused_transformer as FT
 from kiln.passes.fusion.pointwise import fuse_pointwise
 from tests.passes.transformer_util import apply, c, feeds, model, node
@@ -36,3 +37,40 @@ def test_no_fuse_pointwise_broadcast_grows_shape():
     m = model(ns, {"a": [8], "b": [3, 8]}, ["y"], INITS)
     _, before, after, n, _ = apply(m, fuse_pointwise, feeds(a=(8,), b=(3, 8)))
     assert n == 0 and before == after
+
+
+def _mask_model():
+    """HF's SDPA mask: a key-padding and a query-padding mask (here from comparisons) combined
+    by And over [B, 1, Sq, Sk], then Where(mask, 0, -10000)."""
+    inits = {"zero": c(0.0), "neg": c(-10000.0)}
+    ns = [node("Greater", ["a", "zero"], "k"), node("Greater", ["b", "zero"], "q"),
+          node("And", ["q", "k"], "m"), node("Where", ["m", "zero", "neg"], "y")]
+    return model(ns, {"a": [2, 1, 1, 8], "b": [2, 1, 8, 1]}, ["y"], inits)
+
+
+def test_pointwise_masks_structure_counts_numerics():
+    from kiln.passes.fusion.pointwise import fuse_pointwise_masks
+
+    g, before, after, n, logs = apply(_mask_model(), fuse_pointwise_masks,
+                                      feeds(a=(2, 1, 1, 8), b=(2, 1, 8, 1)))
+    assert n == 1 and before == {"Greater": 2, "And": 1, "Where": 1}
+    # the Greaters widen into And's [2, 1, 8, 8]: no chain runs through a broadcast
+    assert after == {"Greater": 2, "FusedPointwise": 1}
+    fp = next(x for x in g.nodes if x.op is FT.FusedPointwise)
+    assert json.loads(fp.attrs.program) == [["And", ["i0", "i1"]],
+                                            ["Where", ["s0", "i2", "i3"]]]
+    assert logs == [f"fused {fp.name} -> FusedPointwise[And, Where]"]
+
+
+def test_no_fuse_pointwise_masks_outside_cuda_builds():
+    """The CPU pipeline's pass leaves the mask steps alone (its pointwise records run float
+    programs); the CUDA pipeline uses the mask-taking pass."""
+    from kiln.passes.pipeline import _passes
+
+    _, before, after, n, _ = apply(_mask_model(), fuse_pointwise,
+                                   feeds(a=(2, 1, 1, 8), b=(2, 1, 8, 1)))
+    assert n == 0 and before == after
+    cuda = dict(_passes("cuda"))["fuse_pointwise"]
+    cpu = dict(_passes("cpu"))["fuse_pointwise"]
+    g = import_onnx(_mask_model())
+    assert cpu(g, lambda m: None) == 0 and cuda(g, lambda m: None) == 1

@@ -67,6 +67,10 @@ POINTWISE = {
     M.Relu: torch.relu, M.Sigmoid: torch.sigmoid, M.Tanh: torch.tanh, M.Erf: torch.erf,
     M.Exp: torch.exp, M.Neg: torch.neg, M.Abs: torch.abs, M.Sqrt: torch.sqrt,
     M.Reciprocal: torch.reciprocal,
+    # the mask steps CUDA builds fuse (kiln.passes.fusion.pointwise.MASK)
+    M.And: torch.logical_and, M.Or: torch.logical_or, M.Xor: torch.logical_xor,
+    M.Not: torch.logical_not, M.Equal: torch.eq, M.Less: torch.lt, M.Greater: torch.gt,
+    M.LessOrEqual: torch.le, M.GreaterOrEqual: torch.ge, M.Where: torch.where,
 }
 
 

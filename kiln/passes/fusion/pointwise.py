@@ -21,13 +21,26 @@ from kiln.passes.fusion.match import Users, replace, same_dim, shape_of
 
 UNARY = {M.Relu, M.Sigmoid, M.Tanh, M.Erf, M.Exp, M.Neg, M.Abs, M.Sqrt, M.Reciprocal}
 BINARY = {M.Add, M.Sub, M.Mul, M.Div}  # ONNX broadcasting, one dtype in and out
+# CUDA builds also take the boolean steps that build attention masks (And of a key-padding and
+# a query-padding mask, then Where(mask, 0, -inf)): one generated kernel instead of PyTorch's
+# logical_and and where, whose first launches in a fresh process cost ~15-20 ms each
+MASK = {M.And, M.Or, M.Not, M.Xor, M.Equal, M.Less, M.Greater, M.LessOrEqual, M.GreaterOrEqual,
+        M.Where}
 
 
-def _fusable(n: Node) -> bool:
-    if n.op not in UNARY | BINARY or len(n.outputs) != 1:
+def _float_or_bool(v: Value | None) -> bool:
+    dt = getattr(getattr(v, "type", None), "dtype", None)
+    return dt is not None and (dt.is_float or dt.name == "bool")
+
+
+def _fusable(n: Node, masks: bool = False) -> bool:
+    if len(n.outputs) != 1 or shape_of(n.outputs[0]) is None:
         return False
-    dt = getattr(n.outputs[0].type, "dtype", None)
-    return dt is not None and dt.is_float and shape_of(n.outputs[0]) is not None
+    if n.op in UNARY | BINARY:
+        dt = getattr(n.outputs[0].type, "dtype", None)
+        return dt is not None and dt.is_float
+    return (masks and n.op in MASK and _float_or_bool(n.outputs[0])
+            and all(_float_or_bool(v) for v in n.inputs))
 
 
 def _same_shape(a: Value, b: Value) -> bool:
@@ -36,12 +49,12 @@ def _same_shape(a: Value, b: Value) -> bool:
         same_dim(x, y) for x, y in zip(sa, sb))
 
 
-def grow_chain(users: Users, start: Node) -> list[Node]:
+def grow_chain(users: Users, start: Node, masks: bool = False) -> list[Node]:
     """``start`` and the elementwise nodes after it, each the only reader of the one before."""
     chain = [start]
     while True:
         nxt = users.only(chain[-1].outputs[0])
-        if nxt is None or not _fusable(nxt) or not _same_shape(nxt.outputs[0],
+        if nxt is None or not _fusable(nxt, masks) or not _same_shape(nxt.outputs[0],
                                                                start.outputs[0]):
             return chain
         if sum(v is chain[-1].outputs[0] for v in nxt.inputs) != 1:
@@ -67,17 +80,18 @@ def program_of(chain: list[Node]) -> tuple[list, list[Value]]:
     return steps, ext
 
 
-def fuse_pointwise(graph: Graph, log: Callable[[str], None]) -> int:
-    """Chains of 2+ elementwise ops (single reader, no shape growth) -> FusedPointwise."""
+def fuse_pointwise(graph: Graph, log: Callable[[str], None], masks: bool = False) -> int:
+    """Chains of 2+ elementwise ops (single reader, no shape growth) -> FusedPointwise;
+    ``masks``: the boolean mask steps too (:data:`MASK`)."""
     users, n = Users(graph), 0
     for start in list(graph.nodes):
-        if start not in graph.nodes or not _fusable(start):
+        if start not in graph.nodes or not _fusable(start, masks):
             continue
         prev = [u for v in start.inputs if v is not None and v.producer is not None
-                for u in [v.producer] if _fusable(u) and users.only(v) is start]
+                for u in [v.producer] if _fusable(u, masks) and users.only(v) is start]
         if prev and any(_same_shape(p.outputs[0], start.outputs[0]) for p in prev):
             continue  # not the head of its chain: the head's scan takes this node
-        chain = grow_chain(users, start)
+        chain = grow_chain(users, start, masks)
         if len(chain) < 2:
             continue
         steps, ext = program_of(chain)
@@ -89,4 +103,9 @@ def fuse_pointwise(graph: Graph, log: Callable[[str], None]) -> int:
     return n
 
 
+def fuse_pointwise_masks(graph: Graph, log: Callable[[str], None]) -> int:
+    return fuse_pointwise(graph, log, masks=True)
+
+
 PASSES = [("fuse_pointwise", fuse_pointwise)]
+CUDA_PASSES = [("fuse_pointwise", fuse_pointwise_masks)]  # the generated kernel takes MASK
