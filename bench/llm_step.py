@@ -13,7 +13,8 @@ Parts (median of ``--iters`` calls; CUDA events on the GPU, the wall clock on th
   over equal-length prompts on/off, RoPE + cache write fused on/off);
 - ``prefill_parts``: the step's GEMMs alone at its rows (every layer's four, the LM head at one
   row a prompt; FP8 weights: activation quantize + ``_scaled_mm``), the FP8 activation quantize
-  alone, causal SDPA per prompt (one call each) against one batched call, RoPE + cache write;
+  alone (the one Triton kernel, and the torch ops it replaced), causal SDPA per prompt (one
+  call each) against one batched call, RoPE + cache write;
 - ``decode``: one decode step of ``--batch`` sequences at ``--ctx`` cached tokens: the runner's
   ``_decode`` (host fill, copy, graph replay) and the graph replay alone; its GEMMs alone at
   ``--batch`` rows and the paged decode attention alone (every layer);
@@ -187,11 +188,11 @@ def prefill_parts(runner, cfg, rows: int, prompts: int, prompt_len: int, timer) 
     out["gemm_lm_head_ms"] = timer(lambda: m._linear(x, m.lm_head)) * 1e3
     out["gemm_total_ms"] = gemm * 1e3 + out["gemm_lm_head_ms"]
     if m.weights == "fp8":  # the activation quantize inside each FP8 GEMM, alone
-        xs = {k: rnd(rows, k) for k in {getattr(lay, n).shape[1]
-                                        for n in ("qkv", "o", "gate_up", "down")}}
-        q = sum(timer(lambda x=x: fp8.quantize_rows(x)) * (2 if k == cfg.hidden_size else 1)
-                for k, x in xs.items())
-        out["fp8_act_quantize_ms"] = q * cfg.num_layers * 1e3
+        ks = [getattr(lay, n).shape[1] for n in ("qkv", "o", "gate_up", "down")]
+        xs = {k: rnd(rows, k) for k in set(ks)}
+        for name, fn in (("", fp8.quantize_rows), ("_torch", fp8.quantize_rows_torch)):
+            q = sum(timer(lambda x=xs[k], fn=fn: fn(x)) for k in ks)
+            out[f"fp8_act_quantize{name}_ms"] = q * cfg.num_layers * 1e3
     h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = rnd(prompts, h, prompt_len, d)
     k = rnd(prompts, kv, prompt_len, d)

@@ -86,8 +86,27 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> t
     return F.linear(x, w.dequantize(x.dtype), bias)
 
 
+_triton_quant = [True]  # the one-kernel activation quantize on CUDA, until it fails once
+
+
 def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qx float8 [M, K], sx float32 [M, 1]) with x2 ~= qx * sx, one scale per row."""
+    """(qx float8 [M, K], sx float32 [M, 1]) with x2 ~= qx * sx, one scale per row. On CUDA one
+    Triton kernel (``triton_fused.quantize_rows``: absmax, scale and cast), else torch ops
+    (and on CUDA after the kernel failed once)."""
+    if x2.is_cuda and _triton_quant[0] and x2.stride(-1) == 1:
+        try:
+            from kiln.llm import triton_fused
+
+            return triton_fused.quantize_rows(x2)
+        except Exception as e:  # no Triton, or a compile/launch failure: torch ops from now
+            _triton_quant[0] = False
+            log.warning("Triton FP8 activation quantize failed (%s: %s); torch ops instead",
+                        type(e).__name__, str(e)[:200])
+    return quantize_rows_torch(x2)
+
+
+def quantize_rows_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows`` in torch ops."""
     xf = x2.float()
     amax = xf.abs().amax(1, keepdim=True)
     sx = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))

@@ -6,6 +6,9 @@
                    cache slots (rotate-half RoPE, cos/sin rows gathered by position;
                    an FP8 cache gets k / sk and v / sv saturated at +-448 in e4m3);
                    optionally the rotated k too (a prefill attends over it unquantized)
+    quantize_rows  x [M, K] -> e4m3 codes of x / sx and sx = max|x| / 448 per row  grid (M,)
+                   (the FP8 GEMMs' activation quantize: absmax, scale and cast in one pass
+                   pair instead of six torch ops)
 
 Each computes in float32 and rounds once to the activations' dtype. ``fused.py`` picks these
 or the torch ops they replace; tested under ``TRITON_INTERPRET=1`` against those torch ops.
@@ -137,3 +140,32 @@ def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: 
                                     k_cache.stride(0), H=heads, KV=kv_heads, D=head_dim,
                                     FP8_KV=fp8_kv, K_OUT=with_k)
     return (q, k) if with_k else q
+
+
+@triton.jit
+def _quantize_rows(x_ptr, q_ptr, s_ptr, K, stride_x, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + r * stride_x + k0 + c, mask=k0 + c < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    a = tl.max(amax, 0)
+    sx = tl.where(a > 0, a / 448.0, 1.0)
+    tl.store(s_ptr + r, sx)
+    for k0 in range(0, K, BLOCK):
+        mask = k0 + c < K
+        x = tl.load(x_ptr + r * stride_x + k0 + c, mask=mask, other=0.0)
+        tl.store(q_ptr + r * K + k0 + c, _to_e4m3(x, sx), mask=mask)
+
+
+def quantize_rows(x2: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [M, K] contiguous, sx float32 [M, 1]) with x2 ~= q * sx, one scale a
+    row (``fp8.quantize_rows`` in one launch). x2 [M, K], each row contiguous."""
+    m, k = x2.shape
+    if x2.stride(1) != 1:
+        raise ValueError(f"quantize_rows: x [{m}, {k}] needs contiguous rows")
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device)
+    sx = torch.empty(m, 1, dtype=torch.float32, device=x2.device)
+    _quantize_rows[(m,)](x2, q, sx, k, x2.stride(0), BLOCK=min(block, triton.next_power_of_2(k)))
+    return q, sx

@@ -166,3 +166,26 @@ def test_runner_with_fused_kernels_matches_torch_path(tiny_dir, monkeypatch):
     assert got == want
     assert set(ran) == set(fused.OPS)  # every fused kernel ran (rope_kv in decode steps)
     assert eng.runner.describe()["fused"] == {op: "triton" for op in fused.OPS}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_quantize_rows_matches_the_torch_ops(dtype):
+    """The FP8 GEMMs' activation quantize in one kernel: the torch ops' scales and e4m3 codes
+    (strided rows, K past the block, an all-zero row with scale 1, a row with one large
+    value); on a GPU, whose division may round differently, codes within one e4m3 step."""
+    from kiln.llm import fp8
+
+    wide = _randn(5, 108, seed=11, dtype=dtype)
+    wide[2] = 0
+    wide[3, 7] = 300.0
+    x = wide[:, 3:103]  # 100 columns of 108-wide rows
+    q, sx = triton_fused.quantize_rows(x, block=32)
+    q_ref, sx_ref = fp8.quantize_rows_torch(x)
+    assert q.dtype == torch.float8_e4m3fn and sx.shape == (5, 1) and q.is_contiguous()
+    torch.testing.assert_close(sx, sx_ref, rtol=1e-6, atol=0)
+    assert sx[2].item() == 1.0 and not q[2].float().any()
+    if DEV == "cpu":
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    else:
+        torch.testing.assert_close(q.float(), q_ref.float(), rtol=0.13, atol=2 ** -9)
+    torch.testing.assert_close(q.float() * sx, x.float(), rtol=0.07, atol=2 ** -9 * 300 / 448)
