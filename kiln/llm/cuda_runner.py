@@ -587,9 +587,19 @@ class CudaModelRunner(ModelRunner):
                 log.warning("warm-up mixed step failed (%s: %s)", type(e).__name__,
                             str(e)[:200])
         for s in list(self.sizes):
+            if not self.sizes:  # a capture failed: graphs are off, decode runs eagerly
+                break
             if s not in self.graphs:
                 step = self.steps.setdefault(s, self._make_step(s, self.max_blocks))
-                self._capture(step)
+                try:
+                    self._capture(step)
+                except Exception as e:  # a kernel failing in the warm-up runs: as _decode_safe
+                    log.warning("Triton decode failed in the warm-up (%s: %s); decode runs the "
+                                "torch path", type(e).__name__, str(e)[:200])
+                    self.triton_decode = False
+                    self.paths["decode"] = "torch"
+                    self._drop_graphs()
+                    break
 
     def describe(self) -> dict:
         """Which paths the runner took (for benchmark rows)."""
