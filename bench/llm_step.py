@@ -131,7 +131,7 @@ class Blocks:
 
     def take(self, n: int) -> list[int]:
         if self.next + n > self.total:
-            raise SystemExit(f"llm_step: {self.next + n} KV blocks needed, the pool has "
+            raise RuntimeError(f"llm_step: {self.next + n} KV blocks needed, the pool has "
                              f"{self.total}: use a smaller --batch / --ctx / --prompts")
         got = list(range(self.next, self.next + n))
         self.next += n
@@ -269,12 +269,44 @@ def prefill_step(engine, cfg, blocks: Blocks, args, timer) -> dict:
                 for a, val in old.items():
                     setattr(runner.attn, a, val)
         out.update(prefill_parts(runner, cfg, n * length, n, length, timer))
+        out["engine_like"] = engine_like_steps(runner, cfg, blocks, args, entries, timer)
     if isinstance(out.get("step_ms_default"), float):
         known = out["gemm_total_ms"] + out["sdpa_batched_ms" if getattr(
             runner.attn, "batch_prefill", False) else "sdpa_per_prompt_ms"]
         if isinstance(out.get("rope_kv_write_ms"), float):
             known += out["rope_kv_write_ms"]
         out["rest_ms"] = out["step_ms_default"] - known  # norms, SiLU-mul, embedding, host
+    return out
+
+
+def engine_like_steps(runner, cfg, blocks: Blocks, args, prompts, timer) -> dict:
+    """The engine's prefill-phase step, as the 256-request run has it: ``--batch`` - ``--prompts``
+    decode rows (at ``--prompt-len`` + 8 cached tokens), ``--prompts`` - 1 whole prompts and the
+    last prompt's second half continuing its cached first half (a chunk over gathered
+    blocks); then without the chunk and without the decodes (milliseconds each)."""
+    bs, length = runner.block_size, args.prompt_len
+    rng = random.Random(3)
+    ctx = length + 8
+    d = max(args.batch - args.prompts, 0)
+    decodes = [(ctx - 1, 1, blocks.take(-(-ctx // bs))) for _ in range(d)]
+    half = length // 2
+    chunk = [(half, length - half, prompts[-1][2])]
+    out = {"decodes": d, "prompts": len(prompts) - 1, "chunk": [half, length - half]}
+    for name, entries in (("all", decodes + prompts[:-1] + chunk),
+                          ("no_chunk", decodes + prompts[:-1]),
+                          ("no_decodes", prompts[:-1] + chunk)):
+        ids, positions, rows, t = [], [], [], 0
+        for start, k, _ in entries:
+            ids += [rng.randrange(3, cfg.vocab_size) for _ in range(k)]
+            positions += range(start, start + k)
+            t += k
+            rows.append(t - 1)
+        try:
+            out[f"{name}_ms"] = timer(
+                lambda e=entries, i=ids, p=positions, r=rows: runner._mixed(i, p, e, r)) * 1e3
+        except Exception as e:
+            out[f"{name}_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
+        out[f"{name}_tokens"] = t
     return out
 
 

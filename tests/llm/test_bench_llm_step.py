@@ -46,4 +46,8 @@ def test_smoke_run_reports_every_part(tmp_path):
         assert "error" not in res[part], res[part]
     assert res["prefill"]["tokens"] == 24 and res["prefill"]["step_ms_default"] > 0
     assert res["prefill"]["sdpa_batched_ms"] > 0 and res["decode"]["attention_ms"] > 0
+    like = res["prefill"]["engine_like"]
+    assert (like["decodes"], like["prompts"], like["chunk"]) == (1, 1, [6, 6])
+    assert like["all_tokens"] == 1 + 12 + 6 and like["no_decodes_tokens"] == 18
+    assert all(isinstance(like[f"{k}_ms"], float) for k in ("all", "no_chunk", "no_decodes"))
     assert res["engine_decode"]["steps"] == 2 and res["engine_decode"]["runner_ms"] > 0
