@@ -311,28 +311,45 @@ struct dw_job {
     float p0, p1;
 };
 
-/* Items [i0, i1) of (image, output row, channel block). */
-static void dw_items(void *arg, long i0, long i1)
+/* Item it of (image, output row, channel block of cbw): the row's geometry. The item loops
+ * are compiled per instruction set (dw_items8, dw_items16): with one plain-C loop calling
+ * the AVX2 item function, the AVX2 path ran 0.8x as fast as the same code inlined. */
+static inline __attribute__((always_inline)) struct dw_row item_row(const struct dw_job *j,
+                                                                   long it, long cbw, long *c)
 {
-    const struct dw_job *j = arg;
     const long *g = j->g;
     long H = g[1], W = g[2], C = g[3], Ho = g[4], Wo = g[5], kh = g[6], kw = g[7];
     long sh = g[8], sw = g[9], dh = g[10], dw = g[11], pt = g[12], pl = g[13];
-    long cbw = j->wide ? 16 : 8, cb = (C + cbw - 1) / cbw;
+    long cb = (C + cbw - 1) / cbw;
+    long n = it / (Ho * cb), oh = it / cb % Ho;
+    *c = it % cb * cbw;
+    struct dw_row q = {j->x + n * H * W * C, j->wp, j->r ? j->r + (n * Ho + oh) * Wo * C : NULL,
+                       j->y + (n * Ho + oh) * Wo * C, W, C, kw, sw, dw, pl, oh * sh - pt, dh, 0,
+                       kh, j->act, j->p0, j->p1, NULL, 0, 0, 0};
+    while (q.ky0 < kh && q.ih0 + q.ky0 * dh < 0)  /* taps whose row is inside the image */
+        q.ky0++;
+    while (q.ky1 > q.ky0 && q.ih0 + (q.ky1 - 1) * dh >= H)
+        q.ky1--;
+    return q;
+}
+
+TGT static void dw_items8(void *arg, long i0, long i1)
+{
+    const struct dw_job *j = arg;
     for (long it = i0; it < i1; it++) {
-        long n = it / (Ho * cb), oh = it / cb % Ho, c = it % cb * cbw;
-        struct dw_row q = {j->x + n * H * W * C, j->wp,
-                           j->r ? j->r + (n * Ho + oh) * Wo * C : NULL,
-                           j->y + (n * Ho + oh) * Wo * C, W, C, kw, sw, dw, pl, oh * sh - pt, dh,
-                           0, kh, j->act, j->p0, j->p1, NULL, 0, 0, 0};
-        while (q.ky0 < kh && q.ih0 + q.ky0 * dh < 0)  /* taps whose row is inside the image */
-            q.ky0++;
-        while (q.ky1 > q.ky0 && q.ih0 + (q.ky1 - 1) * dh >= H)
-            q.ky1--;
-        if (j->wide)
-            dw_item16(&q, Wo, c, j->bias);
-        else
-            dw_item8(&q, Wo, c, j->bias);
+        long c;
+        struct dw_row q = item_row(j, it, 8, &c);
+        dw_item8(&q, j->g[5], c, j->bias);
+    }
+}
+
+TGT_ZMM static void dw_items16(void *arg, long i0, long i1)
+{
+    const struct dw_job *j = arg;
+    for (long it = i0; it < i1; it++) {
+        long c;
+        struct dw_row q = item_row(j, it, 16, &c);
+        dw_item16(&q, j->g[5], c, j->bias);
     }
 }
 
@@ -346,5 +363,5 @@ TGT void kiln_depthwise(const long *g, const float *x, const float *wp, const fl
     struct dw_job j = {g, x, wp, bias, r, y, act, wide, p0, p1};
     int nt = N * Ho * Wo * C * kh * kw >= (1L << 15) ? nthreads : 1;
     long cbw = wide ? 16 : 8;
-    kiln_parallel(N * Ho * ((C + cbw - 1) / cbw), dw_items, &j, nt);
+    kiln_parallel(N * Ho * ((C + cbw - 1) / cbw), wide ? dw_items16 : dw_items8, &j, nt);
 }
