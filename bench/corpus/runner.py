@@ -25,8 +25,9 @@ class Options:
     large_batch: int = 0  # CUDA: the large batch for every batch-dynamic model (0: per family)
 
 
-def ort_session(path: Path, device: str, threads: int, optimize: bool = True):
-    """``optimize``: onnxruntime's default graph optimizations (ORT_ENABLE_ALL), or none."""
+def ort_session(path: Path | bytes, device: str, threads: int, optimize: bool = True):
+    """``optimize``: onnxruntime's default graph optimizations (ORT_ENABLE_ALL), or none;
+    ``path`` a file or a serialized model."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -37,7 +38,8 @@ def ort_session(path: Path, device: str, threads: int, optimize: bool = True):
     providers = ["CPUExecutionProvider"]
     if device == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
         providers.insert(0, "CUDAExecutionProvider")
-    return ort.InferenceSession(str(path), so, providers=providers)
+    return ort.InferenceSession(path if isinstance(path, bytes) else str(path), so,
+                                providers=providers)
 
 
 def kiln_outputs(out) -> dict[str, np.ndarray]:
@@ -177,14 +179,69 @@ def run_model(entry: Entry, corpus: Path, tmp: Path, opts: Options) -> dict:
 def reference_spread(path: Path, feeds: dict, refs: dict) -> dict[str, float]:
     """How far onnxruntime moves from its own reference, per output: the same model with
     every graph optimization off, on one thread, against ``refs`` (all optimizations, the
-    bench's threads). Where an output is ill-conditioned (a saturated sigmoid whose largest
-    value is 6e-5) FP32 rounding alone exceeds 1e-4 of it, and onnxruntime disagrees with
-    itself by as much as kiln does."""
-    sess = ort_session(path, "cpu", 1, optimize=False)
-    ins = {i.name for i in sess.get_inputs()}
-    outs = dict(zip([o.name for o in sess.get_outputs()],
-                    sess.run(None, {k: v for k, v in feeds.items() if k in ins})))
-    return errors({k: v for k, v in outs.items() if k in refs}, refs)
+    bench's threads); and for a QDQ model, the model with its weights' DequantizeLinears
+    folded into float32 initializers (:func:`fold_weight_dequantize`), which onnxruntime
+    multiplies with its prepacked SGEMM instead of the unpacked one: where the model
+    requantizes those products, the two sums' last-bit differences flip codes (on
+    hf_distilbert_qstatic_qdq, 9e-3 of the output). The larger of the two per output. Where an
+    output is ill-conditioned (a saturated sigmoid whose largest value is 6e-5) FP32 rounding
+    alone exceeds 1e-4 of it, and onnxruntime disagrees with itself by as much as kiln does."""
+    import onnx
+
+    def run(model):
+        sess = ort_session(model, "cpu", 1, optimize=isinstance(model, bytes))
+        ins = {i.name for i in sess.get_inputs()}
+        outs = dict(zip([o.name for o in sess.get_outputs()],
+                        sess.run(None, {k: v for k, v in feeds.items() if k in ins})))
+        return errors({k: v for k, v in outs.items() if k in refs}, refs)
+
+    spread = run(path)
+    folded, n = fold_weight_dequantize(onnx.load(str(path)))
+    if n:
+        for k, e in run(folded.SerializeToString()).items():
+            spread[k] = max(spread.get(k, 0.0), e)
+    return spread
+
+
+def fold_weight_dequantize(model):
+    """(a copy of ``model`` with each DequantizeLinear of initializers, per tensor or per
+    axis, replaced by its float32 result as an initializer, the number replaced):
+    ``float32(q - zero) * scale``, onnxruntime's steps."""
+    import onnx
+    from onnx import numpy_helper
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    inits = {t.name: t for t in g.initializer}
+    keep, done = [], 0
+    for node in g.node:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or \
+                not all(i in inits for i in node.input if i) or attrs.get("block_size"):
+            keep.append(node)
+            continue
+        q = numpy_helper.to_array(inits[node.input[0]])
+        s = numpy_helper.to_array(inits[node.input[1]]).astype(np.float32)
+        z = numpy_helper.to_array(inits[node.input[2]]) if len(node.input) > 2 and \
+            node.input[2] else np.zeros_like(s, dtype=np.int32)
+        if q.dtype.kind not in "iu" or s.dtype != np.float32:
+            keep.append(node)
+            continue
+        shape = [1] * q.ndim
+        if s.size > 1:
+            shape[attrs.get("axis", 1) % q.ndim] = s.size
+        w = (q.astype(np.int32) - z.astype(np.int32).reshape(shape)).astype(np.float32) * \
+            s.reshape(shape)
+        g.initializer.append(numpy_helper.from_array(w.astype(np.float32), node.output[0]))
+        done += 1
+    del g.node[:]
+    g.node.extend(keep)
+    read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    live = [t for t in g.initializer if t.name in read]
+    del g.initializer[:]
+    g.initializer.extend(live)
+    return out, done
 
 
 def steady_check(row: dict, outs: dict, refs: dict, spread=None) -> None:
@@ -195,6 +252,8 @@ def steady_check(row: dict, outs: dict, refs: dict, spread=None) -> None:
     later: dict = {}
     check(later, outs, refs, spread=spread)
     row["steady_max_rel_err"] = later.get("max_rel_err")
+    if "ref_spread" in later:
+        row["steady_ref_spread"] = later["ref_spread"]
     if not later.get("correct"):
         row.update(correct=False, status="mismatch",
                    error=f"a later (planned) run: {later.get('error')}")

@@ -15,11 +15,17 @@ def _f(v, fmt: str, none: str = "-") -> str:
 def _correct(r: dict) -> str:
     if r.get("correct") is None:
         return "-"
+    err = f"{r['max_rel_err']:.1e}"
+    later = r.get("steady_max_rel_err")
+    if later is not None and later > r["max_rel_err"]:  # a later (planned) run's, if larger
+        err += f", later runs {later:.1e}"
     sp = r.get("ref_spread")
+    if not (isinstance(sp, dict) and sp):
+        sp = r.get("steady_ref_spread")
     if isinstance(sp, dict) and sp:  # judged against onnxruntime's own spread
-        return (f"{'yes' if r['correct'] else 'NO'} ({r['max_rel_err']:.1e}; onnxruntime's "
+        return (f"{'yes' if r['correct'] else 'NO'} ({err}; onnxruntime's "
                 f"own spread {max(sp.values()):.1e})")
-    return f"{'yes' if r['correct'] else 'NO'} ({r['max_rel_err']:.1e})"
+    return f"{'yes' if r['correct'] else 'NO'} ({err})"
 
 
 def _first(r: dict) -> str:

@@ -217,3 +217,41 @@ def test_steady_check_fails_a_row_whose_later_run_misses():
     assert not row["correct"] and row["status"] == "mismatch"
     assert row["error"].startswith("a later (planned) run: output 'y'")
     assert row["steady_max_rel_err"] == pytest.approx(0.01)
+
+
+def test_fold_weight_dequantize_gives_onnxruntimes_values(tmp_path):
+    """The folded copy's float32 weights are DequantizeLinear's values (per tensor and per
+    axis); a DequantizeLinear of an activation stays; the codes' initializers go."""
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+
+    from bench.corpus.runner import fold_weight_dequantize
+
+    rng = np.random.default_rng(0)
+    wq = rng.integers(-128, 128, (6, 5)).astype(np.int8)
+    inits = [numpy_helper.from_array(wq, "wq"),
+             numpy_helper.from_array(rng.uniform(0.01, 0.1, 5).astype(np.float32), "ws"),
+             numpy_helper.from_array(rng.integers(-3, 3, 5).astype(np.int8), "wz"),
+             numpy_helper.from_array(np.array(0.05, np.float32), "xs"),
+             numpy_helper.from_array(np.array(7, np.uint8), "xz")]
+    nodes = [helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], axis=1),
+             helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             helper.make_node("MatMul", ["xd", "w"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                     [3, 6])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    folded, n = fold_weight_dequantize(model)
+    assert n == 1
+    assert [x.op_type for x in folded.graph.node] == ["QuantizeLinear", "DequantizeLinear",
+                                                      "MatMul"]
+    assert {t.name for t in folded.graph.initializer} == {"w", "xs", "xz"}
+    x = {"x": rng.standard_normal((3, 6)).astype(np.float32)}
+    a = ort.InferenceSession(model.SerializeToString()).run(None, x)[0]
+    b = ort.InferenceSession(folded.SerializeToString()).run(None, x)[0]
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    w = {t.name: numpy_helper.to_array(t) for t in folded.graph.initializer}["w"]
+    want = (wq.astype(np.int32) - numpy_helper.to_array(inits[2]).astype(np.int32)).astype(
+        np.float32) * numpy_helper.to_array(inits[1])
+    np.testing.assert_array_equal(w, want)
