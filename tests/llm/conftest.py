@@ -51,6 +51,14 @@ def make_tiny_dir(d):
 
 
 @pytest.fixture(autouse=True)
+def _no_decode_tune(monkeypatch):
+    """On a GPU the runner times its decode kernels at load and keeps the fastest: two engines
+    of one test could pick different ones (noise) and differ in the last bits. Tests that
+    compare engines run the defaults; the tuning has its own tests (they call it)."""
+    monkeypatch.setenv("KILN_LLM_DECODE_TUNE", "0")
+
+
+@pytest.fixture(autouse=True)
 def _threads():
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # the CI machine is small and shared
