@@ -230,6 +230,42 @@ def test_bidirectional_directions_in_one_call_match_one_by_one(isa, threads, mon
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.skipif(not __import__("kiln").native.available, reason="needs kiln.native")
+@pytest.mark.parametrize("case", [{}, {"batch": 3, "hid": 13, "seq": 4, "lens": [4, 1, 3]}],
+                         ids=["full", "lens"])
+def test_both_input_projections_in_one_gemm(case, monkeypatch):
+    """A bidirectional layer's two input projections in one qgemm call (the backward rows
+    reversed after the product) give what the two FBGEMM products of the forward and the
+    reversed input give, to the bit. Must not fire: uint8 weights with a zero point, and a CPU
+    whose u8 x s8 GEMMs saturate (onnxruntime's integers there are not qgemm's)."""
+    from kiln.kernels.torch import dynamic_quantize_lstm as DL
+    from kiln.kernels.torch import int8 as K
+
+    if K.u8s8_saturates():
+        pytest.skip("this CPU's u8 x s8 GEMMs saturate: the merged product does not run")
+    model, feeds, _ = _model(**case)
+    made = []
+    real = DL._both_projections
+    monkeypatch.setattr(DL, "_both_projections",
+                        lambda *a: made.append(r := real(*a)) or r)
+    got = run_kiln(model, feeds)
+    assert any(r is not None for r in made)  # (the build's run on zero lengths has no steps)
+    monkeypatch.setattr(DL, "_both_projections", lambda *a: None)
+    want = run_kiln(model, feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    monkeypatch.setattr(DL, "_both_projections", real)
+    unsigned, feeds_u, _ = _model(signed=False, **case)
+    made.clear()
+    monkeypatch.setattr(DL, "_both_projections", lambda *a: made.append(r := real(*a)) or r)
+    run_kiln(unsigned, feeds_u)
+    assert made and all(r is None for r in made)
+    monkeypatch.setattr(K, "u8s8_saturates", lambda: True)
+    made.clear()
+    run_kiln(model, feeds)
+    assert made and all(r is None for r in made)
+
+
 def test_no_vnni_step_for_weights_beyond_int8():
     """Must not fire: integer weights beyond int8 (uint8 codes, zero point 0) keep the int16
     pairs."""

@@ -126,14 +126,18 @@ def dynamic_quantize_lstm(n, x, w, r, b=None, seq_lens=None, h0=None, c0=None, p
     y = x.new_zeros((seq, dirs, batch, hid))
     yh, yc = x.new_zeros((dirs, batch, hid)), x.new_zeros((dirs, batch, hid))
     results, native_jobs, revs = {}, {}, []
+    both = _both_projections(n, x, w, w_zp, ws, lens, steps) if dirs == 2 else None
     for d in range(dirs):
         rev = d == 1 or (dirs == 1 and n.a.direction == "reverse")
-        xd = _reverse_within(x, lens) if rev else x
         h = x.new_zeros((batch, hid)) if h0 is None else h0[d].float()
         c = x.new_zeros((batch, hid)) if c0 is None else c0[d].float()
         pd = None if p is None else p[d].float()
-        xw = _qmatmul(xd[:steps].reshape(-1, xd.shape[2]), wq[d], ws[d])
-        xw = xw.reshape(steps, batch, 4 * hid)
+        if both is not None:
+            xw = both[d]
+        else:
+            xd = _reverse_within(x, lens) if rev else x
+            xw = _qmatmul(xd[:steps].reshape(-1, xd.shape[2]), wq[d], ws[d])
+            xw = xw.reshape(steps, batch, 4 * hid)
         if native_acts is not None and _native_fits(n, rq[d], x):
             native_jobs[d] = _native_job(n, native_acts[d], xw, rq[d], rs[d], bias[d], pd, h,
                                          c, lens, steps)
@@ -150,6 +154,33 @@ def dynamic_quantize_lstm(n, x, w, r, b=None, seq_lens=None, h0=None, c0=None, p
         yh[d], yc[d] = hd, cd
     outs = (y, yh, yc)
     return outs[:max(n.n_out, 1)] if n.n_out > 1 else y
+
+
+def _both_projections(n, x, w, w_zp, ws, lens, steps):
+    """A bidirectional layer's two input projections as one qgemm.c call where it computes
+    onnxruntime's integers (int8 W with zero point 0, on a CPU whose u8 x s8 GEMMs are exact):
+    X's DynamicQuantizeLinear codes once, times [W_forward | W_backward]. The backward
+    direction's rows are then put in its order: reversing a sequence within its length only
+    permutes X's rows (the same range, so the same codes), so the product of the reversed X is
+    the product reversed. Returns (forward, backward) [steps, B, 4H], or None."""
+    from kiln import native
+    from kiln.kernels.torch import int8 as K
+
+    if not native.available or x.device.type != "cpu" or x.dtype != torch.float32 or \
+            w.dtype != torch.int8 or (w_zp is not None and bool(w_zp.any())) or \
+            K.u8s8_saturates() or not steps or not x.shape[1]:
+        return None
+    key = (w, w_zp, ws)
+    got = n.cache.get("dq_lstm_both")
+    if got is None or any(a is not b for a, b in zip(got[0], key)):
+        wcat = torch.cat([w[0], w[1]], dim=1).contiguous()  # [in, 2 * 4H]
+        scale = torch.cat([ws[0], ws[1]]).float().contiguous()
+        got = n.cache["dq_lstm_both"] = (key, (native.QGemmWeight(wcat), scale))
+    qw, scale = got[1]
+    xs = x[:steps].reshape(-1, x.shape[2]).contiguous()
+    y = native.qgemm_f32(xs, 0.0, 0, qw, scale).reshape(steps, x.shape[1], -1)
+    g = y.shape[-1] // 2
+    return y[..., :g], _reverse_within(y[..., g:], lens)
 
 
 def _native_acts(a, dirs: int):
