@@ -79,7 +79,7 @@ WINO_CASES = [  # N, C, K, H, W, pad, residual, activation
 
 @needs_native
 @pytest.mark.parametrize("case", WINO_CASES, ids=lambda c: "x".join(map(str, c[:5])))
-def test_winograd_matches_torch(case):
+def test_winograd_matches_torch(conv_isa, case):
     n, c, k, h, w, pad, res, act = case
     x, wt, b, g = _data(n, c, k, h, w)
     ho, wo = h + 2 * pad[0] - 2, w + 2 * pad[1] - 2
@@ -156,7 +156,7 @@ CONV_CASES = [  # N, C, K, H, kernel, pad, stride, groups, residual, activation;
 @needs_native
 @pytest.mark.parametrize("tactic", [*FCK.CONV_TACTICS, "select"])
 @pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: "-".join(map(str, c[0][:8])))
-def test_fused_conv_tactics(fresh, tactic, case):
+def test_fused_conv_tactics(fresh, conv_isa, tactic, case):
     (n, c, k, h, kh, pad, stride, groups, res, act), kiln_applies = case
     fresh.setattr(FCK, "_FORCED_CONV", "" if tactic == "select" else tactic)
     x, w, b, g = _data(n, c, k, h, h, kh=kh, groups=groups)

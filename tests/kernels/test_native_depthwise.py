@@ -134,7 +134,7 @@ def _call(k, pads, stride, act="", res=False, c=16):
 @needs_native
 @pytest.mark.parametrize("tactic", ["", "kiln", "onednn"])
 @pytest.mark.parametrize("pads", [(1, 1, 1, 1), (0, 0, 1, 1)], ids=["symmetric", "asymmetric"])
-def test_fused_conv_depthwise_tactic(fresh, tactic, pads):
+def test_fused_conv_depthwise_tactic(fresh, conv_isa, tactic, pads):
     """ONNX pads are (top, left, bottom, right); asymmetric ones run kiln's kernel whatever the
     pin (oneDNN's entry point here takes symmetric pads only)."""
     fresh.setattr(FCK, "_FORCED_CONV", tactic)
