@@ -53,8 +53,10 @@ FP8_DECODE_TILE = (128, 4)  # MHA decode over an FP8 cache: the tiled kernel (se
 # (H200, 7B shape, b256 x 640, `bench.llm_attention --warps 4,8 --dot-tiles 32,64,128`: FP16
 # dot128:4 705 us, 89% of 4.3 TB/s, against the one-block dot's 851; FP8 dot64:4 660 us and
 # tile128:4 665 against 1076; 8 warps never won)
-DOT_CANDIDATES = ((16, 4), (32, 4), (64, 4), (128, 4))
-MHA_CANDIDATES = ((64, 4), (128, 4))
+# FP8 stayed at ~47% of the bandwidth (about FP16's time for half the bytes): the loop's
+# pipelining depth (num_stages, a third number; Triton's default 3 on Hopper) is timed too
+DOT_CANDIDATES = ((16, 4), (32, 4), (64, 4), (128, 4), (64, 4, 2), (64, 4, 4), (128, 4, 2))
+MHA_CANDIDATES = ((64, 4), (128, 4), (128, 4, 2), (128, 4, 4))
 
 log = logging.getLogger("kiln.llm")
 
@@ -350,10 +352,12 @@ class CudaModelRunner(ModelRunner):
     def decode_candidates(self) -> list[tuple[str, tuple | None, tuple | None]]:
         """(name, mha_tile, dot_tile) of the decode kernel configurations _tune_decode times:
         the tl.dot kernel at 16 to 128 tokens a tile, and for MHA models the tiled kernel."""
-        out = [(f"dot{t}:{w}", None, (t, w)) for t, w in DOT_CANDIDATES]
+        def name(kind, c):
+            return f"{kind}{c[0]}:{c[1]}" + (f":s{c[2]}" if len(c) > 2 else "")
+        out = [(name("dot", c), None, c) for c in DOT_CANDIDATES]
         cfg = self.model.cfg
         if cfg.num_heads == cfg.num_kv_heads:
-            out += [(f"tile{t}:{w}", (t, w), None) for t, w in MHA_CANDIDATES]
+            out += [(name("tile", c), c, None) for c in MHA_CANDIDATES]
         return out
 
     def _tune_decode(self, batch: int | None = None, ctx: int | None = None,

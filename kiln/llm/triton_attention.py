@@ -190,6 +190,16 @@ def dot_tile_from_env() -> tuple[int, int] | None:
                       "KILN_LLM_DECODE_DOT_TILE", least=16)
 
 
+def _config(cfg, default_tile: int) -> tuple[int, int, dict]:
+    """A kernel configuration N, (N, W) or (N, W, S) -> (tokens, warps, {num_stages: S}
+    where given); None -> (default_tile, 4, {})."""
+    if not cfg:
+        return default_tile, 4, {}
+    cfg = cfg if isinstance(cfg, tuple) else (cfg,)
+    tile, warps = cfg[0], cfg[1] if len(cfg) > 1 else 4
+    return tile, warps, {"num_stages": cfg[2]} if len(cfg) > 2 else {}
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, scale: float,
                  splits: int = 8, kv_scale: torch.Tensor | None = None,
@@ -202,7 +212,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     int32 (tokens in the cache, the new one included). Returns [B, H, D]. ``mha_tile``: where
     H == KV, the tiled kernel (``_decode_split_tiles``) with that many tokens per iteration,
     or (tokens, warps). ``dot_tile``: the tl.dot kernel's tokens per iteration (a power of two,
-    at least 16), or (tokens, warps); None: one block (at least 16 tokens), 4 warps.
+    at least 16), or (tokens, warps); None: one block (at least 16 tokens), 4 warps. Either
+    may carry a third number, Triton's num_stages (the loop's software pipelining depth).
     """
     b, heads, d = q.shape
     _, bs, kv, _ = k_cache.shape
@@ -215,15 +226,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     acc = torch.empty(b * heads * splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(b * heads * splits, 2, dtype=torch.float32, device=q.device)
     if mha_tile and group == 1:
-        tile, warps = mha_tile if isinstance(mha_tile, tuple) else (mha_tile, 4)
+        tile, warps, stages = _config(mha_tile, mha_tile)
         _decode_split_tiles[(b, kv, splits)](
             q, k_cache, v_cache, tables, lens, acc, ml, kv_scale if fp8_kv else lens,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             tables.stride(0), scale, splits, HEADS=heads, D=d, BS=bs,
-            TILE=tile, FP8_KV=fp8_kv, num_warps=warps)
+            TILE=tile, FP8_KV=fp8_kv, num_warps=warps, **stages)
     else:
-        tile, warps = (dot_tile if isinstance(dot_tile, tuple) else (dot_tile, 4)) if dot_tile \
-            else (max(16, bs), 4)
+        tile, warps, stages = _config(dot_tile, max(16, bs))
         if tile < 16 or tile & (tile - 1):
             raise ValueError(f"paged_decode: dot_tile {tile}: a power of two of at least 16")
         _decode_split[(b, kv, splits)](
@@ -231,7 +241,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             tables.stride(0), scale, splits, HEADS=heads, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BS=bs,
-            FP8_KV=fp8_kv, TILE=tile, num_warps=warps)
+            FP8_KV=fp8_kv, TILE=tile, num_warps=warps, **stages)
     out = torch.empty_like(q)
     _decode_reduce[(b, heads)](acc, ml, out, out.stride(0), out.stride(1), splits, HEADS=heads,
                                D=d, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))

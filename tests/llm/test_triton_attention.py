@@ -38,8 +38,8 @@ def test_paged_decode_matches_sdpa(heads, kv, splits, lens):
     _check_paged_decode(heads, kv, splits, lens)
 
 
-@pytest.mark.parametrize("tile", [8, (32, 8), 64])  # within a block, two blocks (8 warps), past
-# the longest sequence
+@pytest.mark.parametrize("tile", [8, (32, 8), 64, (32, 4, 2)])  # within a block, two blocks (8
+# warps), past the longest sequence, 2 pipeline stages
 @pytest.mark.parametrize("splits,lens", [(1, [33, 5]), (3, [1, 17, 40]), (4, [64, 16])])
 def test_paged_decode_tiled_mha_matches_sdpa(tile, splits, lens):
     """The MHA variant: tiles of ``tile`` tokens across block boundaries, splits rounded to
@@ -48,8 +48,8 @@ def test_paged_decode_tiled_mha_matches_sdpa(tile, splits, lens):
     _check_paged_decode(4, 2, splits, lens, tile=tile)  # GQA: mha_tile ignored
 
 
-@pytest.mark.parametrize("dot_tile,bs", [(32, 16), ((64, 8), 16), (16, 32), (64, 4)])
-# tiles over 2 and 4 blocks (8 warps), half a block of 32, 16 blocks of 4
+@pytest.mark.parametrize("dot_tile,bs", [(32, 16), ((64, 8), 16), (16, 32), ((64, 4, 2), 4)])
+# tiles over 2 and 4 blocks (8 warps), half a block of 32, 16 blocks of 4 (2 pipeline stages)
 @pytest.mark.parametrize("splits,lens", [(1, [33, 5]), (3, [1, 17, 40])])
 def test_paged_decode_dot_tile_matches_sdpa(dot_tile, bs, splits, lens):
     """The tl.dot kernel with ``dot_tile`` tokens an iteration, each token's block looked up on
@@ -345,3 +345,22 @@ def test_tune_decode_keeps_the_fastest_that_runs(mha_dir, kv_dtype, monkeypatch)
     n = 4 if kv_dtype == "auto" and DEV == "cpu" else 2
     assert [g[:n] for g in got] == [w[:n] for w in want]
     assert used and all(u == (None, (32, 4)) for u in used)
+
+
+def test_decode_candidates_by_model(mha_dir, tiny_dir):
+    """MHA models time the tl.dot and the tiled kernel, GQA models the tl.dot kernel only;
+    a third number is the pipelining depth (num_stages)."""
+    from kiln.llm import LLM
+    from kiln.llm.cuda_runner import CudaModelRunner
+
+    names = {}
+    for key, d in (("mha", mha_dir), ("gqa", tiny_dir)):
+        eng = LLM(d, num_blocks=8).engine
+        r = CudaModelRunner(eng.model, 8, eng.config.block_size, cuda_graphs=False,
+                            max_model_len=64, fused_ops=False, tune_gemv=False,
+                            tune_decode=False)
+        names[key] = [c[0] for c in r.decode_candidates()]
+    assert "dot64:4" in names["gqa"] and "dot64:4:s2" in names["gqa"]
+    assert not any(n.startswith("tile") for n in names["gqa"])
+    assert "tile128:4" in names["mha"] and "tile128:4:s4" in names["mha"]
+    assert set(names["gqa"]) < set(names["mha"])
