@@ -106,12 +106,13 @@ def test_no_fuse(case):
     assert after.get("LayerNormalization") == 1
 
 
-def test_pipeline_runs_it_on_both_devices():
-    """CPU and CUDA (whose kernel adds a cuBLAS product's residual inside the norm), after the
-    epilogue fusions whose FusedMatMul it takes."""
-    for device in ("cpu", "cuda"):
-        names = [name for name, _ in _passes(device)]
-        assert names.index("fuse_conv_bias_act") < names.index("fuse_matmul_layernorm")
+def test_pipeline_runs_it_on_cpu_only():
+    """CPU builds, after the epilogue fusions whose FusedMatMul it takes; CUDA builds not yet
+    (their kernel awaits a GPU run: see kiln.passes.pipeline)."""
+    cpu = [name for name, _ in _passes("cpu")]
+    cuda = [name for name, _ in _passes("cuda")]
+    assert "fuse_matmul_layernorm" in cpu and "fuse_matmul_layernorm" not in cuda
+    assert cpu.index("fuse_conv_bias_act") < cpu.index("fuse_matmul_layernorm")
 
 
 # ---------------------------------------------------------------- the kernel

@@ -1,4 +1,5 @@
-"""Fusion: a fused matrix product and the LayerNormalization that alone reads it.
+"""Fusion (CPU builds): a fused matrix product and the LayerNormalization that alone reads it
+(CUDA builds too once its CUDA kernel has had a clean GPU run: see kiln.passes.pipeline).
 
     FusedMatMul(x, W, b, r)  ──>  LayerNormalization(scale, bias)    BERT's post-norm blocks
                          ==>  FusedMatMulLayerNorm(x, W, b, r, scale, bias)  "mm + ln"
