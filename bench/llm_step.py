@@ -391,11 +391,15 @@ def engine_decode(engine, cfg, args) -> dict:
 
 
 def run(args) -> dict:
+    t = time.perf_counter()
     engine, cfg, witem = make_engine(args)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    start_s = time.perf_counter() - t  # weights made, the runner's tuning, the warm-up
     runner = engine.runner
     timer = Timer(args.device, args.iters)
     res = {"model": cfg.name, "weights": args.weights, "kv_cache_dtype": args.kv_cache_dtype,
-           "kv_blocks": runner.num_blocks}
+           "kv_blocks": runner.num_blocks, "build_s": start_s}
     if args.device == "cuda":
         res["gpu"] = torch.cuda.get_device_name()
     blocks = Blocks(runner.num_blocks)
