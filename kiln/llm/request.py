@@ -19,7 +19,12 @@ class Status(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+        # _value_ is a plain attribute (name goes through enum's descriptor): this runs a few
+        # times per request per step
+        return self._value_ in _FINISHED_VALUES
+
+
+_FINISHED_VALUES = frozenset(s.value for s in Status if s.name.startswith("FINISHED"))
 
 
 @dataclass
