@@ -573,23 +573,33 @@ class CudaModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def warmup(self):
-        """Compile and capture now instead of inside the first requests' steps: one mixed step
-        (two whole prompts of a block each, two decode rows: the batched SDPA, the fused RoPE
-        + KV write that returns K, the decode kernel at more than one split), then every graph
-        size. All of it writes only into the scratch block. Not while FP8 scales wait for the
+        """Compile and capture now instead of inside the first requests' steps: four mixed
+        steps (two whole prompts of a block each beside 2 or 20 decode rows, tables 16 or 17
+        blocks wide: the batched SDPA, the fused RoPE + KV write that returns K, the decode
+        kernel's compiled variants), then every graph size. All of it writes only into the
+        scratch block. Not while FP8 scales wait for the
         first step's K/V (the warm-up would calibrate them on made-up tokens)."""
         if self.kv_scales is not None and self.kv_scales.calibrating:
             return
-        if self.triton_decode:
-            bs, tab = self.block_size, [self.scratch]
-            entries = [(0, bs, tab), (0, bs, tab), (bs - 2, 1, tab), (bs - 1, 1, tab)]
-            ids = [0] * (2 * bs + 2)
-            positions = [*range(bs), *range(bs), bs - 2, bs - 1]
+        bs = self.block_size
+        # Triton compiles a kernel again where an integer argument changes class (1, a
+        # multiple of 16, any other): the decode rows' table width and the splits (1 from
+        # 17 rows on for 32 KV heads) take each class the engine's mixed steps meet
+        for width, decodes in itertools.product((16, 17), (2, 20)):
+            if not self.triton_decode:
+                break
+            tab = [self.scratch] * width  # every row reads and writes the scratch block only
+            entries = [(0, bs, tab), (0, bs, tab)]
+            entries += [(i % (bs - 1), 1, tab) for i in range(decodes)]
+            ids = [0] * (2 * bs + decodes)
+            positions = [*range(bs), *range(bs), *(i % (bs - 1) for i in range(decodes))]
+            rows = [bs - 1, 2 * bs - 1, *range(2 * bs, 2 * bs + decodes)]
             try:
-                self._mixed(ids, positions, entries, [bs - 1, 2 * bs - 1, 2 * bs, 2 * bs + 1])
+                self._mixed(ids, positions, entries, rows)
             except Exception as e:  # the first real mixed step falls back the same way
                 log.warning("warm-up mixed step failed (%s: %s)", type(e).__name__,
                             str(e)[:200])
+                break
         for s in list(self.sizes):
             if not self.sizes:  # a capture failed: graphs are off, decode runs eagerly
                 break

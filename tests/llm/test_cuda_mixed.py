@@ -210,8 +210,9 @@ def test_fused_prefill_matches_torch_path_and_batches(tiny_dir, monkeypatch, kv_
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 def test_warmup_runs_a_mixed_step_on_the_scratch_block_only(tiny_dir, monkeypatch, kv_dtype):
-    """warmup(): one mixed step (two whole prompts as one run, two decode rows) that writes
-    nothing outside the scratch block; skipped while FP8 scales wait for calibration."""
+    """warmup(): four mixed steps (two whole prompts as one run, 2 or 20 decode rows, tables
+    16 or 17 blocks wide) that write nothing outside the scratch block; skipped while FP8
+    scales wait for calibration."""
     llm = LLM(tiny_dir, num_blocks=16)
     eng = llm.engine
     r = CudaModelRunner(eng.model, 16, eng.config.block_size, cuda_graphs=False,
@@ -220,14 +221,14 @@ def test_warmup_runs_a_mixed_step_on_the_scratch_block_only(tiny_dir, monkeypatc
     orig = CudaAttention._mixed_attend
 
     def spy(self, layer, q, k, v, meta):
-        seen.append((list(meta.runs), meta.dec_rows is not None and len(meta.dec_rows)))
+        seen.append((list(meta.runs), len(meta.dec_rows), meta.dec_tables.shape[1]))
         return orig(self, layer, q, k, v, meta)
 
     monkeypatch.setattr(CudaAttention, "_mixed_attend", spy)
     before = r.cache.clone()
     r.warmup()
     bs = eng.config.block_size
-    assert seen and seen[0] == ([(0, bs, 2)], 2)
+    assert seen[::2] == [([(0, bs, 2)], n, w) for w in (16, 17) for n in (2, 20)]  # 2 layers
     pool = (slice(None), slice(None), slice(0, r.scratch))
     assert torch.equal(r.cache[pool].view(torch.uint8), before[pool].view(torch.uint8))
     assert not torch.equal(r.cache.view(torch.uint8), before.view(torch.uint8))  # scratch
