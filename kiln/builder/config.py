@@ -77,9 +77,11 @@ class BuilderConfig:
         qdq_shared_int8: in a QDQ model, a Q/DQ pair read both by layers with constant
             weights and by other ops (a LayerNorm output that feeds Q, K and V and the
             residual Add) makes those layers INT8 too, on the pair's codes, while the other
-            readers keep the dequantized values (off by default: on DistilBERT it was ~5%
-            faster but 9.6e-4 off onnxruntime, where the merged QKV projection's outputs are
-            rounded twice instead of requantized from the integers).
+            readers keep the dequantized values (off by default; on
+            hf_distilbert_qstatic_qdq 0.5-0.8x of onnxruntime's latency at 1 thread where the
+            default is ~1.0x, and 9.6e-4 off onnxruntime's output, where onnxruntime runs those
+            layers in float: within its own 9.2e-3 spread; see
+            bench/results/quant-cpu-2026-12-04-s11.md).
         calib_cache: calibration cache file (TensorRT's text format): read instead of
             calibrating when it exists and matches, written after calibrating otherwise.
         layer_precision: layer name (or part of a fused name) -> ``"fp32"``, ``"fp16"``,
