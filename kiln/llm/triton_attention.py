@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# the splits and the tables' row stride change with the batch: not specialized (Triton would
+# compile again whenever one became 1 or a multiple of 16)
+@triton.jit(do_not_specialize=["stride_tb", "SPLITS"])
 def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, kv_scale_ptr,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, scale,
                   SPLITS, HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -82,7 +84,7 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, kv
     tl.store(ml_ptr + row * 2 + 1, lsum, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "SPLITS"])
 def _decode_split_tiles(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
                         kv_scale_ptr, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
                         stride_tb, scale, SPLITS, HEADS: tl.constexpr, D: tl.constexpr,
@@ -130,7 +132,7 @@ def _decode_split_tiles(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_p
     tl.store(ml_ptr + row * 2 + 1, lsum)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLITS"])
 def _decode_reduce(acc_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, SPLITS,
                    HEADS: tl.constexpr, D: tl.constexpr, SPLITS_PAD: tl.constexpr):
     b = tl.program_id(0)
