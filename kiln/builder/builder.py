@@ -24,6 +24,7 @@ from kiln.passes.quantize.dynamic import (
     fold_dynamic_quant,
     fuse_conv_integer_bias,
     fuse_dynamic_conv,
+    fuse_dynamic_matmul_integer,
 )
 from kiln.passes.quantize.int8 import weight_grids
 from kiln.passes.quantize.qdq import (
@@ -86,6 +87,7 @@ class Builder:
         fuse_conv_integer_bias(graph, self.log)
         if cfg.device == "cpu":
             fuse_dynamic_conv(graph, self.log)
+            fuse_dynamic_matmul_integer(graph, self.log)
         if cfg.optimize:
             graph = optimize(graph, log=_near_misses(self.log, near), device=cfg.device)
         keep_fp32 = [k for k, p in cfg.layer_precision.items() if p == "fp32"]

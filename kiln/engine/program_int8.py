@@ -72,7 +72,7 @@ def _int8(pc, st, ins, outs):
     pc.put(rec, r)
     rec.append(ldr)
     pc.put(rec, y)
-    rec += [w.n, act, pc.fparam(*ep)]
+    rec += [w.n, act, pc.fparam(*ep), 0]
     pc.emit(rec)
     return [y]
 
@@ -153,6 +153,43 @@ def _dq_conv(pc, st, ins, outs):
     return [y]
 
 
+def _dyn_matmul(pc, st, ins, outs):
+    """DynamicMatMulInteger as one qgemm record (x_scale 0: x's own range; the weight's column
+    offset), where the kernel's qgemm path takes the layer."""
+    from kiln.kernels.torch.quant_linear import _dyn_qgemm
+
+    x = ins[0] if ins else None
+    if x is None or len(outs) != 1 or len(x.shape) < 2 or len(st.ins) < 4:
+        return None
+    w, wz, ws = (pc.consts.get(i) if i >= 0 else None for i in st.ins[1:4])
+    b = pc.consts.get(st.ins[4]) if len(st.ins) > 4 and st.ins[4] >= 0 else None
+    if not torch.is_tensor(w) or not torch.is_tensor(ws) or (st.ins[2] >= 0 and wz is None) or \
+            (len(st.ins) > 4 and st.ins[4] >= 0 and not torch.is_tensor(b)):
+        return None
+    got = _dyn_qgemm(st.call, w, wz) if x.shape[-1] == w.shape[0] else None
+    shape = tuple(outs[0].shape)
+    if got is None or shape != (*x.shape[:-1], w.shape[1]) or math.prod(shape) == 0:
+        return None
+    qw, off = got
+    ws = ws.float().reshape(-1).contiguous()
+    bias = None if b is None else b.float().reshape(-1).contiguous()
+    pc.keep += [ws] + ([] if bias is None else [bias])
+    x, ldx = _rows(pc, x)
+    for t in (qw.packed, qw.colsum, ws):
+        pc.keep.append(t)
+    y = pc.alloc(shape, contiguous_strides(shape))
+    rec = [OP_QGEMM, qw.code, math.prod(shape[:-1]), qw.n, qw.k]
+    pc.put(rec, x)
+    rec += [ldx, pc.fparam(0.0), 0, pc.fixed(qw.packed), pc.fixed(qw.colsum), pc.fixed(ws),
+            ws.numel(), -1 if bias is None else pc.fixed(bias)]
+    pc.put(rec, None)
+    rec.append(0)
+    pc.put(rec, y)
+    rec += [qw.n, 0, pc.fparam(0.0, 0.0, 0.0, 0.0, 0.0, 0.0), off]
+    pc.emit(rec)
+    return [y]
+
+
 PLANNERS = {I8.Int8MatMul: _int8, I8.Int8MatMulQDQ: _int8,
             I8.QuantizeDequantize: _quantize_dequantize, I8.QLinearMatMulQDQ: _qbmm,
-            I8.DynamicConvInteger: _dq_conv}
+            I8.DynamicConvInteger: _dq_conv, I8.DynamicMatMulInteger: _dyn_matmul}

@@ -63,7 +63,7 @@ DATA_POSITIONS: dict[tuple[str, str], set[int] | None] = {
         # quantized layers: the weights and quantization parameters are constants; the
         # activation is data (a dynamic layer's scale comes from its values, not its shape)
         "Int8MatMul", "Int8MatMulQDQ", "Int8Conv", "QuantizeDequantize", "ConvIntegerScaled",
-        "QLinearMatMulQDQ", "DynamicConvInteger")},
+        "QLinearMatMulQDQ", "DynamicConvInteger", "DynamicMatMulInteger")},
 }
 # ops with subgraphs: the operands that pick the branch or the trip count (their other operands
 # are the body's inputs and captures, which the body's own executor checks; a float result that

@@ -124,6 +124,9 @@ def _load():
     lib.kiln_qgemm_f32.argtypes = [_I, _L, _L, _L, _P, _L, _F, _I, _P, _P, _P, _L, _P, _P, _L,
                                    _I, _P, _P, _L, _I]
     lib.kiln_qgemm_f32.restype = _I
+    lib.kiln_qgemm_f32_off.argtypes = [_I, _L, _L, _L, _P, _L, _F, _I, _P, _P, _I, _P, _L, _P,
+                                       _P, _L, _I, _P, _P, _L, _I]
+    lib.kiln_qgemm_f32_off.restype = _I
     lib.kiln_qconv.argtypes = [_L, _L, _L, _L, _P, _I, _I, _L, _L, _L, _L, _L, _L, _L, _L, _L,
                                _L, _L, _P, _I, _P, _P, _F, _P, _I]
     lib.kiln_qconv.restype = _I
@@ -615,11 +618,12 @@ def qgemm_f32(x: torch.Tensor, x_scale: float, x_zero: int, w: QGemmWeight,
               w_scale: torch.Tensor, bias: torch.Tensor | None = None,
               residual: torch.Tensor | None = None, activation: str = "", alpha=None,
               beta=None, requant: tuple | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, col_off: int = 0) -> torch.Tensor:
     """:func:`qgemm` of float32 rows ``x`` [M, K] (rows contiguous) quantized to uint8 in C
     first: ``clamp(round(x / x_scale) + x_zero, 0, 255)`` (QuantizeLinear), or where
     ``x_scale`` is 0 by x's own range (DynamicQuantizeLinear, the codes of
-    :func:`dynamic_quantize`)."""
+    :func:`dynamic_quantize`). ``col_off``: the weight's integers are its int8 codes plus this
+    (uint8 codes beyond int8 after their zero point: codes - 128 packed, 128 - zero here)."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or \
             x.shape[1] != w.k or x.stride(1) != 1:
         raise ValueError(f"qgemm_f32: expected float32 CPU rows [M, {w.k}] with contiguous "
@@ -627,12 +631,13 @@ def qgemm_f32(x: torch.Tensor, x_scale: float, x_zero: int, w: QGemmWeight,
     m = x.shape[0]
     ws, bias, r, ldr, act, ep, y = _qgemm_epilogue(w, w_scale, bias, residual, m, activation,
                                                    alpha, beta, requant, out)
-    rc = _lib.kiln_qgemm_f32(w.code, m, w.n, w.k, x.data_ptr(), x.stride(0), float(x_scale),
-                             int(x_zero), w.packed.data_ptr(), w.colsum.data_ptr(),
-                             ws.data_ptr(), ws.numel(), None if bias is None else bias.data_ptr(),
-                             None if r is None else r.data_ptr(), ldr, act,
-                             ctypes.addressof(ep), y.data_ptr(), y.stride(0),
-                             torch.get_num_threads())
+    rc = _lib.kiln_qgemm_f32_off(w.code, m, w.n, w.k, x.data_ptr(), x.stride(0),
+                                 float(x_scale), int(x_zero), w.packed.data_ptr(),
+                                 w.colsum.data_ptr(), int(col_off), ws.data_ptr(), ws.numel(),
+                                 None if bias is None else bias.data_ptr(),
+                                 None if r is None else r.data_ptr(), ldr, act,
+                                 ctypes.addressof(ep), y.data_ptr(), y.stride(0),
+                                 torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"qgemm_f32: no memory for the {m} x {w.k} codes")
     return y

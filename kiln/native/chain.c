@@ -22,8 +22,8 @@ enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, O
 #define WINO_LEN 20 /* kind N H W C K Ho Wo pt pl x xoff w bias r roff y yoff act fparam */
 #define RNN_LEN (2 + RNN_FIELDS + 2 * RNN_RECORD_BUFS) /* see kiln_rnn_record (rnn.c) */
 #define CONV_LEN 26 /* kind g[15] x xoff w bias r roff y yoff act fparam */
-#define QGEMM_LEN 23 /* kind path M N K x xoff ldx fparam(x_scale) x_zero w colsum w_scale
-                      * w_scale_n bias r roff ldr y yoff ldy act fparam(epilogue's 6) */
+#define QGEMM_LEN 24 /* kind path M N K x xoff ldx fparam(x_scale) x_zero w colsum w_scale
+                      * w_scale_n bias r roff ldr y yoff ldy act fparam(epilogue's 6) col_off */
 #define DQCONV_LEN 25 /* kind batch C H W x xoff OC kh kw sh sw ph pw dh dw OH OW a a_zero wsum
                        * bias fparam(w_scale) y yoff */
 #define QBMM_LEN 25 /* kind path dims[5] a aoff sa[4] b boff sb[4] y yoff sc[3] fparam(13) */
@@ -111,11 +111,11 @@ static long chain_run(const long *prog, long n, const float *fp, float *const *b
                 return i;  /* out of memory */
             i += CONV_LEN;
         } else if (p[0] == OP_QGEMM && i + QGEMM_LEN <= n) {
-            if (kiln_qgemm_f32((int)p[1], p[2], p[3], p[4], PTR(p[5], p[6]), p[7], fp[p[8]],
-                               (int)p[9], PTR(p[10], 0), (const int *)PTR(p[11], 0),
-                               PTR(p[12], 0), p[13], PTR(p[14], 0), PTR(p[15], p[16]), p[17],
-                               (int)p[21], fp + p[22], PTR(p[18], p[19]), p[20],
-                               nthreads) != 0)
+            if (kiln_qgemm_f32_off((int)p[1], p[2], p[3], p[4], PTR(p[5], p[6]), p[7], fp[p[8]],
+                                   (int)p[9], PTR(p[10], 0), (const int *)PTR(p[11], 0),
+                                   (int)p[23], PTR(p[12], 0), p[13], PTR(p[14], 0),
+                                   PTR(p[15], p[16]), p[17], (int)p[21], fp + p[22],
+                                   PTR(p[18], p[19]), p[20], nthreads) != 0)
                 return i;  /* out of memory */
             i += QGEMM_LEN;
         } else if (p[0] == OP_QBMM && i + QBMM_LEN <= n) {

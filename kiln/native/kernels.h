@@ -303,6 +303,12 @@ int kiln_qgemm_f32(int path, long M, long N, long K, const float *X, long ldx, f
                    int x_zero, const void *B, const int *colsum, const float *w_scale,
                    long w_scale_n, const float *bias, const float *R, long ldr, int act,
                    const float *ep, float *C, long ldc, int nthreads);
+/* qgemm.c: kiln_qgemm_f32 of a weight's integers B + col_off (uint8 codes beyond int8) */
+int kiln_qgemm_f32_off(int path, long M, long N, long K, const float *X, long ldx,
+                       float x_scale, int x_zero, const void *B, const int32_t *colsum,
+                       int col_off, const float *w_scale, long w_scale_n, const float *bias,
+                       const float *R, long ldr, int act, const float *ep, float *C, long ldc,
+                       int nthreads);
 /* qgemm.c: QDQ's DQ -> MatMul -> Q of two float32 activations as one integer batched matmul */
 int kiln_qbmm_qdq(int path, const long *dims, const float *A, const long *sa, const float *B,
                   const long *sb, float *C, const long *sc, const float *qp, int nthreads);

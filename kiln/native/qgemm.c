@@ -315,14 +315,38 @@ int kiln_qgemm_f32(int path, long M, long N, long K, const float *X, long ldx, f
                    long w_scale_n, const float *bias, const float *R, long ldr, int act,
                    const float *ep, float *C, long ldc, int nthreads)
 {
+    return kiln_qgemm_f32_off(path, M, N, K, X, ldx, x_scale, x_zero, B, colsum, 0, w_scale,
+                              w_scale_n, bias, R, ldr, act, ep, C, ldc, nthreads);
+}
+
+/* kiln_qgemm_f32 of a weight whose integers are B's plus one offset ``col_off`` (uint8 codes
+ * minus a zero point beyond int8: B = codes - 128, col_off = 128 - zero): the products gain
+ * col_off times each row's sum of (code - x_zero), added to the row's sums. */
+int kiln_qgemm_f32_off(int path, long M, long N, long K, const float *X, long ldx,
+                       float x_scale, int x_zero, const void *B, const int32_t *colsum,
+                       int col_off, const float *w_scale, long w_scale_n, const float *bias,
+                       const float *R, long ldr, int act, const float *ep, float *C, long ldc,
+                       int nthreads)
+{
     uint8_t *codes = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64 + 64));
-    if (!codes)
+    int32_t *rows = col_off ? malloc((size_t)(M + 1) * sizeof(int32_t)) : NULL;
+    if (!codes || (col_off && !rows)) {
+        free(codes);
+        free(rows);
         return -1;
+    }
     float scale = x_scale, zero = (float)x_zero;
     kiln_quantize_rows(M, K, X, ldx, codes, &scale, &zero, x_scale == 0.0f, nthreads);
-    int rc = kiln_qgemm(path, M, N, K, codes, K, (int)zero, B, colsum, scale, w_scale,
-                        w_scale_n, bias, R, ldr, act, ep, C, ldc, nthreads);
+    for (long m = 0; col_off && m < M; m++) {
+        long sum = 0;
+        for (long k = 0; k < K; k++)
+            sum += codes[m * K + k];
+        rows[m] = (int32_t)(col_off * (sum - K * (long)zero));
+    }
+    int rc = kiln_qgemm_rows(path, M, N, K, codes, K, (int)zero, B, colsum, rows, scale,
+                             w_scale, w_scale_n, bias, R, ldr, act, ep, C, ldc, nthreads);
     free(codes);
+    free(rows);
     return rc;
 }
 

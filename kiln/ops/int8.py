@@ -81,3 +81,18 @@ DynamicConvInteger = kiln_op(
         "codes by its own range, float32(ConvInteger(codes, W, x_zero, w_zero) + "
         "int32(floor(B / S))) * S, in onnxruntime's steps; inputs X (float32), W (8-bit "
         "constant), w_zero (optional), B (float32 [M]), w_scale (float32 scalar)")
+
+
+def _dynamic_matmul_integer(ctx):
+    from kiln.ops.quant import matmul_shape
+
+    return [tensor(DType.float32, matmul_shape(ctx.shape(0), ctx.shape(1)))]
+
+
+DynamicMatMulInteger = kiln_op(
+    "DynamicMatMulInteger", {}, _dynamic_matmul_integer,
+    doc="DynamicQuantizeLinear(X) -> MatMulInteger(codes, W, x_zero, w_zero) -> Cast(float) -> "
+        "Mul(x_scale * w_scale) (-> Add(bias)) in onnxruntime's steps: the exact int32 "
+        "products of X's codes by a constant 8-bit W as float32 times the float32 product "
+        "x_scale * w_scale, plus the bias; inputs X (float32), W (8-bit constant [K, N]), "
+        "w_zero (optional), w_scale (float32, 1 or N values), bias (optional, float32 [N])")

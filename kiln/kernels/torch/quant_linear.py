@@ -529,3 +529,49 @@ def qlinear_conv(n, x, x_scale, x_zp, w, w_scale, w_zp, y_scale, y_zp=None, bias
     to = dtype_of(y_zp) if y_zp is not None else dtype_of(x)
     return _requantize(acc, mult, y_zp, to)
 
+
+
+@register(I8.DynamicMatMulInteger)
+def dynamic_matmul_integer(n, x, w, w_zp, ws, bias=None):
+    """One qgemm.c call where it takes the weight (kiln_qgemm_f32_off: x's codes by its own
+    range, the exact products, ``float32(acc) * (x_scale * w_scale) + bias`` in its epilogue);
+    elsewhere kiln's DynamicQuantizeLinear and MatMulInteger kernels, then those float32
+    steps in torch."""
+    from kiln import native
+
+    got = _dyn_qgemm(n, w, w_zp) if x.device.type == "cpu" and x.dtype == torch.float32 and \
+        x.dim() >= 2 else None
+    if got is not None:
+        qw, off = got
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        wsf = _prepared(n.cache, "dyn_mm_ws", (ws,), lambda: ws.float().reshape(-1).contiguous())
+        bf = None if bias is None else _prepared(
+            n.cache, "dyn_mm_b", (bias,), lambda: bias.float().reshape(-1).contiguous())
+        y = native.qgemm_f32(x2, 0.0, 0, qw, wsf, bf, col_off=off)
+        return y.reshape(*x.shape[:-1], qw.n)
+    xq, xs, xz = dynamic_quantize_linear(n, x.contiguous())
+    acc = int_matmul(xq, w, xz, w_zp, n.cache)
+    y = acc.to(torch.float32).mul_(xs.float().reshape(()) * ws.float())
+    return y if bias is None else y.add_(bias.float())
+
+
+def _dyn_qgemm(n, w, w_zp):
+    """(QGemmWeight, its one column offset) for :func:`dynamic_matmul_integer`'s qgemm call,
+    or None (no C library, a weight qgemm does not take, a column offset that differs per
+    column)."""
+    from kiln import native
+
+    if not native.available or not torch.is_tensor(w) or w.dim() != 2:
+        return None
+    got = _prepared(n.cache, "int_matmul_qgemm", (w, w_zp), lambda: _qgemm_weight(w, w_zp))
+    if got is None:
+        return None
+    qw, off = got
+    if off is None:
+        return qw, 0
+    if bool((off != off[0]).any()):
+        return None
+    return qw, int(off[0])

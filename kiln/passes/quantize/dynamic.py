@@ -252,3 +252,65 @@ def fuse_dynamic_conv(graph: Graph, log=lambda m: None) -> int:
     log(f"dynamic quantization: {len(replace)} ConvInteger layer(s) quantize their input "
         "themselves (DynamicQuantizeLinear folded in)")
     return len(replace)
+
+
+def fuse_dynamic_matmul_integer(graph: Graph, log=lambda m: None) -> int:
+    """A MatMulInteger that :func:`fold_dynamic_quant` left (uint8 weight codes beyond the 7-bit
+    grid: ddddocr's classifier), with its quantizer in front and the rescale and bias behind,
+    as one op::
+
+        xq, xs, xz = DynamicQuantizeLinear(x)
+        MatMulInteger(xq, W, xz, wz) ──Cast(float)──Mul(·, Mul(xs, ws))──(Add(·, B))──▶ y
+                   ==>  y = DynamicMatMulInteger(x, W, wz, ws, B)
+
+    (the same integers and float32 steps). Fires for a constant 2-D weight, a constant scalar
+    weight zero point, a constant ``ws`` of 1 or N values, a constant bias of N values, and
+    single readers along the chain; the quantizer stays where something else reads it.
+    Returns the number fused."""
+    users, replace, dead = graph.users(), {}, set()
+    for mm in [n for n in graph.nodes if n.op is Q.MatMulInteger]:
+        ins = list(mm.inputs) + [None] * (4 - len(mm.inputs))
+        xq, w, xz, wz = ins[:4]
+        dql = xq.producer if xq is not None else None
+        wv = _const(w)
+        if dql is None or dql.op is not Q.DynamicQuantizeLinear or xz is not dql.outputs[2] or \
+                wv is None or wv.ndim != 2 or wv.dtype not in (np.uint8, np.int8) or \
+                (wz is not None and (_const(wz) is None or _const(wz).size != 1)):
+            continue
+        cast = single_user(graph, mm.outputs[0], users)
+        if cast is None or cast.op is not Q.Cast or \
+                Q.cast_target(cast.attrs.to) != DType.float32:
+            continue
+        mul = single_user(graph, cast.outputs[0], users)
+        if mul is None or mul.op is not M.Mul or len(mul.inputs) != 2:
+            continue
+        other = mul.inputs[1] if mul.inputs[0] is cast.outputs[0] else mul.inputs[0]
+        smul = other.producer
+        if smul is None or smul.op is not M.Mul or dql.outputs[1] not in smul.inputs or \
+                len(smul.inputs) != 2 or single_user(graph, other, users) is None:
+            continue
+        ws = smul.inputs[1] if smul.inputs[0] is dql.outputs[1] else smul.inputs[0]
+        wsv = _const(ws)
+        if wsv is None or wsv.dtype != np.float32 or wsv.size not in (1, wv.shape[1]):
+            continue
+        last, bias = mul, None
+        add = single_user(graph, mul.outputs[0], users)
+        if add is not None and add.op is M.Add and len(add.inputs) == 2:
+            b = add.inputs[1] if add.inputs[0] is mul.outputs[0] else add.inputs[0]
+            bv = _const(b)
+            if bv is not None and bv.dtype == np.float32 and bv.shape == (wv.shape[1],):
+                last, bias = add, b
+        replace[id(last)] = Node(I8.DynamicMatMulInteger, f"{dql.name} + {mm.name}",
+                                 [dql.inputs[0], w, wz, ws, bias], list(last.outputs))
+        dead |= {id(n) for n in (mm, cast, mul, smul, add if bias is not None else None)
+                 if n is not None and n is not last}
+    if not replace:
+        return 0
+    graph.nodes = [replace.get(id(n), n) for n in graph.nodes if id(n) not in dead]
+    outputs = {id(v) for v in graph.outputs}
+    used = {id(v) for n in graph.nodes for v in n.inputs if v is not None} | outputs
+    graph.nodes = [n for n in graph.nodes if not (
+        n.op is Q.DynamicQuantizeLinear and not any(id(o) in used for o in n.outputs))]
+    log(f"dynamic quantization: {len(replace)} MatMulInteger layer(s) with their quantizer, "
+        "rescale and bias as one op each")
+    return len(replace)
