@@ -279,3 +279,20 @@ def test_no_vnni_step_for_weights_beyond_int8():
     assert DL._vnni_r(SimpleNamespace(cache={}), w) is None
     assert DL._vnni_r(SimpleNamespace(cache={}), w.clamp(max=127)) is not None or \
         not __import__("kiln").native.qconv_available()
+
+
+def test_reverse_within_full_lengths_is_a_flip():
+    """Every row at full length: the time axis flipped, as the gather over lengths gives."""
+    import torch
+
+    from kiln.kernels.torch import dynamic_quantize_lstm as DL
+
+    x = torch.arange(5 * 3 * 2, dtype=torch.float32).reshape(5, 3, 2)
+    full = torch.full((3,), 5, dtype=torch.int64)
+    t = torch.arange(5)[:, None]
+    idx = torch.where(t < full[None, :], full[None, :] - 1 - t, t)[..., None].expand_as(x)
+    assert torch.equal(DL._reverse_within(x, full), x.gather(0, idx))
+    part = torch.tensor([5, 2, 0])
+    got = DL._reverse_within(x, part)
+    assert torch.equal(got[:, 0], x.flip(0)[:, 0]) and torch.equal(got[:2, 1], x[:2, 1].flip(0))
+    assert torch.equal(got[2:, 1], x[2:, 1]) and torch.equal(got[:, 2], x[:, 2])
