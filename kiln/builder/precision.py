@@ -53,6 +53,8 @@ FP32_OPS = frozenset({
     R.ReduceLogSumExp, R.ReduceProd, T.Range, Q.QuantizeLinear, Q.DequantizeLinear,
     Q.DynamicQuantizeLinear, RND.RandomUniform, RND.RandomNormal, RND.RandomUniformLike,
     RND.RandomNormalLike, RND.Bernoulli, RND.Multinomial,
+    # quantized ops defined by onnxruntime's float32 steps (their inputs' codes, scales)
+    I8.QLinearMatMulQDQ, I8.DynamicConvInteger, I8.DynamicMatMulInteger,
 })
 
 # float32 inputs that stay float32 on low-precision nodes: the kernel casts them itself

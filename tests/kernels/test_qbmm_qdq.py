@@ -226,3 +226,17 @@ def test_torch_steps_match_the_kernel(monkeypatch):
     np.testing.assert_array_equal(got.numpy(), want.numpy())
     np.testing.assert_array_equal(got.numpy(), _ref(a.numpy(), b.numpy(), (0.013, -6, 1),
                                                     (0.02, 130, 0), (0.08, -3, 1)))
+
+
+def test_fp16_build_keeps_the_quantized_ops_in_float32(tmp_path):
+    """--fp16: the fused quantized ops run onnxruntime's float32 steps (Casts around them), as
+    the QuantizeLinear/DequantizeLinear they replace do."""
+    p = tmp_path / "qattn.onnx"
+    onnx.save(_attention_model(), p)
+    e = Builder(BuilderConfig(fp16=True)).build(p)
+    (fused,) = [n for n in e.graph.nodes if n.op is I8.QLinearMatMulQDQ]
+    assert [v.type.dtype for v in fused.inputs] == [DType.float32, DType.float32]
+    assert fused.outputs[0].type.dtype is DType.float32
+    from kiln.builder.precision import FP32_OPS
+
+    assert {I8.DynamicConvInteger, I8.DynamicMatMulInteger} <= FP32_OPS
