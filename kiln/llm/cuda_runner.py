@@ -572,13 +572,16 @@ class CudaModelRunner(ModelRunner):
             self.paths["decode"] = "eager-triton"
 
     @torch.inference_mode()
-    def warmup(self):
+    def warmup(self, max_tokens: int = 0):
         """Compile and capture now instead of inside the first requests' steps: four mixed
         steps (two whole prompts of a block each beside 2 or 20 decode rows, tables 16 or 17
         blocks wide: the batched SDPA, the fused RoPE + KV write that returns K, the decode
-        kernel's compiled variants), then every graph size. All of it writes only into the
-        scratch block. Not while FP8 scales wait for the
-        first step's K/V (the warm-up would calibrate them on made-up tokens)."""
+        kernel's compiled variants); with ``max_tokens`` (the engine's token budget), one
+        step of that many prompt tokens (prompts of up to 512, so the large-M GEMM and SDPA
+        kernels load now, not in the first full prefill step); then every graph size. All of
+        it writes only into the scratch block (prompt tokens past its length share its slots:
+        their attention reads the step's fresh K/V, not the cache). Not while FP8 scales wait
+        for the first step's K/V (the warm-up would calibrate them on made-up tokens)."""
         if self.kv_scales is not None and self.kv_scales.calibrating:
             return
         bs = self.block_size
@@ -600,6 +603,16 @@ class CudaModelRunner(ModelRunner):
                 log.warning("warm-up mixed step failed (%s: %s)", type(e).__name__,
                             str(e)[:200])
                 break
+        n = min(512, self.max_blocks * bs)
+        count = max_tokens // n if n > 1 else 0
+        if self.triton_decode and count:
+            tab = [self.scratch] * -(-n // bs)
+            try:
+                self._mixed([0] * (n * count), [p for _ in range(count) for p in range(n)],
+                            [(0, n, tab)] * count, [(i + 1) * n - 1 for i in range(count)])
+            except Exception as e:
+                log.warning("warm-up prefill step failed (%s: %s)", type(e).__name__,
+                            str(e)[:200])
         for s in list(self.sizes):
             if not self.sizes:  # a capture failed: graphs are off, decode runs eagerly
                 break

@@ -132,7 +132,7 @@ class LLMEngine:
         # an ONNX decoder keeps its own past tensors: a cached block is no past for it
         prefix = cfg.enable_prefix_caching and not getattr(self.runner, "own_kv", False)
         if cfg.warmup and device == "cuda" and hasattr(self.runner, "warmup"):
-            self.runner.warmup()
+            self.runner.warmup(self.max_num_batched_tokens)
         self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, prefix)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,

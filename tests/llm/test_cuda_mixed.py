@@ -221,14 +221,17 @@ def test_warmup_runs_a_mixed_step_on_the_scratch_block_only(tiny_dir, monkeypatc
     orig = CudaAttention._mixed_attend
 
     def spy(self, layer, q, k, v, meta):
-        seen.append((list(meta.runs), len(meta.dec_rows), meta.dec_tables.shape[1]))
+        dec = meta.dec_rows is not None
+        seen.append((list(meta.runs), len(meta.dec_rows) if dec else 0,
+                     meta.dec_tables.shape[1] if dec else 0))
         return orig(self, layer, q, k, v, meta)
 
     monkeypatch.setattr(CudaAttention, "_mixed_attend", spy)
     before = r.cache.clone()
-    r.warmup()
+    r.warmup(max_tokens=200)  # + one step of 3 prompts of 64 tokens (max_model_len 64)
     bs = eng.config.block_size
-    assert seen[::2] == [([(0, bs, 2)], n, w) for w in (16, 17) for n in (2, 20)]  # 2 layers
+    assert seen[:8:2] == [([(0, bs, 2)], n, w) for w in (16, 17) for n in (2, 20)]  # 2 layers
+    assert seen[8:] == [([(0, 64, 3)], 0, 0)] * 2
     pool = (slice(None), slice(None), slice(0, r.scratch))
     assert torch.equal(r.cache[pool].view(torch.uint8), before[pool].view(torch.uint8))
     assert not torch.equal(r.cache.view(torch.uint8), before.view(torch.uint8))  # scratch
