@@ -240,3 +240,26 @@ def test_fp16_build_keeps_the_quantized_ops_in_float32(tmp_path):
     from kiln.builder.precision import FP32_OPS
 
     assert {I8.DynamicConvInteger, I8.DynamicMatMulInteger} <= FP32_OPS
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("sa,sb", [((1, 300, 64), (1, 64, 300)), ((4, 128, 64), (4, 64, 129))],
+                         ids=["one-item-tiles-over-threads", "items-over-threads"])
+def test_qbmm_threaded_branches(path, sa, sb):
+    """Work large enough for kiln's team: one batch item's tiles split over the threads, and
+    batch items split over them (each with its own scratch); the one-thread values."""
+    _need(path)
+    rng = np.random.default_rng(12)
+    a = torch.from_numpy(rng.standard_normal(sa).astype(np.float32))
+    b = torch.from_numpy(rng.standard_normal(sb).astype(np.float32))
+    aq, bq, yq = (0.02, -3, 1), (0.03, 120, 0), (0.4, 5, 1)
+    old = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs.append(native.qbmm_qdq(a, b, aq, bq, yq, _mult(aq, bq, yq), path=path).numpy())
+    finally:
+        torch.set_num_threads(old)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], _ref(a.numpy(), b.numpy(), aq, bq, yq))
