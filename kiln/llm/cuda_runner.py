@@ -309,7 +309,12 @@ class CudaModelRunner(ModelRunner):
                                    "TILE / KILN_LLM_DECODE_DOT_TILE)"
         self.decode_tune = getattr(self, "decode_tune", "off")
         if tune_decode:
-            self._tune_decode()
+            try:
+                self._tune_decode()
+            except Exception as e:  # the tuning is an optimization: the defaults stay
+                log.warning("decode kernel tuning failed (%s: %s); defaults kept",
+                            type(e).__name__, str(e)[:200])
+                self.decode_tune = f"error: {type(e).__name__}"
 
     def _make_attention(self):
         return CudaAttention(self.cache, self.model.cfg.num_heads, self.kv_scales,
