@@ -262,8 +262,8 @@ def gather_nd(n, x, idx):
     idx = idx.to(torch.int64)
     if leading_axis_rows(b, idx) and x.dim() >= 1:
         # a detector's boxes and scores picked by Transpose(NonZero(...)): one index_select
-        # (the general path's where, arange and two-tensor indexing took 24 us against 6,
-        # 40 times per tv_ssdlite320 run)
+        # (the general path's where, arange and two-tensor indexing: 38 us against 15 for 300
+        # rows of a [3234, 4] table on a loaded machine, 40 times per tv_ssdlite320 run)
         flat, size = idx.reshape(-1), x.shape[0]
         try:
             rows = torch.index_select(x, 0, torch.where(flat < 0, flat + size, flat))
