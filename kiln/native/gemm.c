@@ -387,9 +387,12 @@ TGT512 static inline __attribute__((always_inline)) void store_wide(
             store_wide(acc, nv, nc, C, ldc, first, 1, bias, R, ldr, act_, alpha, beta);      \
     } while (0)
 
-TGT512 static void tile_pair(long kc, const float *A, long lda, const float *Bp, float *C,
-                             long ldc, int first, int last, const float *bias, const float *R,
-                             long ldr, int act, float alpha, float beta)
+/* nc <= 48 columns from the first panel's: the second panel may be partial (its zero padding
+ * multiplied, the stores masked); NVZ = 2 where nc <= 32 (no third vector's FMAs). */
+TGT512 static inline __attribute__((always_inline)) void tile_pair_(
+    long kc, const float *A, long lda, const float *Bp, float *C, long ldc, int first, int last,
+    const float *bias, const float *R, long ldr, int act, float alpha, float beta, int nc,
+    const int NVZ)
 {
     const float *b0 = Bp, *b1 = Bp + kc * NR;  /* the two panels' k blocks */
     const float *a0 = A, *a1 = A + lda, *a2 = A + 2 * lda, *a3 = A + 3 * lda, *a4 = A + 4 * lda,
@@ -406,16 +409,26 @@ TGT512 static void tile_pair(long kc, const float *A, long lda, const float *Bp,
         __m512 wl = _mm512_loadu_ps(p0);  /* (rows of 24 floats: 32-byte aligned only) */
         __m512 wm = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p0 + 16)),
                                        _mm256_loadu_ps(p1), 1);
-        __m512 wh = _mm512_loadu_ps(p1 + 8);
+        __m512 wh = NVZ > 2 ? _mm512_loadu_ps(p1 + 8) : wl;
         __m512 x;
 #define ROW(r) x = _mm512_set1_ps(a##r[k]); l##r = _mm512_fmadd_ps(x, wl, l##r); \
-        m##r = _mm512_fmadd_ps(x, wm, m##r); h##r = _mm512_fmadd_ps(x, wh, h##r);
+        m##r = _mm512_fmadd_ps(x, wm, m##r); if (NVZ > 2) h##r = _mm512_fmadd_ps(x, wh, h##r);
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7)
 #undef ROW
     }
     __m512 acc[MR2][3] = {{l0, m0, h0}, {l1, m1, h1}, {l2, m2, h2}, {l3, m3, h3},
                           {l4, m4, h4}, {l5, m5, h5}, {l6, m6, h6}, {l7, m7, h7}};
-    STORE_WIDE(acc, 3, 2 * NR, C, ldc, first, last, bias, R, ldr, act, alpha, beta);
+    STORE_WIDE(acc, NVZ, nc, C, ldc, first, last, bias, R, ldr, act, alpha, beta);
+}
+
+TGT512 static void tile_pair(long kc, const float *A, long lda, const float *Bp, float *C,
+                             long ldc, int first, int last, const float *bias, const float *R,
+                             long ldr, int act, float alpha, float beta, int nc)
+{
+    if (nc > 32)
+        tile_pair_(kc, A, lda, Bp, C, ldc, first, last, bias, R, ldr, act, alpha, beta, nc, 3);
+    else
+        tile_pair_(kc, A, lda, Bp, C, ldc, first, last, bias, R, ldr, act, alpha, beta, nc, 2);
 }
 
 /* AVX-512: one panel of more than 8 columns (a lone full panel, or an edge of up to 16 or 24:
@@ -482,22 +495,32 @@ TGT void kiln_gemm_block(long m0, long m1, long p0, long p1, long N, long K, con
                 const float *bp = Bp + k0 * panels * NR + p * kc * NR;
                 const float *bb = bias ? bias + n0 : NULL;
                 long i = i0;
-                if (wide && p + 1 < p1 && N - n0 >= 2 * NR) {  /* two full panels */
+                /* a full panel and the next one, where that has more than 8 columns (an edge
+                 * of 8 or fewer is tile_1's, whose two sums per row give other bits: it must
+                 * not depend on how the panels fell to the threads) */
+                if (wide && p + 1 < p1 && N - n0 > NR + 8) {
+                    int nc = N - n0 < 2 * NR ? (int)(N - n0) : 2 * NR;
                     for (; i + MR2 <= i1; i += MR2)
                         tile_pair(kc, A + i * lda + k0, lda, bp, C + i * ldc + n0, ldc, first,
-                                  last, bb, R ? R + i * ldr + n0 : NULL, ldr, act, alpha, beta);
-                    for (int q = 0; q < 2; q++, n0 += NR, bp += kc * NR)
+                                  last, bb, R ? R + i * ldr + n0 : NULL, ldr, act, alpha, beta,
+                                  nc);
+                    for (int q = 0; q < 2; q++, n0 += NR, bp += kc * NR) {
+                        int nq = N - n0 < NR ? (int)(N - n0) : NR;  /* the rows left: AVX2 */
+                        void (*tq)(long, const float *, long, const float *, float *, long, int,
+                                   int, int, int, const float *, const float *, long, int, float,
+                                   float) = nq <= 8 ? tile_1 : nq <= 16 ? tile_2 : tile;
                         for (long j = i; j < i1; j += MR) {
                             int mr = i1 - j < MR ? (int)(i1 - j) : MR;
-                            if (mr == 1)  /* as below: a lone row is always tile_row's */
+                            if (mr == 1 && nq == NR)  /* as below: a lone row is tile_row's */
                                 tile_row(kc, A + j * lda + k0, bp, C + j * ldc + n0, first,
                                          last, bias ? bias + n0 : NULL,
                                          R ? R + j * ldr + n0 : NULL, act, alpha, beta);
                             else
-                                tile(kc, A + j * lda + k0, lda, bp, C + j * ldc + n0, ldc, mr,
-                                     NR, first, last, bias ? bias + n0 : NULL,
-                                     R ? R + j * ldr + n0 : NULL, ldr, act, alpha, beta);
+                                tq(kc, A + j * lda + k0, lda, bp, C + j * ldc + n0, ldc, mr, nq,
+                                   first, last, bias ? bias + n0 : NULL,
+                                   R ? R + j * ldr + n0 : NULL, ldr, act, alpha, beta);
                         }
+                    }
                     p++;
                     continue;
                 }

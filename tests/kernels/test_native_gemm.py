@@ -163,7 +163,8 @@ def test_gemm_matches_torch(conv_isa, threads, shape, epi):
 
 @needs_native
 @pytest.mark.parametrize("m", [130, 49])
-@pytest.mark.parametrize("n", [6 * NR + 16, 10 * NR + 8, 2 * NR + 16, 40 * NR])
+@pytest.mark.parametrize("n", [6 * NR + 16, 10 * NR + 8, 2 * NR + 16, 40 * NR, 3 * NR + 12,
+                               NR + 20])
 def test_uneven_panel_split(threads, n, m):
     """Panels that do not divide among the threads: the boundary panel's rows are split
     between two threads (7 panels on 2 threads: 3.5 each); 11 on 3; 3 (split by rows); 49
@@ -345,12 +346,15 @@ def test_nan_propagates(conv_isa, act):
 
 @needs_native
 @pytest.mark.parametrize("shape", [(200, 64, 16), (57, 2 * NR + 16, 16), (64, 3 * NR + 5, 27),
-                                   (24, 2 * NR, KC + 3)], ids=lambda s: "x".join(map(str, s)))
+                                   (24, 2 * NR, KC + 3), (64, NR + 16, 16), (41, 3 * NR + 12, 24),
+                                   (48, NR + 9, KC + 2), (33, 4 * NR + 8, 16)],
+                         ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("act", ACTS, ids=_act_id)
 def test_isas_agree_bit_for_bit(threads, act, shape):
     """The AVX-512 tiles (their full-width epilogue: bias, residual, activation in zmm, masked
     column edges; and K over one block, where the epilogue adds C) give the AVX2 tiles' bits:
-    narrow-K shapes of a mobile CNN's 1x1 convs, lone and paired panels, partial row tiles."""
+    narrow-K shapes of a mobile CNN's 1x1 convs, lone and paired panels (a full one with a
+    partial one of 9-23 columns too), an edge of 8 or fewer columns, partial row tiles."""
     if "avx512" not in native.conv_isas():
         pytest.skip("this CPU has no AVX-512")
     threads(2)
