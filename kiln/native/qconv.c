@@ -55,13 +55,36 @@ TGTV static inline void im2col_row(const struct qconv *q, const struct runs *r, 
                                    long j, uint8_t *dst)
 {
     const uint8_t *xc = q->x + c * q->H * q->W;
-    if (r->n == 1 && r->len[0] == 32 && q->sw == 1) { /* the common case: one row's 32 pixels */
-        long ih = r->oh[0] * q->sh - q->ph + i * q->dh, iw0 = r->ow[0] - q->pw + j * q->dw;
-        if (ih >= 0 && ih < q->H && iw0 >= 0 && iw0 + 32 <= q->W) {
-            _mm256_store_si256((__m256i *)dst,
-                               _mm256_loadu_si256((const __m256i *)(xc + ih * q->W + iw0)));
+    if (r->n == 1 && r->len[0] == 32 && (q->sw == 1 || q->sw == 2)) {
+        /* the common case: 32 pixels of one output row, stride 1 or 2: one (masked) load of
+         * the input row's span, the columns outside it the padding code (a masked-off byte
+         * is not read, so the span may start before the row or end past it) */
+        long ih = r->oh[0] * q->sh - q->ph + i * q->dh;
+        long iw0 = r->ow[0] * q->sw - q->pw + j * q->dw;
+        if (ih < 0 || ih >= q->H) {
+            _mm256_store_si256((__m256i *)dst, _mm256_set1_epi8((char)q->pad));
             return;
         }
+        const uint8_t *row = xc + ih * q->W;
+        long span = 32 * q->sw, lo = iw0 < 0 ? -iw0 : 0, hi = q->W - iw0;
+        if (lo == 0 && hi >= span && q->sw == 1) {
+            _mm256_store_si256((__m256i *)dst, _mm256_loadu_si256((const __m256i *)(row + iw0)));
+            return;
+        }
+        hi = hi > span ? span : hi;
+        __mmask64 m = 0;
+        if (hi > lo)
+            m = (hi - lo >= 64 ? ~0ULL : ((1ULL << (hi - lo)) - 1)) << lo;
+        const __m512i pad = _mm512_set1_epi8((char)q->pad);
+        if (q->sw == 1) {
+            __m256i v = _mm256_mask_loadu_epi8(_mm512_castsi512_si256(pad), (__mmask32)m,
+                                               row + iw0);
+            _mm256_store_si256((__m256i *)dst, v);
+        } else { /* every other byte of 64: the low bytes of 32 int16 */
+            __m512i v = _mm512_mask_loadu_epi8(pad, m, row + iw0);
+            _mm256_store_si256((__m256i *)dst, _mm512_cvtepi16_epi8(v));
+        }
+        return;
     }
     long filled = 0;
     for (int s = 0; s < r->n; s++) {

@@ -23,6 +23,12 @@ CASES = [  # n, c, h, w, oc, kh, kw, strides, pads (t, l, b, r), dilations
     (1, 1, 64, 30, 9, 3, 3, (2, 2), (1, 0, 2, 1), (1, 1)),
     (1, 16, 5, 40, 9, 5, 5, (1, 1), (2, 2, 2, 2), (1, 1)),
     (1, 7, 2, 3, 5, 3, 4, (1, 1), (2, 3, 2, 3), (1, 1)),
+    # panels of 32 pixels within one output row (masked row loads at the edges): stride 2,
+    # stride 1 with a dilated kernel, pads wider than a panel's span
+    (1, 24, 32, 128, 16, 3, 3, (2, 2), (1, 1, 1, 1), (1, 1)),
+    (1, 8, 6, 96, 5, 3, 5, (1, 1), (1, 2, 1, 2), (2, 1)),
+    (1, 3, 8, 66, 4, 1, 7, (1, 2), (0, 40, 0, 40), (1, 1)),
+    (1, 4, 9, 70, 8, 3, 3, (1, 2), (0, 2, 1, 3), (1, 2)),
 ]
 
 
