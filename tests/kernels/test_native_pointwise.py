@@ -197,3 +197,24 @@ def test_pool_matches_torch(case, layout):
     _close(got, want)
     if got.shape[2] * got.shape[3] > 1:  # (a 1x1 output is both)
         assert got.is_contiguous(memory_format=torch.channels_last) == (layout == "nhwc")
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["nchw", "strided", "channels_last"])
+def test_fused_conv_nhwc_view(dtype, layout):
+    """FusedConv's NHWC view of its input: kiln's transposing copy for float32 (torch's
+    otherwise), the same values and a contiguous NHWC layout either way; a channels-last input
+    is viewed, not copied."""
+    from kiln.kernels.torch.fused_conv import nhwc
+
+    x = torch.randn(2, 3, 9, 14, generator=torch.Generator().manual_seed(1)).to(dtype)
+    if layout == "strided":
+        x = torch.randn(2, 3, 9, 28, dtype=dtype)[..., ::2]
+    elif layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    v = nhwc(x)
+    assert v.shape == (2, 9, x.shape[3], 3) and v.is_contiguous() and v.dtype == dtype
+    assert torch.equal(v, x.permute(0, 2, 3, 1))
+    if layout == "channels_last":
+        assert v.data_ptr() == x.data_ptr()
