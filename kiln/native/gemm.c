@@ -284,8 +284,8 @@ TGT static void tile_row(long kc, const float *a, const float *Bp, float *C, int
  * last 16), 24 accumulators. On a CPU with 512-bit FMA units this does twice the work of an
  * AVX2 FMA per instruction (onnxruntime's MLAS runs its AVX-512 kernels there: a 128 x 256 x
  * 1024 GEMM took 295 us against the AVX2 tile's 576 on one core). Each output still sums its
- * k terms in order in one accumulator, as the AVX2 tiles do; the epilogue (store_wide) does
- * theirs at full width. */
+ * k terms in order in one accumulator, as the AVX2 tiles do (but tile_1: see tile_one); the
+ * epilogue (store_wide) does theirs at full width. The second panel may be partial. */
 #define MR2 8
 #define TGT512 TGT_ZMM
 
@@ -431,11 +431,13 @@ TGT512 static void tile_pair(long kc, const float *A, long lda, const float *Bp,
         tile_pair_(kc, A, lda, Bp, C, ldc, first, last, bias, R, ldr, act, alpha, beta, nc, 2);
 }
 
-/* AVX-512: one panel of more than 8 columns (a lone full panel, or an edge of up to 16 or 24:
- * 64 = 48 + 16 and 128 = 96 + 24 + 8 columns, so a quarter of a 64- or 128-channel layer's
- * product was left to the AVX2 tiles) as an 8-row tile: a zmm of columns 0-15 and, where the
- * panel has more than 16, a ymm of 16-23 per row. Each output sums its k terms in order in one
- * accumulator, as tile and tile_2 do, so its bits are theirs. */
+/* AVX-512: one panel alone (a lone full panel, or an edge: 64 = 48 + 16 columns) as an 8-row
+ * tile: a zmm of columns 0-15 and, where the panel has more than 16, a ymm of 16-23 per row.
+ * Each output sums its k terms in order in one accumulator, as tile and tile_2 do, so its bits
+ * are theirs; an edge of 8 or fewer columns is tile_1's on AVX2 (two sums per row, for eight
+ * FMA chains in 4 rows), so there the two ISAs agree to rounding, not to the bit. It ran the
+ * 8-column edge before (a 12544 x 16 x 32 product, 24 + 8 columns, took 232 us against 75 for
+ * the pair tile on one thread). */
 TGT512 static inline __attribute__((always_inline)) void tile_one_(
     long kc, const float *A, long lda, const float *Bp, float *C, long ldc, int nr, int first,
     int last, const float *bias, const float *R, long ldr, int act, float alpha, float beta,
@@ -495,10 +497,10 @@ TGT void kiln_gemm_block(long m0, long m1, long p0, long p1, long N, long K, con
                 const float *bp = Bp + k0 * panels * NR + p * kc * NR;
                 const float *bb = bias ? bias + n0 : NULL;
                 long i = i0;
-                /* a full panel and the next one, where that has more than 8 columns (an edge
-                 * of 8 or fewer is tile_1's, whose two sums per row give other bits: it must
-                 * not depend on how the panels fell to the threads) */
-                if (wide && p + 1 < p1 && N - n0 > NR + 8) {
+                /* a full panel and the next one, whole or partial (a panel's 8-row tiles are
+                 * AVX-512 ones, in-order sums, whether it is paired or alone: the bits do not
+                 * depend on how the panels fell to the threads) */
+                if (wide && p + 1 < p1 && N - n0 > NR) {
                     int nc = N - n0 < 2 * NR ? (int)(N - n0) : 2 * NR;
                     for (; i + MR2 <= i1; i += MR2)
                         tile_pair(kc, A + i * lda + k0, lda, bp, C + i * ldc + n0, ldc, first,
@@ -527,7 +529,7 @@ TGT void kiln_gemm_block(long m0, long m1, long p0, long p1, long N, long K, con
                 void (*tf)(long, const float *, long, const float *, float *, long, int, int,
                            int, int, const float *, const float *, long, int, float, float) =
                     nr <= 8 ? tile_1 : nr <= 16 ? tile_2 : tile;
-                if (wide && nr > 8)
+                if (wide)  /* (an edge of 8 or fewer columns too: see the pairs above) */
                     for (; i + MR2 <= i1; i += MR2)
                         tile_one(kc, A + i * lda + k0, lda, bp, C + i * ldc + n0, ldc, nr, first,
                                  last, bb, R ? R + i * ldr + n0 : NULL, ldr, act, alpha, beta);

@@ -354,7 +354,8 @@ def test_isas_agree_bit_for_bit(threads, act, shape):
     """The AVX-512 tiles (their full-width epilogue: bias, residual, activation in zmm, masked
     column edges; and K over one block, where the epilogue adds C) give the AVX2 tiles' bits:
     narrow-K shapes of a mobile CNN's 1x1 convs, lone and paired panels (a full one with a
-    partial one of 9-23 columns too), an edge of 8 or fewer columns, partial row tiles."""
+    partial one of 9-23 columns too), partial row tiles; an edge of 8 or fewer columns agrees
+    to rounding (see below)."""
     if "avx512" not in native.conv_isas():
         pytest.skip("this CPU has no AVX-512")
     threads(2)
@@ -372,9 +373,16 @@ def test_isas_agree_bit_for_bit(threads, act, shape):
     finally:
         native.set_conv_isa(None)
     _close(outs["avx512"][0], _reference(x, w, b, r, name, alpha, beta))
+    # an edge panel of 8 or fewer columns is AVX2's tile_1 (two sums per row, even and odd k)
+    # but an AVX-512 tile's in 8-row blocks (one sum in k order): there the two agree to
+    # rounding; every other column to the bit
+    edge = n - n % NR if 0 < n % NR <= 8 else n
+    full_rows = m - m % 8
     for a, z in zip(outs["avx2"], outs["avx512"]):
-        assert torch.equal(a, z) or (a.isnan() == z.isnan()).all() and torch.equal(
-            a.nan_to_num(0), z.nan_to_num(0))
+        assert torch.equal(a[:, :edge].nan_to_num(7.0), z[:, :edge].nan_to_num(7.0))
+        assert torch.equal(a[full_rows:].nan_to_num(7.0), z[full_rows:].nan_to_num(7.0))
+        if edge < n:
+            _close(z[:, edge:].nan_to_num(7.0), a[:, edge:].double().nan_to_num(7.0))
 
 
 # ---------------------------------------------------------------- bad input
