@@ -103,7 +103,7 @@ struct qjob {
 
 /* The epilogue of 8 columns n0 .. n0 + 7 (``valid`` of them inside N) of row m: masked loads
  * and stores at the right edge, the same float steps at every column. */
-TGT static void store8(const struct qjob *j, long m, long n0, long valid, __m256i acc)
+TGT static inline __attribute__((always_inline)) void store8(const struct qjob *j, long m, long n0, long valid, __m256i acc)
 {
     __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid > 8 ? 8 : (int)valid),
                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
