@@ -150,12 +150,17 @@ def device_section(device: str, results: Path = RESULTS, base: Path = ROOT) -> s
 
 
 def _corpus_rank(path: Path) -> tuple:
-    """Whole-corpus runs before subsets (a run of three models is a side experiment), then the
+    """Whole-corpus runs before subsets (a run of three models is a side experiment), then runs
+    that started on a quiet machine (1-minute load average under half its cores: on a loaded
+    one the two runtimes' thread pools suffer unequally and ratios swing both ways), then the
     newest by the run's own timestamp (file names sort ``-tag`` before ``.md``)."""
     text = path.read_text()
     models = re.search(r"^- models: (\d+)", text, re.M)
     stamp = re.search(r"\((\d{4}-\d\d-\d\dT[\d:]+)", text)
-    return (int(models.group(1)) if models else 0, stamp.group(1) if stamp else "", path.name)
+    load = re.search(r"(\d+) cores?, load average ([\d.]+)", text)
+    quiet = load is None or float(load.group(2)) < int(load.group(1)) / 2
+    return (int(models.group(1)) if models else 0, quiet, stamp.group(1) if stamp else "",
+            path.name)
 
 
 def corpus_section(results: Path = RESULTS, base: Path = ROOT) -> str:

@@ -80,6 +80,21 @@ def test_corpus_section_is_the_newest_corpus_table(tmp_path):
     assert "corpus-cpu-2026-12-02.md" in text and "| new |" in text and "old" not in text
 
 
+def test_corpus_section_prefers_a_quiet_machines_run(tmp_path):
+    """A newer whole-corpus run that started on a loaded machine (load >= half the cores)
+    ranks below an older quiet one; a newer quiet run wins again."""
+    head = ("**kiln corpus on cpu** ({stamp})\n\n"
+            "`cmd` — 2 cores, load average {load} 1 1 at start\n\n")
+    runs = {"corpus-cpu-2026-12-03.md": ("2026-12-03T14:00:00", "0.68", "| quiet |"),
+            "corpus-cpu-2026-12-04-a.md": ("2026-12-04T20:00:00", "2.48", "| loaded |")}
+    for name, (stamp, load, row) in runs.items():
+        (tmp_path / name).write_text(head.format(stamp=stamp, load=load) + "- models: 46\n" + row)
+    assert "| quiet |" in readme.corpus_section(tmp_path, tmp_path)
+    (tmp_path / "corpus-cpu-2026-12-04-b.md").write_text(
+        head.format(stamp="2026-12-04T21:40:00", load="0.40") + "- models: 46\n| later |")
+    assert "| later |" in readme.corpus_section(tmp_path, tmp_path)
+
+
 def test_update_and_check_round_trip(tmp_path):
     _write(tmp_path, "cpu-a", _result("2026-11-30T10:00:00+00:00"))
     page = tmp_path / "README.md"
