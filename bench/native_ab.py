@@ -28,7 +28,8 @@ DEPTHWISE = [(116, 28, 3, 1, "Relu"), (232, 14, 3, 1, ""), (232, 14, 3, 2, ""),
              (144, 56, 3, 1, "Clip")]  # C, H = W, k, stride, activation
 STEMS = [(16, "HardSwish"), (24, "Relu"), (32, "Silu")]  # 3 -> K, 3x3 s2 at 224
 GEMMS = [(12544, 16, 64, "Relu"), (3136, 24, 72, "Relu"), (784, 40, 120, ""),
-         (12544, 32, 16, "")]  # M, K, N, activation
+         (12544, 32, 16, ""), (12544, 16, 32, "HardSwish"), (3136, 24, 40, "Relu"),
+         (3136, 32, 128, "")]  # M, K, N, activation
 
 
 def _bind(lib):
