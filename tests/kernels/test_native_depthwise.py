@@ -60,6 +60,11 @@ CASES = [  # N, C, H, W, k, pads (t, l, b, r), stride, dilation, bias, residual,
     (1, 48, 6, 45, 5, (1, 2, 2, 1), 2, 1, True, False, "Clip"),     # 5x5 s2, asymmetric
     (1, 16, 3, 37, 7, (3, 3, 3, 3), 1, 1, True, False, "Sigmoid"),  # 7x7: dw_block16
     (1, 20, 4, 35, 3, (2, 2, 2, 2), 1, 2, True, True, "LeakyRelu"),  # dilation 2, 16 + 4
+    # AVX-512's zero-padded short rows under wide windows (5x5 and 7x7 on small maps)
+    (1, 20, 7, 7, 5, (2, 2, 2, 2), 1, 1, True, True, "Silu"),       # 4 of 7 pixels at borders
+    (2, 37, 14, 14, 5, (2, 2, 2, 2), 1, 1, True, False, "HardSwish"),
+    (1, 17, 9, 9, 7, (3, 2, 3, 4), 1, 1, False, True, "Clip"),      # asymmetric, 7x7
+    (1, 24, 14, 14, 5, (1, 2, 2, 1), 2, 1, True, False, "Relu"),    # stride 2, "same"
 ]
 
 
