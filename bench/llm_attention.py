@@ -43,9 +43,10 @@ def make_case(batch, ctx, heads, kv_heads, head_dim, block_size, device, seed=0)
     return q, kc, vc, tables.to(device=device, dtype=torch.int32), lens
 
 
-def _time(fn, iters, device) -> float:
-    """Median seconds of one call."""
-    for _ in range(3):
+def median_call_s(fn, iters: int, device: str, warmup: int = 3) -> float:
+    """Median seconds of one call of ``fn`` over ``iters`` calls after ``warmup``: CUDA events
+    around each call on the GPU, the wall clock elsewhere."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
@@ -103,7 +104,7 @@ def run(batch=256, ctx=640, heads=32, kv_heads=32, head_dim=128, block_size=16, 
                                     mha_tile=(tile, w) if tile else None, dot_tile=dot)
             try:
                 out = call().float()
-                sec = _time(call, iters, device)
+                sec = median_call_s(call, iters, device)
             except Exception as e:  # a kernel that fails to compile is a row, not the end
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.llm import BANDWIDTH, llama7b_shape, placeholder_tokenizer, random_llama
+from bench.llm_attention import median_call_s
 from kiln.llm.config import ModelConfig
 
 FLOPS = 790e12  # H200 dense FP16/BF16 matrix rate measured on random data (KINDS.md)
@@ -59,22 +60,7 @@ class Timer:
         self.iters, self.warmup = iters, warmup
 
     def __call__(self, fn) -> float:
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(self.iters):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) / 1e3)
-            else:
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
-        return statistics.median(times)
+        return median_call_s(fn, self.iters, "cuda" if self.cuda else "cpu", self.warmup)
 
 
 def kv_token_bytes(cfg: ModelConfig, kv_itemsize: int) -> int:
