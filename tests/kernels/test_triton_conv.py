@@ -89,7 +89,7 @@ def test_triton_conv_epilogue_wide_offsets():
 
 
 def test_triton_conv_epilogue_nothing_to_fuse_launches_nothing(monkeypatch):
-    monkeypatch.setattr(conv, "launch", lambda *a, **k: pytest.fail("launched a kernel"))
+    monkeypatch.setattr(common, "launch", lambda *a, **k: pytest.fail("launched a kernel"))
     y = nhwc(1, 3, 2, 2)
     before = y.clone()
     assert conv.bias_act_(y) is y
@@ -303,7 +303,7 @@ def test_triton_conv_cudnn_tactic_off_gpu_runs_triton_epilogue():
 def _falls_back(monkeypatch, n, x, w, b=None, r=None):
     """fused_conv runs the torch kernel (no Triton launch) and gives its result."""
     assert not conv.supports(n, (x, w, b, r))
-    monkeypatch.setattr(conv, "launch", lambda *a, **k: pytest.fail("launched a kernel"))
+    monkeypatch.setattr(common, "launch", lambda *a, **k: pytest.fail("launched a kernel"))
     want = torch_fused.fused_conv(call(FC.FusedConv, **_attrs(n), activation=n.a.activation,
                                        has_residual=n.a.has_residual), x, w, b, r)
     y = conv.fused_conv(n, x, w, b, r)
@@ -345,7 +345,7 @@ def test_triton_conv_asymmetric_pads_on_direct_kernels(xs, ws, attrs, residual, 
         assert_close(y, want, scale=2)
     monkeypatch.undo()
     n.tactic, n.cache = None, {}
-    monkeypatch.setattr(conv, "launch", lambda *a, **k: pytest.fail("launched a kernel"))
+    monkeypatch.setattr(common, "launch", lambda *a, **k: pytest.fail("launched a kernel"))
     assert_close(conv.fused_conv(n, x, w, b, r), want, scale=2)
 
 

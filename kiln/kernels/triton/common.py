@@ -148,6 +148,23 @@ def bias_act_kernel(Y, Bias, R, P, C, alpha, beta,
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
+def rows_epilogue_(y, c: int, bias=None, res=None, activation: str = "", alpha: float = 0.0,
+                   beta: float = 0.0, block: int = 1024, num_warps: int = 4):
+    """``y = act(y + bias + res)`` in place on ``y``'s memory seen as [rows, c] contiguous rows
+    (a channels-last 4-D map with c = C, or any contiguous tensor with c its last dim); the
+    callers check the layout. Returns ``y``."""
+    if y.numel() == 0 or (bias is None and res is None and not activation):
+        return y
+    rows = y.numel() // c
+    bc = min(next_pow2(c), block)
+    bp = max(1, block // bc)
+    launch(bias_act_kernel, (cdiv(rows, bp), cdiv(c, bc)), y, y if bias is None else bias,
+           y if res is None else res, rows, c, float(alpha), float(beta),
+           HAS_BIAS=bias is not None, HAS_RES=res is not None, ACT=ACT_CODE[activation],
+           WIDE=y.numel() >= 2**31, BLOCK_P=bp, BLOCK_C=bc, num_warps=num_warps)
+    return y
+
+
 def rows_act_(y, res=None, activation: str = "", alpha: float = 0.0, beta: float = 0.0,
               block: int = 2048, num_warps: int = 4):
     """``y = act(y + res)`` in place on a contiguous ``y`` seen as [rows, last dim] (``res``:
@@ -156,14 +173,4 @@ def rows_act_(y, res=None, activation: str = "", alpha: float = 0.0, beta: float
     if not y.is_contiguous() or (res is not None and (res.shape != y.shape
                                                       or not res.is_contiguous())):
         raise ValueError("rows_act_: y and the residual must be contiguous, of one shape")
-    if y.numel() == 0 or (res is None and not activation):
-        return y
-    c = y.shape[-1]
-    rows = y.numel() // c
-    bc = min(next_pow2(c), block)
-    bp = max(1, block // bc)
-    launch(bias_act_kernel, (cdiv(rows, bp), cdiv(c, bc)), y, y, y if res is None else res,
-           rows, c, float(alpha), float(beta), HAS_BIAS=False, HAS_RES=res is not None,
-           ACT=ACT_CODE[activation], WIDE=y.numel() >= 2**31, BLOCK_P=bp, BLOCK_C=bc,
-           num_warps=num_warps)
-    return y
+    return rows_epilogue_(y, y.shape[-1], None, res, activation, alpha, beta, block, num_warps)

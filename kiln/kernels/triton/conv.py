@@ -39,17 +39,13 @@ from kiln.kernels.registry import register
 from kiln.kernels.torch import fused_conv as torch_fused
 from kiln.kernels.triton import depthwise, implicit_gemm
 from kiln.kernels.triton.common import (
-    ACT_CODE,
     FLOATS,
     HALF,
-    bias_act_kernel,
-    launch,
-    next_pow2,
     on_device,
+    rows_epilogue_,
     tactic_of,
 )
 from kiln.kernels.triton.gemm import gemm2d, gemm_tactics
-from kiln.kernels.triton.lazy import cdiv
 from kiln.ops import fused_conv as FC
 
 CL = torch.channels_last
@@ -68,18 +64,7 @@ def bias_act_(y, bias=None, res=None, activation: str = "", alpha: float = 0.0,
     if not y.is_contiguous(memory_format=CL) or (
             res is not None and (res.shape != y.shape or not res.is_contiguous(memory_format=CL))):
         raise ValueError("bias_act_: y and the residual must be channels-last, of one shape")
-    c = y.shape[1]
-    if y.numel() == 0 or (bias is None and res is None and not activation):
-        return y
-    rows = y.numel() // c
-    bc = min(next_pow2(c), block)
-    bp = max(1, block // bc)
-    grid = (cdiv(rows, bp), cdiv(c, bc))
-    launch(bias_act_kernel, grid, y, y if bias is None else bias, y if res is None else res,
-           rows, c, float(alpha), float(beta), HAS_BIAS=bias is not None,
-           HAS_RES=res is not None, ACT=ACT_CODE[activation], WIDE=y.numel() >= 2**31,
-           BLOCK_P=bp, BLOCK_C=bc, num_warps=num_warps)
-    return y
+    return rows_epilogue_(y, y.shape[1], bias, res, activation, alpha, beta, block, num_warps)
 
 
 # ---------------------------------------------------------------- the op
