@@ -132,6 +132,24 @@ def epilogue(acc, Bias, cols, n_cols, r_ptrs, mask, act_a, act_b,
     return act(acc, ACT, act_a, act_b)
 
 
+@jit
+def nhwc_pixels(P, OH, OW, BLOCK_P: tl.constexpr):
+    """This program's BLOCK_P output pixels of an NHWC map of P = N * OH * OW pixels (axis 0
+    of the grid): (flat index, in range, n, oh, ow)."""
+    rp = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    return rp, rp < P, rp // (OW * OH), (rp // OW) % OH, rp % OW
+
+
+@jit
+def window_tap(nb, oh, ow, p_ok, kh, kw, H, W, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w):
+    """The input pixel a window's tap (kh, kw) reads for each output pixel, as a flat NHWC
+    pixel index, and whether it lies inside the map (padding is a mask)."""
+    ih = oh * stride_h - pad_h + kh * dil_h
+    iw = ow * stride_w - pad_w + kw * dil_w
+    ok = p_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+    return ((nb * H + ih) * W + iw).to(tl.int64), ok
+
+
 # rows (P) vary per layer: one binary per tile and epilogue, not one per layer shape
 @jit(do_not_specialize=["P"])
 def bias_act_kernel(Y, Bias, R, P, C, alpha, beta,

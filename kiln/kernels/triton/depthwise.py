@@ -21,6 +21,8 @@ from kiln.kernels.triton.common import (
     epilogue,
     launch,
     next_pow2,
+    nhwc_pixels,
+    window_tap,
 )
 from kiln.kernels.triton.lazy import cdiv, jit, tl
 
@@ -39,22 +41,15 @@ def _dw_kernel(X, Wt, Y, Bias, R, P, H, W, C, OH, OW, CO, MULT,
                KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
                HAS_RES: tl.constexpr, ACT: tl.constexpr,
                BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    rp = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    rp, p_ok, nb, oh, ow = nhwc_pixels(P, OH, OW, BLOCK_P)
     rc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    p_ok = rp < P
     c_ok = rc < CO
-    ow = rp % OW
-    oh = (rp // OW) % OH
-    nb = rp // (OW * OH)
     ic = rc // MULT
     acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
     for kh in tl.static_range(KH):
-        ih = oh * stride_h - pad_h + kh * dil_h
-        h_ok = p_ok & (ih >= 0) & (ih < H)
         for kw in tl.static_range(KW):
-            iw = ow * stride_w - pad_w + kw * dil_w
-            ok = h_ok & (iw >= 0) & (iw < W)
-            pix = ((nb * H + ih) * W + iw).to(tl.int64)
+            pix, ok = window_tap(nb, oh, ow, p_ok, kh, kw, H, W, stride_h, stride_w, pad_h,
+                                 pad_w, dil_h, dil_w)
             x = tl.load(X + pix[:, None] * C + ic[None, :], mask=ok[:, None] & c_ok[None, :],
                         other=0.0)
             wv = tl.load(Wt + rc * (KH * KW) + (kh * KW + kw), mask=c_ok, other=0.0)

@@ -18,7 +18,15 @@ import torch
 
 from kiln.kernels.registry import register
 from kiln.kernels.torch import nn as torch_nn
-from kiln.kernels.triton.common import channels_last_out, launch, next_pow2, on_device, tactic_of
+from kiln.kernels.triton.common import (
+    channels_last_out,
+    launch,
+    next_pow2,
+    nhwc_pixels,
+    on_device,
+    tactic_of,
+    window_tap,
+)
 from kiln.kernels.triton.lazy import cdiv, jit, tl
 from kiln.ops import nn as N
 
@@ -31,21 +39,14 @@ DEFAULT = dict(zip(_KEYS, (32, 64, 4)))
 def _maxpool_kernel(X, Y, P, H, W, C, OH, OW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                     KH: tl.constexpr, KW: tl.constexpr,
                     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    rp = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    rp, p_ok, nb, oh, ow = nhwc_pixels(P, OH, OW, BLOCK_P)
     rc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    p_ok = rp < P
     c_ok = rc < C
-    ow = rp % OW
-    oh = (rp // OW) % OH
-    nb = rp // (OW * OH)
     acc = tl.full((BLOCK_P, BLOCK_C), float("-inf"), dtype=tl.float32)
     for kh in tl.static_range(KH):
-        ih = oh * stride_h - pad_h + kh * dil_h
-        h_ok = p_ok & (ih >= 0) & (ih < H)
         for kw in tl.static_range(KW):
-            iw = ow * stride_w - pad_w + kw * dil_w
-            ok = h_ok & (iw >= 0) & (iw < W)
-            pix = ((nb * H + ih) * W + iw).to(tl.int64)
+            pix, ok = window_tap(nb, oh, ow, p_ok, kh, kw, H, W, stride_h, stride_w, pad_h,
+                                 pad_w, dil_h, dil_w)
             x = tl.load(X + pix[:, None] * C + rc[None, :], mask=ok[:, None] & c_ok[None, :],
                         other=float("-inf"))
             acc = tl.maximum(acc, x.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
