@@ -132,6 +132,18 @@ def epilogue(acc, Bias, cols, n_cols, r_ptrs, mask, act_a, act_b,
     return act(acc, ACT, act_a, act_b)
 
 
+PIXEL_TILE_KEYS = ("BLOCK_P", "BLOCK_C", "num_warps")
+
+
+def pixel_channel_tiles(configs, channels: int, pixels: int, default: dict, **extra) -> list:
+    """The [BLOCK_P pixels, BLOCK_C channels] tiles of ``configs`` (PIXEL_TILE_KEYS tuples)
+    worth timing for an NHWC map: none wider than twice the channels or taller than twice the
+    pixels; ``default`` where none fits. ``extra``: keys every tactic carries."""
+    out = [dict(zip(PIXEL_TILE_KEYS, c), **extra) for c in configs
+           if c[1] <= max(16, 2 * next_pow2(channels)) and c[0] <= max(16, 2 * pixels)]
+    return out or [dict(default)]
+
+
 @jit
 def nhwc_pixels(P, OH, OW, BLOCK_P: tl.constexpr):
     """This program's BLOCK_P output pixels of an NHWC map of P = N * OH * OW pixels (axis 0

@@ -17,20 +17,20 @@ from __future__ import annotations
 
 from kiln.kernels.triton.common import (
     ACT_CODE,
+    PIXEL_TILE_KEYS,
     channels_last_out,
     epilogue,
     launch,
-    next_pow2,
     nhwc_pixels,
+    pixel_channel_tiles,
     window_tap,
 )
 from kiln.kernels.triton.lazy import cdiv, jit, tl
 
-_KEYS = ("BLOCK_P", "BLOCK_C", "num_warps")
 # (pixels, channels, warps): wide channel tiles for coalesced loads, taller ones for few channels
 _CONFIGS = ((32, 64, 4), (64, 32, 4), (16, 128, 4), (64, 64, 4), (128, 32, 4), (32, 128, 8),
             (128, 16, 4))
-DEFAULT = dict(zip(_KEYS, (32, 64, 4)), impl="depthwise")
+DEFAULT = dict(zip(PIXEL_TILE_KEYS, (32, 64, 4)), impl="depthwise")
 
 
 # the spatial extents vary per layer; specializing on them (== 1, % 16) compiled a kernel per
@@ -68,9 +68,7 @@ def is_depthwise(groups: int, x, w) -> bool:
 def tactics(co: int, p: int) -> list[dict]:
     """The tiles worth timing: none wider than twice the channels or taller than twice the
     output pixels."""
-    out = [dict(zip(_KEYS, c), impl="depthwise") for c in _CONFIGS
-           if c[1] <= max(16, 2 * next_pow2(co)) and c[0] <= max(16, 2 * p)]
-    return out or [dict(DEFAULT)]
+    return pixel_channel_tiles(_CONFIGS, co, p, DEFAULT, impl="depthwise")
 
 
 def conv2d(t: dict, x, w, bias, res, geometry, activation: str = "", act_a: float = 0.0,

@@ -19,20 +19,20 @@ import torch
 from kiln.kernels.registry import register
 from kiln.kernels.torch import nn as torch_nn
 from kiln.kernels.triton.common import (
+    PIXEL_TILE_KEYS,
     channels_last_out,
     launch,
-    next_pow2,
     nhwc_pixels,
     on_device,
+    pixel_channel_tiles,
     tactic_of,
     window_tap,
 )
 from kiln.kernels.triton.lazy import cdiv, jit, tl
 from kiln.ops import nn as N
 
-_KEYS = ("BLOCK_P", "BLOCK_C", "num_warps")
 _CONFIGS = ((32, 64, 4), (64, 64, 4), (16, 128, 4), (128, 32, 4), (64, 128, 8), (128, 16, 4))
-DEFAULT = dict(zip(_KEYS, (32, 64, 4)))
+DEFAULT = dict(zip(PIXEL_TILE_KEYS, (32, 64, 4)))
 
 
 @jit(do_not_specialize=["P", "H", "W", "OH", "OW"])
@@ -70,9 +70,7 @@ def _tactics(n, inputs) -> list[dict]:
     x = inputs[0]
     _, _, _, (oh, ow), _ = _geometry(n, x)
     p, c = x.shape[0] * oh * ow, x.shape[1]
-    out = [dict(zip(_KEYS, t)) for t in _CONFIGS
-           if t[1] <= max(16, 2 * next_pow2(c)) and t[0] <= max(16, 2 * p)]
-    return out or [dict(DEFAULT)]
+    return pixel_channel_tiles(_CONFIGS, c, p, DEFAULT)
 
 
 @register(N.MaxPool, backend="cuda", name="TritonMaxPool", tactics=_tactics, supports=supports)
