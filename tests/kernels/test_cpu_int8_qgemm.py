@@ -16,6 +16,7 @@ from kiln.builder import Builder, BuilderConfig
 from kiln.kernels.registry import Call
 from kiln.kernels.torch import int8 as K
 from kiln.ops import int8 as I8
+from tests.ort_util import calibration_reader
 
 pytestmark = pytest.mark.skipif(not native.available, reason=native.why_not or "no native")
 PATHS = ["scalar", "avx2", "vnni"]
@@ -132,7 +133,6 @@ def _mlp_models(tmp_path):
     """The same MLP from onnxruntime's quantize_dynamic and quantize_static (QDQ)."""
     pytest.importorskip("onnxruntime")
     from onnxruntime.quantization import (
-        CalibrationDataReader,
         QuantFormat,
         QuantType,
         quantize_dynamic,
@@ -147,16 +147,10 @@ def _mlp_models(tmp_path):
     dyn, qdq = tmp_path / "mlp.dyn.onnx", tmp_path / "mlp.qdq.onnx"
     quantize_dynamic(str(src), str(dyn), weight_type=QuantType.QInt8)
 
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            rng = np.random.default_rng(5)
-            self.batches = iter([{"x": rng.standard_normal((2, 8, 32)).astype(np.float32)}
+    rng = np.random.default_rng(5)
+    reader = calibration_reader([{"x": rng.standard_normal((2, 8, 32)).astype(np.float32)}
                                  for _ in range(4)])
-
-        def get_next(self):
-            return next(self.batches, None)
-
-    quantize_static(str(src), str(qdq), Reader(), quant_format=QuantFormat.QDQ,
+    quantize_static(str(src), str(qdq), reader, quant_format=QuantFormat.QDQ,
                     activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
     return {"dynamic": dyn, "qdq": qdq}
 

@@ -18,6 +18,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from kiln.builder import Builder, BuilderConfig
+from tests.ort_util import calibration_reader
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -29,7 +30,6 @@ def residual_qdq(tmp_path_factory):
     pytest.importorskip("onnxruntime")
     import torch
     from onnxruntime.quantization import (
-        CalibrationDataReader,
         QuantFormat,
         QuantType,
         quantize_static,
@@ -51,16 +51,10 @@ def residual_qdq(tmp_path_factory):
     torch.onnx.export(M().eval(), (torch.randn(2, 8, 32),), str(src), input_names=["x"],
                       output_names=["y"], dynamo=False)
 
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            rng = np.random.default_rng(5)
-            self.batches = iter([{"x": rng.standard_normal((2, 8, 32)).astype(np.float32)}
+    rng = np.random.default_rng(5)
+    reader = calibration_reader([{"x": rng.standard_normal((2, 8, 32)).astype(np.float32)}
                                  for _ in range(4)])
-
-        def get_next(self):
-            return next(self.batches, None)
-
-    quantize_static(str(src), str(out), Reader(), quant_format=QuantFormat.QDQ,
+    quantize_static(str(src), str(out), reader, quant_format=QuantFormat.QDQ,
                     activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)
     return out
 

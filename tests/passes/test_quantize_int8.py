@@ -17,6 +17,7 @@ from kiln.kernels.torch import int8 as K
 from kiln.ops import int8 as I8
 from kiln.passes.quantize.data import load_batches
 from kiln.passes.quantize.int8 import W_LEVELS, quantize_weight, scales_from_amax
+from tests.ort_util import calibration_reader
 
 RNG = np.random.default_rng(0)
 
@@ -429,7 +430,6 @@ def test_qoperator_model_runs_int8_layers(tmp_path):
     kiln stays about as close to FP32 as onnxruntime."""
     ort = pytest.importorskip("onnxruntime")
     from onnxruntime.quantization import (
-        CalibrationDataReader,
         QuantFormat,
         QuantType,
         quantize_static,
@@ -440,14 +440,9 @@ def test_qoperator_model_runs_int8_layers(tmp_path):
     net = _QOpNet().eval()
     torch.onnx.export(net, (torch.randn(2, 3, 8, 8),), str(src),
                       input_names=["x"], output_names=["y"], dynamo=False)
-    batches = iter([{"x": np.random.default_rng(i).standard_normal((2, 3, 8, 8)).astype(
-        np.float32)} for i in range(4)])
-
-    class Reader(CalibrationDataReader):
-        def get_next(self):
-            return next(batches, None)
-
-    quantize_static(str(src), str(qop), Reader(), quant_format=QuantFormat.QOperator,
+    reader = calibration_reader([{"x": np.random.default_rng(i).standard_normal(
+        (2, 3, 8, 8)).astype(np.float32)} for i in range(4)])
+    quantize_static(str(src), str(qop), reader, quant_format=QuantFormat.QOperator,
                     activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                     op_types_to_quantize=["Conv", "MatMul"])
     ops = [n.op_type for n in onnx.load(str(qop)).graph.node]
