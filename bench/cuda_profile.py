@@ -25,22 +25,16 @@ def event_ms(fn, iters: int) -> tuple[float, float]:
     """(median per-call ms, back-to-back ms per call) with CUDA events."""
     import torch
 
-    per = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        per.append(a.elapsed_time(b))
+    from bench.llm_attention import median_call_s
+
+    per = 1e3 * median_call_s(fn, iters, "cuda", warmup=0)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(iters):
         fn()
     b.record()
     b.synchronize()
-    per.sort()
-    return per[len(per) // 2], a.elapsed_time(b) / iters
+    return per, a.elapsed_time(b) / iters
 
 
 def kernel_table(fn, iters: int, top: int) -> dict:
@@ -96,23 +90,6 @@ def kiln_fn(path: Path, feeds: dict, tune: bool, tmp: Path, precision: str = "fp
     return (lambda: ctx.run(dev, copy_outputs=False)), info
 
 
-def torch_fn(name: str, entry, feeds: dict):
-    import torch
-
-    from bench.corpus import registry
-
-    module = registry.get(name).make().half().cuda().eval()
-    args = []
-    for i in entry.inputs:
-        t = torch.from_numpy(feeds[i.name]).cuda()
-        args.append(t.half() if t.is_floating_point() else t)
-
-    def run():
-        with torch.inference_mode():
-            return module(*args)
-    return run
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--corpus", required=True)
@@ -145,7 +122,10 @@ def main(argv=None) -> int:
                            args.precision, calib)
         systems[f"kiln {args.precision}"] = (fn, info)
         if args.peer and entry.has_torch_definition:
-            systems["torch eager fp16"] = (torch_fn(args.model, entry, feeds), {})
+            from bench.corpus.cuda import torch_system
+
+            systems["torch eager fp16"] = (torch_system(args.model, feeds, entry, False, {}),
+                                           {})
         for name, (fn, info) in systems.items():
             for _ in range(5):
                 fn()
