@@ -13,6 +13,7 @@ import torch
 import kiln
 from kiln import settings
 from kiln.engine import format as fmt
+from kiln.engine import gc_pause
 from kiln.engine.executor import Executor
 from kiln.engine.profile import Profile, bucket_of, check_feeds
 from kiln.engine.serialize import PlanReader, PlanWriter, decode_type, encode_type
@@ -261,7 +262,13 @@ def load(path: str | os.PathLike, portable: bool = False, warm_up: bool = False)
     to rebuild. ``portable=True`` accepts the difference (kernels are tuned again on first
     use; :attr:`Engine.portability_notes` lists what differed). CPU engines load anywhere.
     ``warm_up=True`` runs :meth:`Engine.warm_up` before returning (a longer load, a first
-    request at steady-state latency)."""
+    request at steady-state latency). The garbage collector is held off meanwhile
+    (:mod:`kiln.engine.gc_pause`): what a load makes lives as long as the engine."""
+    with gc_pause.paused():
+        return _load(path, portable, warm_up)
+
+
+def _load(path, portable: bool, warm_up: bool) -> Engine:
     ef = fmt.read_engine(path)
     h = ef.header
     dev = h.get("device", {}).get("kind", "cpu")

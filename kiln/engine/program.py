@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from kiln import native
+from kiln.engine import gc_pause
 from kiln.engine.step import kernel_error, store_outputs
 from kiln.errors import KilnError
 
@@ -216,7 +217,8 @@ class Program:
             sig += values
         plan = self.plans.get(sig)
         if plan is None:
-            return self._trace(sig, args, call)
+            with gc_pause.paused():  # the trace and plan make the plan's long-lived objects
+                return self._trace(sig, args, call)
         if plan is False:
             return None
         try:

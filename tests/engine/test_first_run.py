@@ -214,3 +214,59 @@ def test_dim_expressions_are_parsed_once():
     assert a is dim_from_str("ceiling(ceiling(H/2)/2) + 1")
     assert sympy.simplify(a - (sympy.ceiling(sympy.ceiling(sym("H") / 2) / 2) + 1)) == 0
     assert dim_from_str("7") == 7 and dim_from_str("?") is None
+
+
+def test_load_and_first_run_hold_the_garbage_collector(tmp_path, monkeypatch):
+    """Loading and the first run's trace and plan run with the cyclic collector off (a full
+    collection there walks the whole process, 100+ ms with torch imported, for objects that
+    live as long as the engine); it is on again after each, a caller's own ``gc.disable()`` is
+    kept, and the outputs are the built engine's (to rounding: the loaded one runs its own
+    picks)."""
+    import gc
+
+    from kiln.engine import engine as engine_mod
+    from kiln.engine import program
+
+    engine = kiln.Builder(kiln.BuilderConfig(device="cpu")).build(
+        str(_conv_model(tmp_path / "c.onnx")))
+    engine.save(tmp_path / "c.kiln")
+    x = np.random.default_rng(1).standard_normal((1, 8, 12, 12)).astype(np.float32)
+    want = engine.create_context().run({"x": x})["y"]
+    inside, seen = [], {"in": 0, "out": 0}
+
+    def marked(fn):
+        def wrapped(*a, **k):
+            inside.append(1)
+            try:
+                return fn(*a, **k)
+            finally:
+                inside.pop()
+        return wrapped
+    monkeypatch.setattr(engine_mod, "_load", marked(engine_mod._load))
+    monkeypatch.setattr(program.Program, "_trace", marked(program.Program._trace))
+
+    def cb(phase, info):
+        if phase == "start":
+            seen["in" if inside else "out"] += 1
+    old = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)  # a collection at nearly every allocation, where one may run
+    gc.callbacks.append(cb)
+    try:
+        loaded = kiln.load(tmp_path / "c.kiln")
+        assert gc.isenabled()
+        first = loaded.create_context().run({"x": x})["y"]
+        second = loaded.create_context().run({"x": x})["y"]
+        assert gc.isenabled()
+        gc.disable()
+        try:  # a caller's disabled collector stays disabled
+            kiln.load(tmp_path / "c.kiln").create_context().run({"x": x})
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+    finally:
+        gc.callbacks.remove(cb)
+        gc.set_threshold(*old)
+    assert seen["in"] == 0 and seen["out"] > 0
+    assert sum(ex.program.traced for ex in loaded._executors if ex.program is not None) == 1
+    np.testing.assert_allclose(first, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(second, want, rtol=1e-5, atol=1e-6)
