@@ -284,28 +284,26 @@ def agreement(got: list[list[int]], refs: list[list[int]]) -> dict:
 def throughput_256(engine: LLMEngine, rng: random.Random, n: int = 256, in_len: int = 512,
                    out_len: int = 256) -> dict:
     """Output tokens/s of n = 256 requests (512 in / 256 out) queued at once, and where the time
-    went: the phase until every prompt is prefilled vs the decode-only rest, and the time inside
-    the runner (launches, GPU, the sync on the sampled ids) vs the host's share of the step
-    (scheduler, KV bookkeeping, detokenizing)."""
+    went: the phase until every prompt is prefilled vs the decode-only rest, each split into the
+    engine's parts (``kiln.llm.profile``: schedule, inputs, launch, sync, update, emit, metrics
+    and, on CUDA, the device's span of each step), the runner's share (launch + sync) vs the
+    host's (scheduler, KV bookkeeping, detokenizing), and the allocator's retries (a step that
+    had to free cached blocks and sync)."""
+    from kiln.llm.profile import StepProfile
+
     prompts = [[rng.randrange(100, 30000) for _ in range(in_len)] for _ in range(n)]
     p = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
-    runner, execute = engine.runner, engine.runner.execute
-    in_runner = [0.0]
-
-    def timed(out):
-        t0 = time.perf_counter()
-        try:
-            return execute(out)
-        finally:
-            in_runner[0] += time.perf_counter() - t0
-
-    runner.execute = timed
-    torch.cuda.synchronize()
+    cuda = engine.model.device.type == "cuda"
+    prof = StepProfile(cuda=cuda)
+    retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
+    if cuda:
+        torch.cuda.synchronize()
     t = time.perf_counter()
     reqs = [engine.add_request(q, p) for q in prompts]
     n_out = steps = 0
-    prefilled = None  # (seconds, tokens out) when the last prompt got its first token
+    prefilled = None  # (seconds, tokens out, steps) when the last prompt got its first token
     walls = []  # each step's wall seconds
+    engine.set_profile(prof)
     try:
         while engine.has_unfinished():
             t0 = time.perf_counter()
@@ -315,17 +313,35 @@ def throughput_256(engine: LLMEngine, rng: random.Random, n: int = 256, in_len: 
             if prefilled is None and all(r.output_token_ids for r in reqs):
                 prefilled = (time.perf_counter() - t, n_out, steps)
     finally:
-        del runner.execute  # the instance attribute: the method again
-    torch.cuda.synchronize()
+        engine.set_profile(None)
+    if cuda:
+        torch.cuda.synchronize()
     total = time.perf_counter() - t
+    whole = prof.summary()
     row = {"throughput_256_tok_s": n_out / total, "steps": steps,
-           "runner_s": in_runner[0], "host_s": total - in_runner[0]}
+           "runner_s": whole.get("runner_s", 0.0), "host_s": total - whole.get("runner_s", 0.0)}
+    if cuda:
+        row["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0
     if prefilled is not None:
         pt, pn, ps = prefilled
         row.update(prefill_phase_s=pt, prefill_phase_steps=ps,
                    decode_phase_tok_s=(n_out - pn) / max(total - pt, 1e-9))
         row.update(step_times(walls[:ps], "prefill"), **step_times(walls[ps:], "decode"))
+        row["prefill_phase"] = prof.summary(prof.steps[:ps])
+        row["decode_phase"] = prof.summary(prof.steps[ps:])
+        for phase in ("prefill", "decode"):
+            print(phase_line(phase, row[f"{phase}_phase"]), flush=True)
     return row
+
+
+def phase_line(phase: str, s: dict) -> str:
+    """One phase's breakdown as a line: steps, wall, and each part's total and median step."""
+    if not s:
+        return f"{phase} phase: no steps"
+    parts = ", ".join(f"{k} {v:.2f} s ({s['median_ms'][k]:.1f} ms)"
+                      for k, v in s["total_s"].items())
+    return (f"{phase} phase: {s['steps']} steps, {s['tokens']} tokens, {s['wall_s']:.2f} s "
+            f"(median step {s['wall_ms_median']:.1f} ms): {parts}")
 
 
 def step_times(walls: list[float], phase: str) -> dict:

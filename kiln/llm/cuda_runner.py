@@ -470,6 +470,7 @@ class CudaModelRunner(ModelRunner):
         if greedy and rows == list(range(len(entries))) and self._decode_only(entries, rows):
             out = self._decode_safe(ids, positions, entries)
             if out is not None:
+                self._launched()
                 return out[1].tolist()  # the in-graph argmax: one id per sequence comes back
         return super().forward_sample(ids, positions, entries, rows, sampling)
 

@@ -142,6 +142,7 @@ class LLMEngine:
         self.scheduler.eos_token_ids = tuple(sorted(eos))
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.metrics = EngineMetrics()
+        self.profile = None  # a StepProfile while a benchmark times the steps' parts
         self._ids = itertools.count()
         # what loading left behind lives as long as the engine: out of the collector's scans
         # (a full collection walked every object of torch, the tokenizer and the weights'
@@ -176,18 +177,33 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def set_profile(self, profile=None):
+        """Time every step's parts into ``profile`` (a ``kiln.llm.profile.StepProfile``);
+        None: stop."""
+        self.profile = self.runner.profile = profile
+
     def step(self) -> list[StepOutput]:
+        prof = self.profile
+        if prof is not None:
+            prof.begin()
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
+        if prof is not None:
+            prof.mark("schedule")
         sampled = self.runner.execute(sched)
         now = time.monotonic()
-        outs = []
-        for req, tok in self.scheduler.update_from_output(sched, sampled, now):
-            if tok is None:
-                continue
-            outs.append(self._emit(req, tok))
+        events = self.scheduler.update_from_output(sched, sampled, now)
+        if prof is not None:
+            prof.mark("update")
+        outs = [self._emit(req, tok) for req, tok in events if tok is not None]
+        if prof is not None:
+            prof.mark("emit")
         self.metrics.on_step(sched, self.scheduler, self.kv, len(sampled))
+        if prof is not None:
+            prof.mark("metrics")
+            prof.end(tokens=sched.num_batched_tokens, seqs=len(sched.scheduled),
+                     sampled=len(sampled))
         return outs
 
     def _emit(self, req: Request, tok: int) -> StepOutput:

@@ -51,6 +51,8 @@ def blocks_from_memory(model: LlamaModel, block_size: int, fraction: float,
 
 
 class ModelRunner:
+    profile = None  # a StepProfile (set by LLMEngine.set_profile) while steps are timed
+
     """``native_decode``: run steps made only of decodes as one native call
     (``LlamaModel.decode_native``) where the model allows it (not over an FP8 cache: the native
     stack reads float32 K/V). ``kv_cache_dtype``: ``auto`` (the model's dtype) or ``fp8``;
@@ -96,15 +98,29 @@ class ModelRunner:
             if s.samples:
                 rows.append(t - 1)
                 sampling.append(s.request)
+        prof = self.profile
+        if prof is not None:
+            prof.mark("inputs")
+            prof.device_start()
         tokens = self.forward_sample(ids, positions, entries, rows, sampling)
+        if prof is not None:
+            prof.mark("sync")
         return {r.request_id: tok for r, tok in zip(sampling, tokens)}
 
     def forward_sample(self, ids, positions, entries, rows, sampling) -> list[int]:
         """The step's forward pass and one sampled token per row of ``rows``."""
         logits = self.forward(ids, positions, entries, rows)
+        self._launched()
         if not sampling:
             return []
         return self.sampler.sample(logits, sampling)
+
+    def _launched(self):
+        """The step's kernels are all launched: what follows waits for them (profiling)."""
+        prof = self.profile
+        if prof is not None:
+            prof.device_end()
+            prof.mark("launch")
 
     def forward(self, ids, positions, entries, rows) -> torch.Tensor:
         dev = self.model.device

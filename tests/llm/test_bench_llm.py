@@ -56,6 +56,12 @@ def test_throughput_row_splits_the_time(tiny_dir, monkeypatch):
         t = row[f"{phase}_step_ms"]
         assert 0 < t["median"] <= t["max"] and 0 <= t["slow_steps"] < row["steps"]
     assert "execute" not in vars(eng.runner)  # the runner's own method again
+    pre, dec = row["prefill_phase"], row["decode_phase"]
+    assert pre["steps"] + dec["steps"] == row["steps"]
+    assert pre["tokens"] + dec["tokens"] == 6 * 20 + 6 * 4  # prompts + the decode steps' tokens
+    for s in (pre, dec):
+        assert set(s["total_s"]) >= {"schedule", "launch", "sync", "emit"}
+    assert eng.profile is None and eng.runner.profile is None
 
 
 def test_token_times_streamer_sees_prompt_then_each_token():
