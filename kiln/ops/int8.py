@@ -20,8 +20,33 @@ from kiln.ops.schema import kiln_op
 # x_scale 0: the activation is quantized on every call from its own range (dynamic)
 _QUANT = {"x_scale": Attr("float", REQUIRED), "x_zero": Attr("int", 0)}
 
+# Quantized hand-offs between layers (kiln.passes.quantize.handoff, CUDA builds): a layer whose
+# X input is already codes (int8 for Int8MatMul/Int8Conv: ``clamp(round(x / x_scale) + x_zero
+# - 128, -128, 127)``; float8 e4m3 for Fp8MatMul: ``x / x_scale`` saturated at 448) computes in
+# the float dtype ``out_float`` (an ONNX dtype code; 0: X's dtype); one with ``out_scale`` > 0
+# writes its own output as such codes (``out_scale``, ``out_zero``: its reader's x_scale and
+# x_zero) instead of the float values.
+_QOUT = {"out_scale": Attr("float", 0.0), "out_zero": Attr("int", 128),
+         "out_float": Attr("int", 0)}
+CODE_DTYPES = (DType.int8, DType.float8e4m3fn)
+
+
+def _handoff(rule, codes: DType):
+    """``rule``'s shape with the dtype of the hand-off attributes (see :data:`_QOUT`)."""
+    def infer(ctx):
+        out = rule(ctx)
+        a = ctx.attrs
+        if a.out_scale > 0:
+            dt = codes
+        elif ctx.dtype(0) in CODE_DTYPES:
+            dt = DType(a.out_float) if a.out_float else None
+        else:
+            return out
+        return [tensor(dt, out[0].shape)]
+    return infer
+
 Int8MatMul = kiln_op(
-    "Int8MatMul", {**_QUANT, **_EPILOGUE}, _matmul_rule,
+    "Int8MatMul", {**_QUANT, **_EPILOGUE, **_QOUT}, _handoff(_matmul_rule, DType.int8),
     doc="act(X @ (Wq * w_scale) + bias + R) with X quantized by x_scale/x_zero; inputs X "
         "(float, N-D), Wq (int8 [K, N]), w_scale (float32 [N]), bias (optional), R (optional)")
 
@@ -46,12 +71,14 @@ QLinearMatMulQDQ = kiln_op(
         "(float32); inputs A [..., M, K], B [..., K, N] (float32)")
 
 Int8Conv = kiln_op(
-    "Int8Conv", {**_QUANT, **_CONV_ATTRS, **_EPILOGUE}, _conv_rule,
+    "Int8Conv", {**_QUANT, **_CONV_ATTRS, **_EPILOGUE, **_QOUT},
+    _handoff(_conv_rule, DType.int8),
     doc="act(Conv(X, Wq * w_scale) + bias + R) with X quantized by x_scale/x_zero; inputs X, "
         "Wq (int8 [M, C/group, k...]), w_scale (float32 [M]), bias (optional), R (optional)")
 
 Fp8MatMul = kiln_op(
-    "Fp8MatMul", {"x_scale": Attr("float", REQUIRED), **_EPILOGUE}, _matmul_rule,
+    "Fp8MatMul", {"x_scale": Attr("float", REQUIRED), **_EPILOGUE, **_QOUT},
+    _handoff(_matmul_rule, DType.float8e4m3fn),
     doc="act(X @ (Wf8 * w_scale) + bias + R) with X cast to float8 e4m3 after dividing by "
         "x_scale (saturating at 448); inputs X, Wf8 (float8e4m3fn [K, N]), w_scale (float32 "
         "[N]), bias (optional), R (optional). FP8 tensor cores on Hopper, emulated elsewhere")
@@ -96,3 +123,20 @@ DynamicMatMulInteger = kiln_op(
         "products of X's codes by a constant 8-bit W as float32 times the float32 product "
         "x_scale * w_scale, plus the bias; inputs X (float32), W (8-bit constant [K, N]), "
         "w_zero (optional), w_scale (float32, 1 or N values), bias (optional, float32 [N])")
+
+
+def _layernorm_quant(ctx):
+    x = ctx.type(0)
+    codes = DType.float8e4m3fn if ctx.attrs.fp8 else DType.int8
+    return [x, tensor(codes, None if x is None else x.shape)]
+
+
+LayerNormQuant = kiln_op(
+    "LayerNormQuant", {"axis": Attr("int", -1), "epsilon": Attr("float", 1e-5),
+                       "stash_type": Attr("int", 1), "zshift": Attr("int", 0),
+                       "fp8": Attr("int", 0)}, _layernorm_quant,
+    doc="LayerNormalization over the last axis that also writes its output as the codes of "
+        "the INT8/FP8 layers reading it: outputs Y (float) and codes ``clamp(round(Y * "
+        "qmul) + zshift, -128, 127)`` (int8), or ``Y * qmul`` saturated to float8 e4m3 "
+        "(fp8); inputs X, scale, bias, qmul (float32 [C]: the readers' 1 / x_scale per "
+        "channel, times a smoothing multiplier where there is one)")

@@ -46,3 +46,88 @@ def test_triton_int8_matmul(m, k, n, zero, act, bias, res):
     want = _reference(x, wq, ws, b, r, s, zero, act)
     np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-4,
                                atol=1e-4 * np.abs(want).max())
+
+
+def _int8_codes(x, s, z):
+    """X's signed int8 codes as kiln's kernels write them: floor(x / s + 0.5) + z - 128."""
+    return np.clip(np.floor(x / s + 0.5) + z, 0, 255).astype(np.int64) - 128
+
+
+def _dev(a):
+    return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)
+
+
+@pytest.mark.parametrize("x_codes,out_codes", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_int8_matmul_handoff(x_codes, out_codes, dtype):
+    """Codes in (the producer quantized X) and/or codes out (the reader's scale): the same
+    integers as the float path, the output quantized by its reader's scale and zero."""
+    m, k, n, zero = 24, 64, 40, 100
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    wq, ws = quantize_weight(rng.standard_normal((k, n)).astype(np.float32), 1)
+    b = rng.standard_normal(n).astype(np.float32)
+    r = rng.standard_normal((m, n)).astype(np.float32)
+    s = float(np.abs(x).max() / 127)
+    want = _reference(x, wq, ws, b, r, s, zero, "Relu")
+    os_, oz = float(want.max() / 255), 0
+    fdt = {torch.float32: 1, torch.float16: 10}[dtype]
+    call = Call(I8.Int8MatMul.make_attrs(
+        x_scale=s, x_zero=zero, activation="Relu", has_residual=1,
+        out_scale=os_ if out_codes else 0.0, out_zero=oz, out_float=fdt), 1, 5,
+        tactic=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2))
+    xin = _dev(_int8_codes(x, s, zero).astype(np.int8)) if x_codes else _dev(x).to(dtype)
+    got = T.triton_int8_matmul(call, xin, _dev(wq), _dev(ws), _dev(b).to(dtype),
+                               _dev(r).to(dtype))
+    if out_codes:
+        assert got.dtype == torch.int8
+        wc = _int8_codes(want, os_, oz)
+        d = np.abs(got.cpu().numpy().astype(np.int64) - wc)
+        assert d.max() <= 1 and (d == 0).mean() > 0.97  # +-1 where fp16 rounding moved a half
+    else:
+        assert got.dtype == dtype
+        tol = 1e-4 if dtype == torch.float32 else 2e-3
+        np.testing.assert_allclose(got.float().cpu().numpy(), want, rtol=tol,
+                                   atol=tol * np.abs(want).max())
+
+
+def _e4m3(a):
+    import ml_dtypes
+
+    return np.asarray(a, np.float32).astype(ml_dtypes.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("x_codes,out_codes,k", [(False, False, 64), (True, False, 64),
+                                                 (False, True, 40), (True, True, 40)])
+def test_triton_fp8_matmul(x_codes, out_codes, k):
+    """FP8: X quantized in the kernel (round to nearest even, saturating) or given as e4m3
+    codes, e4m3 weights per column, fp32 accumulation, the epilogue, e4m3 codes out."""
+    from kiln.passes.quantize.int8 import quantize_weight_fp8
+
+    m, n = 20, 24
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
+    x[0, 0] = 1e4  # saturates at 448 * s
+    wf8, ws = quantize_weight_fp8(rng.standard_normal((k, n)).astype(np.float32))
+    b = rng.standard_normal(n).astype(np.float32)
+    s = float(np.abs(x[1:]).max() / 448)
+    xq = np.clip(x / np.float32(s), -448, 448)
+    codes = _e4m3(xq)
+    want = (codes.astype(np.float32).astype(np.float64) @ wf8.astype(np.float32)) * (s * ws) + b
+    want = 0.5 * want * (1 + np.vectorize(__import__("math").erf)(want / np.sqrt(2)))
+    os_ = float(np.abs(want).max() / 448)
+    call = Call(I8.Fp8MatMul.make_attrs(x_scale=s, activation="Gelu",
+                                        out_scale=os_ if out_codes else 0.0, out_float=1),
+                1, 4, tactic=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2))
+    wt = _dev(wf8.view(np.uint8)).view(torch.float8_e4m3fn)
+    xin = _dev(codes.view(np.uint8)).view(torch.float8_e4m3fn) if x_codes else _dev(x)
+    got = T.triton_fp8_matmul(call, xin, wt, _dev(ws), _dev(b))
+    if out_codes:
+        assert got.dtype == torch.float8_e4m3fn
+        g = got.float().cpu().numpy()
+        wc = _e4m3(np.clip(want / os_, -448, 448)).astype(np.float32)
+        assert np.abs(g - wc).max() <= 2 ** -3 * np.abs(wc).max() + 1e-6  # one e4m3 step
+        assert (g == wc).mean() > 0.9
+    else:
+        np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-4,
+                                   atol=1e-4 * np.abs(want).max())

@@ -204,6 +204,8 @@ def _native_epilogue(y, a, r):
 @register(I8.Int8MatMul)
 def int8_matmul(n, x, wq, w_scale, b=None, r=None):
     a = n.a
+    if handoff(a, x):
+        return _int8_matmul_emulated(n, x, wq, w_scale, b, r)
     if _cpu_half(x):
         b, r = (None if t is None else t.float() for t in (b, r))
         return int8_matmul(n, x.float(), wq, w_scale, b, r).to(x.dtype)
@@ -417,9 +419,46 @@ class _WithAttrs:
 
 
 def dequantize_codes(x, a) -> torch.Tensor:
-    """``x`` through the quantizer and back: what an INT8 layer sees of its input."""
+    """``x`` through the quantizer and back: what an INT8 layer sees of its input (as
+    integers ``code - zero``, float32). An int8 ``x`` is codes already (a quantized hand-off:
+    ``round(x / x_scale) + x_zero - 128``)."""
+    if x.dtype == torch.int8:
+        return x.float() - (a.x_zero - 128)
     q = torch.clamp(torch.round(torch.div(x.float(), a.x_scale)) + a.x_zero, 0, 255)
     return q - a.x_zero
+
+
+CODES = (torch.int8, torch.float8_e4m3fn)
+
+
+def handoff(a, x) -> bool:
+    """Whether a layer takes or gives codes (kiln.ops.int8's hand-off attributes)."""
+    return x.dtype in CODES or getattr(a, "out_scale", 0.0) > 0
+
+
+def float_dtype(a, x) -> torch.dtype:
+    """The float dtype a layer computes in: X's, or ``out_float`` where X is codes."""
+    if x.dtype not in CODES:
+        return x.dtype
+    from kiln.ir import DType
+    from kiln.kernels.torch.convert import TORCH_DTYPE
+
+    return TORCH_DTYPE[DType(a.out_float)] if a.out_float else torch.float32
+
+
+E4M3_MAX = 448.0
+
+
+def encode_out(y: torch.Tensor, a, fp8: bool = False) -> torch.Tensor:
+    """``y`` as its reader's codes where the layer has ``out_scale`` (else ``y``): int8
+    ``clamp(floor(y / s + 0.5) + zero - 128)`` as kiln's Triton kernels round, or e4m3."""
+    s = getattr(a, "out_scale", 0.0)
+    if s <= 0:
+        return y
+    if fp8:
+        return torch.div(y.float(), s).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = torch.div(y.float(), s).add_(0.5).floor_().add_(a.out_zero - 128)
+    return q.clamp_(-128, 127).to(torch.int8)
 
 
 def _int8_matmul_emulated(n, x, wq, w_scale, b, r):
@@ -427,14 +466,14 @@ def _int8_matmul_emulated(n, x, wq, w_scale, b, r):
     y = torch.matmul(dequantize_codes(x, a), wq.float()) * (w_scale * a.x_scale)
     if b is not None:
         y = y + b
-    return epilogue(y.to(x.dtype), a, r)
+    return encode_out(epilogue(y.to(float_dtype(a, x)), a, r), a)
 
 
 @register(I8.Int8Conv)
 def int8_conv(n, x, wq, w_scale, b=None, r=None):
     a = n.a
     geo = symmetric_geometry(n, x, wq) if x.dim() == 4 else None
-    if not _onednn(x) or geo is None:
+    if not _onednn(x) or geo is None or handoff(a, x):
         return _int8_conv_emulated(n, x, wq, w_scale, b, r)
     pad, stride, dil, _ = geo
     groups = a.group or 1
@@ -457,10 +496,10 @@ def _int8_conv_emulated(n, x, wq, w_scale, b, r):
     y = y * (w_scale * a.x_scale).reshape((1, -1) + (1,) * (y.dim() - 2))
     if b is not None:
         y = y + b.reshape((1, -1) + (1,) * (y.dim() - 2))
-    y = y.to(x.dtype)
+    y = y.to(float_dtype(a, x))
     if r is not None:
         y = y + r
-    return _TORCH_ACT[a.activation](y, a)
+    return encode_out(_TORCH_ACT[a.activation](y, a), a)
 
 
 @register(I8.QuantizeDequantize)

@@ -10,13 +10,20 @@ import torch
 
 from kiln.kernels.registry import register
 from kiln.kernels.torch.fused_conv import epilogue
-from kiln.kernels.torch.int8 import _cached, _int8_matmul_emulated
+from kiln.kernels.torch.int8 import (
+    E4M3_MAX,
+    _cached,
+    _int8_matmul_emulated,
+    encode_out,
+    float_dtype,
+)
 from kiln.ops import int8 as I8
-
-E4M3_MAX = 448.0
 
 
 def to_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x / scale`` saturated to float8 e4m3; an e4m3 ``x`` is those codes already."""
+    if x.dtype == torch.float8_e4m3fn:
+        return x
     return torch.div(x.float(), scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
@@ -33,20 +40,26 @@ def cuda_int8_matmul(n, x, wq, w_scale, b=None, r=None):
     if not _int_mm_ok(x2, wq):
         return _int8_matmul_emulated(n, x, wq, w_scale, b, r)
     # signed codes c - 128; an asymmetric zero point z adds (128 - z) * colsum(Wq)
-    xs = torch.div(x2.float(), a.x_scale).round_().add_(a.x_zero - 128).clamp_(-128, 127)
-    acc = torch._int_mm(xs.to(torch.int8), wq)
+    if x2.dtype == torch.int8:  # codes already (a quantized hand-off)
+        xs = x2.contiguous()
+    else:
+        xs = torch.div(x2.float(), a.x_scale).round_().add_(a.x_zero - 128).clamp_(-128, 127)
+        xs = xs.to(torch.int8)
+    acc = torch._int_mm(xs, wq)
     if a.x_zero != 128:
         colsum = _cached(n, "colsum", lambda: wq.sum(0, dtype=torch.int32))
         acc = acc - (a.x_zero - 128) * colsum
     return _finish(acc.float().mul_(w_scale * a.x_scale), x, m, b, a, r)
 
 
-def _finish(y, x, m: int, b, a, r):
+def _finish(y, x, m: int, b, a, r, fp8: bool = False):
     """A GEMM's float32 rows ``y`` dequantized: + bias, back to ``x``'s leading dims and
-    dtype, then the layer's activation/residual epilogue."""
+    (float) dtype, then the layer's activation/residual epilogue, then its output codes
+    where it hands off quantized."""
     if b is not None:
         y = y.add_(b)
-    return epilogue(y.reshape(*x.shape[:-1], m).to(x.dtype), a, r)
+    y = epilogue(y.reshape(*x.shape[:-1], m).to(float_dtype(a, x)), a, r)
+    return encode_out(y, a, fp8)
 
 
 def _fp8_emulated(n, x, wf8, w_scale, b, r):
@@ -55,7 +68,7 @@ def _fp8_emulated(n, x, wf8, w_scale, b, r):
     y = torch.matmul(xq, wf8.float()) * w_scale
     if b is not None:
         y = y + b
-    return epilogue(y.to(x.dtype), a, r)
+    return encode_out(epilogue(y.to(float_dtype(a, x)), a, r), a, fp8=True)
 
 
 @register(I8.Fp8MatMul)
@@ -82,4 +95,4 @@ def cuda_fp8_matmul(n, x, wf8, w_scale, b=None, r=None):
     sx = _cached(n, "sx", lambda: torch.tensor(a.x_scale, device=x.device))
     y = torch._scaled_mm(to_e4m3(x2, a.x_scale), wt, scale_a=sx, scale_b=one,
                          out_dtype=torch.bfloat16)
-    return _finish(y.float().mul_(w_scale), x, m, b, a, r)
+    return _finish(y.float().mul_(w_scale), x, m, b, a, r, fp8=True)

@@ -102,6 +102,32 @@ def act(x, ACT: tl.constexpr, alpha, beta):
 
 
 
+@jit
+def e4m3(y, EXACT: tl.constexpr):
+    """``y`` (float32, within +-448) as float8 e4m3, rounded to nearest, ties to even. The
+    GPU's cast rounds so; Triton's interpreter does not (it drops a carry into the exponent:
+    7.9 became 4), so there (``EXACT``) the rounding is done in float32 bits first and the
+    cast that follows is exact (as kiln.llm.triton_fused does for its FP8 K/V)."""
+    if EXACT:
+        bits = y.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # keep 3 mantissa bits
+        normal = bits.to(tl.float32, bitcast=True)
+        # subnormals (below 2^-6) are steps of 2^-9: +- 1.5 * 2^23 rounds to an integer
+        sub = ((y * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
+        y = tl.where(tl.abs(y) < 0.015625, sub, normal)
+    return y.to(tl.float8e4nv)
+
+
+@jit
+def quantize8(y, scale, shift, FP8: tl.constexpr, EXACT: tl.constexpr):
+    """An fp32 tile as the codes of an INT8/FP8 layer's input: int8 ``clamp(floor(y / s +
+    0.5) + shift, -128, 127)`` or e4m3 ``y / s`` saturated at 448 (s: ``scale``)."""
+    if FP8:
+        return e4m3(tl.minimum(tl.maximum(y / scale, -448.0), 448.0), EXACT)
+    q = tl.floor(y / scale + 0.5) + shift
+    return tl.minimum(tl.maximum(q, -128.0), 127.0).to(tl.int8)
+
+
 def channels_last_out(x, channels: int, oh: int, ow: int):
     """An empty channels-last [N, channels, oh, ow] output like ``x`` (dtype, device)."""
     return torch.empty((x.shape[0], channels, oh, ow), dtype=x.dtype, device=x.device,
