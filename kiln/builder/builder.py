@@ -26,6 +26,7 @@ from kiln.passes.quantize.dynamic import (
     fuse_dynamic_conv,
     fuse_dynamic_matmul_integer,
 )
+from kiln.passes.quantize.handoff import fuse_handoffs
 from kiln.passes.quantize.int8 import weight_grids
 from kiln.passes.quantize.qdq import (
     fold_qdq,
@@ -34,6 +35,7 @@ from kiln.passes.quantize.qdq import (
     fuse_requantize,
     lower_qlinear,
 )
+from kiln.passes.verifier import verify
 
 
 class Builder:
@@ -99,6 +101,9 @@ class Builder:
         if cfg.fp16 or cfg.bf16:  # FP16 when both are allowed: more mantissa, same speed
             lower_precision(graph, "fp16" if cfg.fp16 else "bf16", log=self.log,
                             io=cfg.low_precision_io, keep_fp32=keep_fp32)
+        if "int8" in self.report and cfg.device == "cuda" and cfg.int8_handoff:
+            self.report["int8"]["handoffs"] = fuse_handoffs(graph, self.log)
+            verify(graph, after="fuse_handoffs")
         tuned = self._autotune(graph)  # picks per profile, or None
         choices, tactics = self._choose_kernels(graph, tuned[0] if tuned else None)
         variants = [self._choose_kernels(graph, p) for p in (tuned or [])[1:]]

@@ -82,6 +82,10 @@ class BuilderConfig:
             default is ~1.0x, and 9.6e-4 off onnxruntime's output, where onnxruntime runs those
             layers in float: within its own 9.2e-3 spread; see
             bench/results/quant-cpu-2026-12-04-s11.md).
+        int8_handoff: on CUDA, a tensor that only INT8/FP8 matrix products read is written as
+            their 8-bit codes by the GEMM or LayerNorm that makes it
+            (:mod:`kiln.passes.quantize.handoff`); False: every 8-bit layer quantizes its
+            float input itself.
         calib_cache: calibration cache file (TensorRT's text format): read instead of
             calibrating when it exists and matches, written after calibrating otherwise.
         layer_precision: layer name (or part of a fused name) -> ``"fp32"``, ``"fp16"``,
@@ -115,6 +119,7 @@ class BuilderConfig:
     int8_asymmetric: bool | None = None
     int8_smoothing: float = 0.5
     qdq_shared_int8: bool = False
+    int8_handoff: bool = True
     layer_precision: dict[str, str] = field(default_factory=dict)
     check_finite: bool = True
     verbose: bool = False

@@ -131,3 +131,37 @@ def test_triton_fp8_matmul(x_codes, out_codes, k):
     else:
         np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-4,
                                    atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("fp8,block", [(False, 64), (True, 64), (False, 16)])
+def test_triton_layer_norm_quant(fp8, block):
+    """LayerNormQuant: the float output as LayerNormalization's, and its codes y * qmul
+    (one-block rows and rows walked in chunks)."""
+    from kiln.kernels.torch import int8 as TI
+    from kiln.kernels.triton import norm as TN
+
+    rng = np.random.default_rng(5)
+    rows, c = 6, 48
+    x = rng.standard_normal((rows, c)).astype(np.float32) * 2 + 1
+    g = rng.uniform(0.5, 1.5, c).astype(np.float32)
+    b = rng.standard_normal(c).astype(np.float32) * 0.1
+    mean = x.mean(-1, keepdims=True)
+    y = (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5) * g + b
+    s = float(np.abs(y).max() / (448 if fp8 else 127))
+    qm = (rng.uniform(0.5, 2.0, c) / s).astype(np.float32) / 2  # smoothing x 1 / scale
+    call = Call(I8.LayerNormQuant.make_attrs(epsilon=1e-5, zshift=-3, fp8=int(fp8)), 2, 4,
+                tactic=dict(BLOCK=block, num_warps=1))
+    got_y, got_q = TN.layer_norm_quant(call, _dev(x), _dev(g), _dev(b), _dev(qm))
+    np.testing.assert_allclose(got_y.cpu().numpy(), y, rtol=1e-4, atol=1e-4)
+    ref_y, ref_q = TI.layer_norm_quant(call, _dev(x), _dev(g), _dev(b), _dev(qm))
+    if fp8:
+        want = _e4m3(np.clip(y * qm, -448, 448)).astype(np.float32)
+        assert got_q.dtype == torch.float8_e4m3fn
+        np.testing.assert_array_equal(got_q.float().cpu().numpy(), want)
+    else:
+        want = np.clip(np.floor(y * qm + 0.5) - 3, -128, 127)
+        assert got_q.dtype == torch.int8
+        assert np.abs(got_q.cpu().numpy() - want).max() <= 1
+        assert (got_q.cpu().numpy() == want).mean() > 0.97
+    assert np.abs(ref_q.float().cpu().numpy() - got_q.float().cpu().numpy()).max() <= (
+        2 ** -3 * np.abs(want).max() if fp8 else 1)

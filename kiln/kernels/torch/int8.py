@@ -554,3 +554,19 @@ def qlinear_matmul_qdq(n, a, b):
     lo, hi = (-128, 127) if at.y_signed else (0, 255)
     y = acc.mul_(mult).round_().add_(at.y_zero).clamp_(lo, hi).sub_(at.y_zero)
     return y.mul_(at.y_scale).to(a.dtype)
+
+
+@register(I8.LayerNormQuant)
+def layer_norm_quant(n, x, scale, bias, qmul):
+    """LayerNormalization, and its output as codes ``y * qmul`` (int8 ``floor(. + 0.5) +
+    zshift``, saturated; or e4m3): the form kiln's Triton kernel computes in one pass."""
+    import dataclasses
+
+    from kiln.kernels.torch import nn_norm
+
+    a = n.a
+    y = nn_norm.layer_norm(dataclasses.replace(n, n_out=1), x, scale, bias)
+    q = y.float() * qmul.float()
+    if a.fp8:
+        return y, q.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return y, q.add_(0.5).floor_().add_(a.zshift).clamp_(-128, 127).to(torch.int8)

@@ -7,12 +7,25 @@ the row in BLOCK chunks (three reads). Tactic: ``{"BLOCK", "num_warps"}``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kiln.kernels.registry import register
+from kiln.kernels.torch import int8 as torch_int8
 from kiln.kernels.torch import nn_norm as torch_norm
-from kiln.kernels.triton.common import FLOATS, launch, next_pow2, on_device, tactic_of, warps_for
+from kiln.kernels.triton.common import (
+    FLOATS,
+    INTERPRET,
+    launch,
+    next_pow2,
+    on_device,
+    quantize8,
+    tactic_of,
+    warps_for,
+)
 from kiln.kernels.triton.lazy import jit, tl
+from kiln.ops import int8 as I8
 from kiln.ops import nn as N
 from kiln.ops.rules import norm_axis
 
@@ -27,11 +40,24 @@ def _row(x_row, r_row, c, m, HAS_R: tl.constexpr):
 
 
 @jit
-def _norm_kernel(X, W, B, Y, R, stride_x, stride_y, stride_r, n_cols, eps,
+def _store(y_row, q_row, QM, c, m, y, zshift, QUANT: tl.constexpr, FP8: tl.constexpr,
+           EXACT: tl.constexpr):
+    """A chunk of the output row, and with ``QUANT`` its codes ``y * qm`` (LayerNormQuant)."""
+    tl.store(y_row + c, y.to(y_row.dtype.element_ty), mask=m)
+    if QUANT:
+        qm = tl.load(QM + c, mask=m, other=0.0)
+        tl.store(q_row + c, quantize8(y * qm, 1.0, zshift, FP8, EXACT), mask=m)
+
+
+@jit
+def _norm_kernel(X, W, B, Y, R, Q, QM, stride_x, stride_y, stride_r, n_cols, eps, zshift,
                  HAS_B: tl.constexpr, RMS: tl.constexpr, BLOCK: tl.constexpr,
-                 ONE_BLOCK: tl.constexpr, HAS_R: tl.constexpr = False):
+                 ONE_BLOCK: tl.constexpr, HAS_R: tl.constexpr = False,
+                 QUANT: tl.constexpr = False, FP8: tl.constexpr = False,
+                 EXACT: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     x_row, y_row, r_row = X + row * stride_x, Y + row * stride_y, R + row * stride_r
+    q_row = Q + row * stride_y
     cols = tl.arange(0, BLOCK)
     if ONE_BLOCK:
         m = cols < n_cols
@@ -44,7 +70,7 @@ def _norm_kernel(X, W, B, Y, R, stride_x, stride_y, stride_r, n_cols, eps,
         y = xc * inv * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
         if HAS_B:
             y += tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=m)
+        _store(y_row, q_row, QM, cols, m, y, zshift, QUANT, FP8, EXACT)
     else:
         mean = 0.0
         if not RMS:
@@ -67,7 +93,7 @@ def _norm_kernel(X, W, B, Y, R, stride_x, stride_y, stride_r, n_cols, eps,
             y = (x - mean) * inv * tl.load(W + c, mask=m, other=0.0).to(tl.float32)
             if HAS_B:
                 y += tl.load(B + c, mask=m, other=0.0).to(tl.float32)
-            tl.store(y_row + c, y.to(Y.dtype.element_ty), mask=m)
+            _store(y_row, q_row, QM, c, m, y, zshift, QUANT, FP8, EXACT)
 
 
 def _row_len(n, x) -> int:
@@ -104,10 +130,11 @@ def _launch(n, x, scale, bias, rms: bool):
 
 
 def norm_rows(x, scale, bias, cols: int, eps: float, rms: bool, block: int, num_warps: int,
-              res=None, out=None):
+              res=None, out=None, quant=None):
     """LayerNorm (``rms``: RMSNorm) of ``x (+ res)`` over rows of ``cols`` elements, into
     ``out`` (default: a new tensor; ``x`` itself works: each row is read before it is
-    written). ``res``: x's shape and layout."""
+    written). ``res``: x's shape and layout. ``quant``: ``(codes, qmul, zshift, fp8)``: the
+    output's codes too, into ``codes`` (contiguous, x's shape)."""
     x2 = x.reshape(-1, cols)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -115,10 +142,12 @@ def norm_rows(x, scale, bias, cols: int, eps: float, rms: bool, block: int, num_
     r2 = x2 if res is None else res.reshape(-1, cols)
     w = scale.contiguous()
     b = bias.contiguous() if bias is not None else w
+    q, qm, zshift, fp8 = (y, w, 0, False) if quant is None else quant
     launch(
-        _norm_kernel, (x2.shape[0],), x2, w, b, y, r2, x2.stride(0), cols, r2.stride(0), cols,
-        eps, HAS_B=bias is not None, RMS=rms, BLOCK=block, ONE_BLOCK=block >= cols,
-        num_warps=num_warps, HAS_R=res is not None)
+        _norm_kernel, (x2.shape[0],), x2, w, b, y, r2, q, qm, x2.stride(0), cols,
+        r2.stride(0), cols, eps, int(zshift), HAS_B=bias is not None, RMS=rms, BLOCK=block,
+        ONE_BLOCK=block >= cols, num_warps=num_warps, HAS_R=res is not None,
+        QUANT=quant is not None, FP8=bool(fp8), EXACT=INTERPRET)
     return y
 
 
@@ -136,3 +165,27 @@ def rms_norm(n, x, scale):
     if not supports(n, (x, scale)):
         return torch_norm.rms_norm(n, x, scale)
     return _launch(n, x, scale, None, rms=True)
+
+
+def _supports_quant(n, inputs) -> bool:
+    x = inputs[0]
+    return (supports(dataclasses.replace(n, n_out=1), inputs[:3])
+            and _row_len(n, x) == x.shape[-1] and x.is_contiguous()
+            and inputs[3] is not None and inputs[3].numel() == x.shape[-1])
+
+
+@register(I8.LayerNormQuant, backend="cuda", name="TritonLayerNormQuant", tactics=tactics,
+          supports=_supports_quant)
+def layer_norm_quant(n, x, scale, bias, qmul):
+    """LayerNormalization over the last axis, its output also written as int8/e4m3 codes."""
+    if not _supports_quant(n, (x, scale, bias, qmul)):
+        return torch_int8.layer_norm_quant(n, x, scale, bias, qmul)
+    a = n.a
+    cols = x.shape[-1]
+    block = min(next_pow2(cols), 8192)
+    t = tactic_of(n, {"BLOCK": block, "num_warps": warps_for(block)})
+    codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn if a.fp8 else torch.int8,
+                        device=x.device)
+    y = norm_rows(x, scale, bias, cols, float(a.epsilon), False, t["BLOCK"], t["num_warps"],
+                  quant=(codes, qmul, a.zshift, a.fp8))
+    return y, codes

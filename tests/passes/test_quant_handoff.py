@@ -1,0 +1,197 @@
+"""Quantized hand-offs (kiln.passes.quantize.handoff): structure and counts on a small BERT's
+CUDA INT8/FP8 graph, numerics against the same graph without them (torch kernels, and the
+Triton kernels under TRITON_INTERPRET=1), and the cases that must not fire."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.builder.calibration import apply_int8
+from kiln.builder.config import BuilderConfig
+from kiln.builder.precision import lower_precision
+from kiln.engine.executor import Executor, default_choice
+from kiln.frontend import import_onnx
+from kiln.ir import DType, Graph, Node, TensorType, Value
+from kiln.kernels.registry import kernels_for
+from kiln.ops import int8 as I8
+from kiln.ops import math as M
+from kiln.ops import nn as N
+from kiln.passes.pipeline import optimize
+from kiln.passes.quantize.handoff import fuse_handoffs
+from kiln.passes.verifier import verify
+
+SMALL = dict(layers=2, hidden=64, heads=2, intermediate=128)
+LAYERS = SMALL["layers"]
+
+
+def _feeds(seed, batch=2, seq=8):
+    from kiln.zoo import sample_inputs
+
+    return sample_inputs("bert-base", batch, seq, seed=seed, **SMALL)
+
+
+def _graph(fp8=False, handoff=True):
+    from kiln.zoo import build_onnx
+
+    g = optimize(import_onnx(str(build_onnx("bert-base", **SMALL))), device="cuda")
+    cfg = BuilderConfig(device="cuda", fp16=True, int8=not fp8, fp8=fp8,
+                        calib=[_feeds(s) for s in range(1, 3)])
+    apply_int8(g, cfg, None)
+    lower_precision(g, "fp16", io=True)
+    counts = fuse_handoffs(g) if handoff else None
+    verify(g, after="test")
+    return g, counts
+
+
+def _ops(g, op):
+    return [n for n in g.nodes if n.op is op]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_bert_handoff_structure(fp8):
+    """Per layer: FC1 writes FC2's codes; the LayerNorms before Q/K/V and FC1 write their
+    codes (the smoothing Mul folded into their multiplier); only the attention output
+    projection still quantizes a float input; no separate quantize or smoothing op left."""
+    g, counts = _graph(fp8)
+    op = I8.Fp8MatMul if fp8 else I8.Int8MatMul
+    codes = DType.float8e4m3fn if fp8 else DType.int8
+    gemms = _ops(g, op)
+    assert len(gemms) == 4 * LAYERS
+    assert counts == {"gemm": LAYERS, "norm": 2 * LAYERS}
+    assert len(_ops(g, I8.LayerNormQuant)) == 2 * LAYERS
+    assert len(_ops(g, N.LayerNormalization)) == 1  # the last one: a graph output
+    assert not _ops(g, M.Mul) and not _ops(g, I8.QuantizeDequantize)
+    code_in = [n for n in gemms if n.inputs[0].type.dtype == codes]
+    assert len(code_in) == 3 * LAYERS  # Q/K/V, FC1, FC2
+    assert all(n.outputs[0].type.dtype == DType.float16 or n.attrs.out_scale > 0
+               for n in gemms)
+    writers = [n for n in gemms if n.attrs.out_scale > 0]
+    assert len(writers) == LAYERS and all(n.attrs.activation == "Gelu" for n in writers)
+    for w in writers:  # the reader's scale, the reader computes in FP16
+        (r,) = [n for n in gemms if n.inputs[0] is w.outputs[0]]
+        assert w.attrs.out_scale == r.attrs.x_scale
+        assert fp8 or w.attrs.out_zero == r.attrs.x_zero
+        assert r.attrs.out_float == DType.float16.onnx
+
+
+def test_handoff_off_leaves_the_graph():
+    g, _ = _graph(handoff=False)
+    assert not _ops(g, I8.LayerNormQuant)
+    assert all(n.attrs.out_scale == 0 and n.inputs[0].type.dtype == DType.float16
+               for n in _ops(g, I8.Int8MatMul))
+
+
+def _run(g, feeds, triton=False):
+    import kiln.kernels.triton  # noqa: F401  (registers the CUDA kernels)
+
+    def choose(node, backend):
+        if triton and node.op in (I8.Int8MatMul, I8.Fp8MatMul, I8.LayerNormQuant):
+            return kernels_for(node.op, "cuda")[0]
+        return default_choice(node, "cpu")
+
+    ex = Executor(g, "cpu", choose)
+    outs = ex.run([torch.from_numpy(feeds[v.name]) for v in g.inputs])
+    return [o.float().numpy() for o in outs]
+
+
+def _cos(a, b):
+    a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_bert_handoff_numerics(fp8):
+    """The hand-off graph computes what the graph without hand-offs does (the same codes,
+    rounded once), on held-out inputs; and, under the interpreter, so do the Triton kernels."""
+    held = _feeds(7)
+    want = _run(_graph(fp8, handoff=False)[0], held)[0]
+    g, _ = _graph(fp8)
+    got = _run(g, held)[0]
+    assert _cos(got, want) > 0.999
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        tri = _run(g, held, triton=True)[0]
+        assert _cos(tri, got) > 0.999
+        assert np.abs(tri - got).max() <= 0.05 * np.abs(got).max()
+
+
+# ---------------------------------------------------------------- must not fire
+
+def _value(name, dtype=DType.float16, shape=(4, 8)):
+    return Value(name, TensorType(dtype, shape))
+
+
+def _gemm(g, name, x, y, scale=0.1, zero=128, fp8=False, **attrs):
+    k = x.type.shape[-1]
+    wdt = DType.float8e4m3fn if fp8 else DType.int8
+    w = g.add_weight(f"{name}_w", np.ones((k, 8), wdt.np), TensorType(wdt, (k, 8)))
+    s = g.add_weight(f"{name}_s", np.ones(8, np.float32), TensorType(DType.float32, (8,)))
+    if fp8:
+        a = I8.Fp8MatMul.make_attrs(x_scale=scale, **attrs)
+        return Node(I8.Fp8MatMul, name, [x, w, s], [y], a)
+    a = I8.Int8MatMul.make_attrs(x_scale=scale, x_zero=zero, **attrs)
+    return Node(I8.Int8MatMul, name, [x, w, s], [y], a)
+
+
+def _small(readers):
+    """x -> GEMM p -> v -> readers(v) (each a (kind, scale) or 'relu'), outputs all results."""
+    g = Graph()
+    x = _value("x")
+    g.inputs = [x]
+    v = _value("v")
+    g.nodes = [_gemm(g, "p", x, v)]
+    outs = []
+    for i, r in enumerate(readers):
+        y = _value(f"y{i}")
+        if r == "relu":
+            g.nodes.append(Node(M.Relu, f"r{i}", [v], [y], M.Relu.make_attrs()))
+        else:
+            g.nodes.append(_gemm(g, f"r{i}", v, y, scale=r[1], fp8=r[0] == "fp8"))
+        outs.append(y)
+    g.outputs = outs
+    return g
+
+
+@pytest.mark.parametrize("readers,fires", [
+    ([("int8", 0.1)], True),
+    ([("int8", 0.1), ("int8", 0.1)], True),
+    ([("int8", 0.1), "relu"], False),  # a float reader
+    ([("int8", 0.1), ("int8", 0.2)], False),  # two scales
+    ([("fp8", 0.1)], False),  # an FP8 reader of an INT8 producer
+])
+def test_gemm_handoff_fires_only_for_8bit_readers_of_one_scale(readers, fires):
+    g = _small(readers)
+    counts = fuse_handoffs(g)
+    p = g.nodes[0]
+    assert counts["gemm"] == int(fires)
+    assert (p.attrs.out_scale > 0) == fires
+    assert (p.outputs[0].type.dtype == DType.int8) == fires
+    verify(g, after="test")
+
+
+def test_gemm_output_that_is_a_graph_output_stays_float():
+    g = _small([("int8", 0.1)])
+    g.outputs.append(g.nodes[0].outputs[0])
+    assert fuse_handoffs(g)["gemm"] == 0
+
+
+def test_layernorm_read_as_a_residual_only_stays():
+    """A LayerNorm whose output an 8-bit GEMM reads only as its residual (no 8-bit X reader):
+    no LayerNormQuant."""
+    g = Graph()
+    x, r_in = _value("x"), _value("x2")
+    g.inputs = [x, r_in]
+    v, y = _value("v"), _value("y")
+    sc = g.add_weight("g", np.ones(8, np.float32), TensorType(DType.float32, (8,)))
+    g.nodes = [Node(N.LayerNormalization, "ln", [x, sc, sc], [v],
+                    N.LayerNormalization.make_attrs(axis=-1, epsilon=1e-5)),
+               _gemm(g, "p", r_in, y, has_residual=1)]
+    b = g.add_weight("b", np.zeros(8, np.float32), TensorType(DType.float16, (8,)))
+    g.nodes[1].inputs += [b, v]
+    g.outputs = [y]
+    assert fuse_handoffs(g) == {"gemm": 0, "norm": 0}
+    assert g.nodes[0].op is N.LayerNormalization
