@@ -56,8 +56,9 @@ def test_call_key_follows_what_triton_specializes_on():
 
 def test_positional_constexprs_are_keyed_by_value():
     x = torch.zeros(8)
-    k1 = _key(x, x, x, x, 16, 16, 16, 1e-5, True, False, 64, True)
-    k2 = _key(x, x, x, x, 16, 16, 16, 1e-5, True, False, 128, True)
+    # X, W, B, Y, R, Q, QM, three strides, n_cols, eps, zshift, then HAS_B, RMS, BLOCK...
+    k1 = _key(x, x, x, x, x, x, x, 16, 16, 16, 16, 1e-5, 0, True, False, 64, True)
+    k2 = _key(x, x, x, x, x, x, x, 16, 16, 16, 16, 1e-5, 0, True, False, 128, True)
     assert k1 != k2
 
 
