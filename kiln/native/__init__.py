@@ -19,6 +19,7 @@ import importlib.machinery
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kiln.ops.rules import broadcast_ints
@@ -441,7 +442,8 @@ class QGemmWeight:
         self.packed = torch.empty(_lib.kiln_qgemm_packed_size(self.code, self.k, self.n),
                                   dtype=torch.uint8)
         _lib.kiln_qgemm_pack(self.code, self.k, self.n, w.data_ptr(), self.packed.data_ptr())
-        self.colsum = w.sum(0, dtype=torch.int32).contiguous()
+        # numpy's int8 column sums: torch's took 27-87 ms on a [1024, 8210] weight, numpy's 2
+        self.colsum = torch.from_numpy(w.numpy().sum(0, dtype=np.int32))
 
 
 class QConvWeight:

@@ -294,6 +294,40 @@ def test_matmul_integer_on_qgemm_exact(path, wdtype, wz, monkeypatch):
     np.testing.assert_array_equal(got.numpy(), want)
 
 
+@pytest.mark.parametrize("wdtype,zp", [("uint8", "column"), ("int8", "column"),
+                                       ("uint8", None), ("int8", None)])
+def test_matmul_integer_on_qgemm_per_column_and_no_zero_point(wdtype, zp, monkeypatch):
+    """The qgemm weight's codes from a zero point per column, or none: the exact integers
+    (uint8 codes whose range minus the column's zero point passes int8 are shifted by 128),
+    and QGemmWeight's column sums are the int8 codes' own."""
+    from kiln import native
+    from kiln.kernels.torch import int8 as K
+    from kiln.kernels.torch import quant_linear as QL
+
+    if not native.available:
+        pytest.skip("no native library")
+    monkeypatch.setattr(K, "u8s8_saturates", lambda: False)
+    rng = np.random.default_rng(13)
+    a = rng.integers(0, 256, (6, 70)).astype(np.uint8)
+    lo, hi = (0, 256) if wdtype == "uint8" else (-128, 128)
+    b = rng.integers(lo, hi, (70, 33)).astype(wdtype)
+    z = None if zp is None else rng.integers(0 if wdtype == "uint8" else -20,
+                                             256 if wdtype == "uint8" else 20, 33).astype(wdtype)
+    if wdtype == "int8" and z is not None:
+        b = np.clip(b.astype(np.int16), -108, 107).astype(np.int8)  # b - z within int8
+    cache, t = {}, torch.from_numpy
+    got = QL.int_matmul(t(a), t(b), t(np.array(4, np.uint8)), None if z is None else t(z), cache)
+    w, off = cache["int_matmul_qgemm"][2]
+    want = (a.astype(np.int64) - 4) @ (b.astype(np.int64) - (0 if z is None else
+                                                             z.astype(np.int64)))
+    np.testing.assert_array_equal(got.numpy(), want)
+    shifted = b.astype(np.int64) - (0 if z is None else z.astype(np.int64))
+    codes = shifted if off is None else shifted - off.numpy()
+    assert codes.min() >= -128 and codes.max() <= 127
+    np.testing.assert_array_equal(w.colsum.numpy(), codes.sum(0))
+    assert (off is None) == (wdtype == "int8" or shifted.min() >= -128 and shifted.max() <= 127)
+
+
 def test_matmul_integer_qgemm_not_on_saturating_full_range_int8(monkeypatch):
     """Must not fire: int8 weights beyond the 7-bit grid where the CPU's u8s8 GEMMs saturate
     (onnxruntime's integers there are the saturated ones, not qgemm's)."""

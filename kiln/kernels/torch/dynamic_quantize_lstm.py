@@ -39,6 +39,7 @@ def _qmatmul(a: torch.Tensor, bq, mult_b: torch.Tensor) -> torch.Tensor:
     from kiln import native
 
     w, chunks, packed = bq
+    packed = None if packed is None else packed()
     if packed is not None and native.available and a.dtype == torch.float32 and \
             a.is_contiguous() and a.numel():  # the codes' values in one C pass
         qa, scale, zp = native.dynamic_qdq(a)
@@ -61,22 +62,38 @@ def _qmatmul(a: torch.Tensor, bq, mult_b: torch.Tensor) -> torch.Tensor:
     return acc.float() * (mult_b * scale)
 
 
-def _exact_f32(t: torch.Tensor, codes: torch.Tensor, zp: torch.Tensor, scale: torch.Tensor):
-    """Integer weights [K, N] (codes minus zero point) as float32 with their exact chunks
-    (float64 where none), and FBGEMM's packed weight where the codes are int8 with zero point
-    0 (onnxruntime's saturating u8 x s8 GEMM; exact u8 x u8 otherwise, as here)."""
+def _exact_f32(t: np.ndarray, codes: torch.Tensor, zp: torch.Tensor, scale: torch.Tensor):
+    """Integer weights [K, N] (codes minus zero point, an int16 array) as float32 with their
+    exact chunks (float64 where none), and FBGEMM's packed weight where the codes are int8
+    with zero point 0 (onnxruntime's saturating u8 x s8 GEMM; exact u8 x u8 otherwise, as
+    here): a function that packs it at its first call (:func:`_qmatmul`'s), as kiln's native
+    recurrence and input projection do not use it (its packing was 12-30 ms of the first run)."""
     from kiln.kernels.torch import int8 as K
 
-    chunks = exact_chunks(t.abs())
+    chunks = exact_chunks(torch.from_numpy(np.abs(t)))
     packed = None
     if codes.dtype == torch.int8 and not bool(zp.any()) and K._HAS_FBGEMM:
-        packed = K._fbgemm_pack(codes, scale, None)
-    return (t.float(), chunks, packed) if chunks else (t.double(), None, packed)
+        packed = _once(lambda: K._fbgemm_pack(codes, scale, None))
+    return (torch.from_numpy(t.astype(_F32)), chunks, packed) if chunks else \
+        (torch.from_numpy(t.astype(np.float64)), None, packed)
+
+
+def _once(make):
+    """``make`` as a function that calls it the first time and returns that result after."""
+    got = []
+
+    def get():
+        if not got:
+            got.append(make())
+        return got[0]
+    return get
 
 
 def _weights(n, w, r, w_scale, w_zp, r_scale, r_zp):
     """(W, R) per direction as integers minus zero points [K, 4H] (float32 with exact chunks,
-    see :func:`_exact_f32`) and their float32 scales [dirs, 4H], made once per node."""
+    see :func:`_exact_f32`) and their float32 scales [dirs, 4H], made once per node (at the
+    first run: the integers are worked on in numpy, where torch's int32 and float64 widening of
+    a [2, 512, 2048] pair took 20+ ms)."""
     key = (w, r, w_scale, w_zp, r_scale, r_zp)
     got = n.cache.get("dq_lstm")
     if got is None or any(a is not b for a, b in zip(got[0], key)):
@@ -87,12 +104,15 @@ def _weights(n, w, r, w_scale, w_zp, r_scale, r_zp):
             return (t.reshape(dirs, 1) if t.numel() == dirs else t.reshape(dirs, cols)).expand(
                 dirs, cols)
 
-        wq = (w.to(torch.int32) - per_col(w_zp, torch.int32)[:, None, :]).double()
-        rq = (r.to(torch.int32) - per_col(r_zp, torch.int32)[:, None, :]).double()
+        def ints(codes, zp):  # codes - zp, [dirs, K, 4H] int16 (8-bit codes and zero points)
+            return codes.contiguous().numpy().astype(np.int16) - \
+                per_col(zp, torch.int16).numpy()[:, None, :]
+
         ws, rs = per_col(w_scale, torch.float32), per_col(r_scale, torch.float32)
         wz, rz = per_col(w_zp, torch.int32), per_col(r_zp, torch.int32)
-        wq = [_exact_f32(wq[d], w[d], wz[d], ws[d]) for d in range(dirs)]
-        rq = [_exact_f32(rq[d], r[d], rz[d], rs[d]) for d in range(dirs)]
+        wi, ri = ints(w, w_zp), ints(r, r_zp)
+        wq = [_exact_f32(wi[d], w[d], wz[d], ws[d]) for d in range(dirs)]
+        rq = [_exact_f32(ri[d], r[d], rz[d], rs[d]) for d in range(dirs)]
         got = n.cache["dq_lstm"] = (key, (wq, rq, ws, rs))
     return got[1]
 
