@@ -229,3 +229,45 @@ def test_program_runs_quantize_dequantize_as_elementwise_record(signed, tmp_path
     assert plan.kinds.count(OP_PW) >= 1
     want = ort.InferenceSession(str(path)).run(None, x)[0]
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_int8_tactic_picks_travel_in_the_engine_file(tmp_path, monkeypatch):
+    """The build's timed INT8 picks (Int8MatMul of the dynamic model, Int8MatMulQDQ of the QDQ
+    one, where FBGEMM and qgemm both run) are stored in the engine file; a fresh process's
+    loaded engine (the process-wide picks emptied) takes them at its first run and times
+    nothing, and its outputs are the built engine's."""
+    if not K._HAS_FBGEMM:
+        pytest.skip("no FBGEMM: one candidate, nothing timed")
+    import kiln
+    from kiln.kernels.torch import fused_conv as FCK
+
+    monkeypatch.setattr(FCK, "_choices", {})
+    x = {"x": np.random.default_rng(6).standard_normal((2, 8, 32)).astype(np.float32)}
+    for kind, model in _mlp_models(tmp_path).items():
+        FCK._choices.clear()
+        e = Builder(BuilderConfig()).build(model)
+        int8 = {s: v for s, v in e.cpu_tactics.items() if s[0] == "int8"}
+        assert len(int8) == 2 and set(int8.values()) <= {"fbgemm", "qgemm"}, kind
+        want = e.create_context().run(x)["y"]
+        e.save(tmp_path / f"{kind}.kiln")
+        FCK._choices.clear()
+        timed = []
+        real = K._pick
+
+        def spy(n, key, can, run, sig=(), real=real, timed=timed):
+            return real(n, key, can, lambda name: timed.append(name) or run(name), sig)
+        monkeypatch.setattr(K, "_pick", spy)
+        loaded = kiln.load(tmp_path / f"{kind}.kiln")
+        assert {s: v for s, v in loaded.cpu_tactics.items() if s[0] == "int8"} == int8
+        got = loaded.create_context().run(x)["y"]
+        assert timed == [], kind
+        np.testing.assert_array_equal(got, want)
+        monkeypatch.setattr(K, "_pick", real)
+    # must not fire: a file's unknown tactic name is not taken, and a GEMM's nearest-shape
+    # lookup passes over the INT8 rows (of the same length as its own signature)
+    sig = next(s for s in int8 if s[1] == "qdq")
+    FCK._choices.clear()
+    FCK.preload_picks({sig: "bogus"})
+    assert sig not in FCK._choices
+    FCK.preload_picks(int8)
+    assert FCK._nearest(((2, 8, 32), (16, 32), True, "", 1.0, None, 2)) is None

@@ -484,6 +484,9 @@ KILN_BELOW = 1 << 15
 KILN_FEW_ROWS, KILN_FEW_ROWS_BELOW = 4, 1 << 22
 
 _choices: dict = {}  # signature -> tactic name, for the whole process
+# other kernels' picks kept in _choices (and so in engine files): a signature whose first
+# item is one of these keys, with its tactic names (int8.py's "int8": fbgemm/onednn/qgemm)
+FOREIGN_TACTICS: dict[str, frozenset] = {}
 _choices_lock = threading.Lock()
 _recorders: list[dict] = []  # open record_picks() blocks
 
@@ -515,7 +518,8 @@ def _nearest(sig) -> str | None:
     fam, rows = _family(sig)
     best, dist = None, math.log(NEAREST_WITHIN)
     for other, name in _choices.items():
-        if len(other) != len(sig) or (other[0] == "conv") != (sig[0] == "conv"):
+        if len(other) != len(sig) or (other[0] == "conv") != (sig[0] == "conv") or \
+                other[0] in FOREIGN_TACTICS:
             continue
         f, n = _family(other)
         if f == fam and rows > 0 and n > 0 and abs(math.log(n / rows)) <= dist:
@@ -548,7 +552,9 @@ def preload_picks(picks: dict) -> None:
     first run of the kernels they cover times nothing."""
     with _choices_lock:
         for sig, name in picks.items():
-            if name in TACTICS or name in CONV_TACTICS:
+            if name in TACTICS or name in CONV_TACTICS or \
+                    name in FOREIGN_TACTICS.get(sig[0] if sig and isinstance(sig[0], str)
+                                                else None, ()):
                 _choices.setdefault(sig, name)
 
 

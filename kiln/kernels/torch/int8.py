@@ -25,6 +25,7 @@ from kiln.kernels.torch.fused_conv import (
     _AFTER_ONEDNN,
     _ONEDNN_ACT,
     _TORCH_ACT,
+    FOREIGN_TACTICS,
     epilogue,
     symmetric_geometry,
 )
@@ -289,26 +290,43 @@ def _tactic(n, x, wq, w_scale, b, r) -> str:
                                  ("qgemm", _qgemm_ok(n, x, wq))) if ok]
     if not can:  # full-range weights where neither exact path runs: oneDNN, as before
         can = ["onednn"]
-    return _pick(n, key, can, lambda name: _TACTICS[name](n, x, wq, w_scale, b, r))
+    return _pick(n, key, can, lambda name: _TACTICS[name](n, x, wq, w_scale, b, r),
+                 ("linear", key, tuple(wq.shape), str(wq.dtype), b is not None,
+                  getattr(n.a, "activation", ""), None if r is None else tuple(r.shape),
+                  getattr(n.a, "x_scale", None) == 0.0))
 
 
-def _pick(n, key, can: list, run) -> str:
+def _pick(n, key, can: list, run, sig: tuple = ()) -> str:
     """The tactic of ``can`` for input shape ``key``: ``KILN_CPU_INT8``'s where it is one of
-    them, else the fastest of ``run(name)`` (best of 3 each), kept in n.cache["lin_tactics"]."""
+    them, else the fastest of ``run(name)`` (best of 3 each), kept in n.cache["lin_tactics"].
+    A timed pick is also the process's for the layer signature ``sig`` (shapes, epilogue,
+    the candidates, threads) in fused_conv's table of CPU picks, which a build records into
+    the engine file and a load preloads: a loaded engine's first run then times (and packs
+    the losers' weights for) nothing."""
+    from kiln.kernels.torch import fused_conv as FCK
+
+    full = ("int8", *sig, tuple(can), torch.get_num_threads()) if sig else None
     if _FORCED in can:
         name = _FORCED
     elif len(can) == 1:
         name = can[0]
     else:
-        import time
+        with FCK._choices_lock:
+            name = FCK._choices.get(full) if full else None
+        if name not in can:
+            import time
 
-        best = {}
-        for _ in range(3):
-            for name in can:
-                t0 = time.perf_counter()
-                run(name)
-                best[name] = min(best.get(name, 1e9), time.perf_counter() - t0)
-        name = min(best, key=best.get)
+            best = {}
+            for _ in range(3):
+                for name in can:
+                    t0 = time.perf_counter()
+                    run(name)
+                    best[name] = min(best.get(name, 1e9), time.perf_counter() - t0)
+            name = min(best, key=best.get)
+        if full:
+            with FCK._choices_lock:
+                FCK._choices[full] = name
+                FCK._note(full, name)
     with _LOCK:
         n.cache.setdefault("lin_tactics", {})[key] = name
     return name
@@ -330,6 +348,7 @@ def _int8_matmul_onednn(n, a, x, wq, w_scale, b, r):
 
 _TACTICS.update(fbgemm=_with_input(_int8_matmul_fbgemm),
                 onednn=_with_input(_int8_matmul_onednn), qgemm=_int8_matmul_qgemm)
+FOREIGN_TACTICS["int8"] = frozenset(_TACTICS)  # the picks an engine file may carry
 
 
 @register(I8.Int8MatMulQDQ)
@@ -342,7 +361,8 @@ def int8_matmul_qdq(n, x, wq, w_scale):
         name = picks.get(tuple(x.shape)) if picks else None
         if name is None:
             name = _pick(n, tuple(x.shape), ["fbgemm", "qgemm"] if _fbgemm_ok(x) else
-                         ["qgemm"], lambda t: _QDQ[t](n, x, wq, w_scale))
+                         ["qgemm"], lambda t: _QDQ[t](n, x, wq, w_scale),
+                         ("qdq", tuple(x.shape), tuple(wq.shape), str(wq.dtype)))
         return _QDQ[name](n, x, wq, w_scale)
     return _qdq_fbgemm(n, x, wq, w_scale)
 
