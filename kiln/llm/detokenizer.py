@@ -27,8 +27,11 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of self.text already handed out
         self.stop_hold = max((len(s) for s in params.stop), default=1) - 1
         self.stopped_by: str | None = None
+        self._one = getattr(tokenizer, "decode_one", None)  # kiln's Tokenizer remembers these
 
     def _decode(self, ids) -> str:
+        if len(ids) == 1 and self._one is not None:
+            return self._one(ids[0], self.params.skip_special_tokens)
         return self.tok.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def add(self, token_id: int) -> str:

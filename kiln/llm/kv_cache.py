@@ -45,6 +45,7 @@ class KVCacheManager:
         self.free: OrderedDict[int, Block] = OrderedDict((b.id, b) for b in self.blocks)
         self.cached: dict[int, Block] = {}  # hash -> block
         self.tables: dict[str, list[Block]] = {}
+        self.table_ids: dict[str, list[int]] = {}  # the same tables as block ids
         self.published: dict[str, int] = {}  # blocks of each request already looked at
         self.hits = self.queries = 0  # prefix-cache tokens found / looked up
 
@@ -58,7 +59,9 @@ class KVCacheManager:
         return 1.0 - len(self.free) / self.num_blocks
 
     def block_table(self, request_id: str) -> list[int]:
-        return [b.id for b in self.tables.get(request_id, [])]
+        """``request_id``'s block ids in order (a copy: the table grows in later steps)."""
+        ids = self.table_ids.get(request_id)
+        return ids.copy() if ids is not None else []
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -94,6 +97,7 @@ class KVCacheManager:
         for b in found:
             self._take(b)
         self.tables[req.request_id] = found
+        self.table_ids[req.request_id] = [b.id for b in found]
         self.queries += req.num_tokens
         self.hits += len(found) * self.block_size
         return len(found) * self.block_size
@@ -102,11 +106,14 @@ class KVCacheManager:
         """Publish the hashes of ``req``'s blocks that ``num_computed`` tokens have filled."""
         if not self.prefix_caching:
             return
+        done = self.published.get(req.request_id, 0)
+        if num_computed // self.block_size <= done:  # no block filled since: most decodes
+            return
         table = self.tables.get(req.request_id, [])
         hs = self._hashes(req)
         n = min(num_computed // self.block_size, len(table), len(hs))
         # from the first block not looked at yet: a decode step costs O(1), not O(blocks)
-        for i in range(self.published.get(req.request_id, 0), n):
+        for i in range(done, n):
             b = table[i]
             if b.hash is None and hs[i] not in self.cached:
                 b.hash = hs[i]
@@ -119,8 +126,11 @@ class KVCacheManager:
         pool is short (nothing is taken then)."""
         table = self.tables.setdefault(req.request_id, [])
         need = self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(table)
+        if need <= 0:
+            return True
         if need > len(self.free):
             return False
+        ids = self.table_ids.setdefault(req.request_id, [])
         for _ in range(need):
             _, b = self.free.popitem(last=False)
             if b.hash is not None:  # evict its cached prefix
@@ -128,11 +138,13 @@ class KVCacheManager:
                 b.hash = None
             b.ref = 1
             table.append(b)
+            ids.append(b.id)
         return True
 
     def free_request(self, request_id: str):
         """Return ``request_id``'s blocks; hashed ones stay findable until reused."""
         self.published.pop(request_id, None)
+        self.table_ids.pop(request_id, None)
         for b in reversed(self.tables.pop(request_id, [])):
             b.ref -= 1
             if b.ref == 0:

@@ -56,10 +56,14 @@ class Request:
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
     def tokens(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start:stop`` of prompt + output (slices only: a decode step's one token
+        does not copy the whole sequence)."""
         n = len(self.prompt_token_ids)
         if stop <= n:
             return self.prompt_token_ids[start:stop]
-        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
 
     @property
     def max_total_tokens(self) -> int:

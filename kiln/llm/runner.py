@@ -91,13 +91,18 @@ class ModelRunner:
         ids, positions, entries, rows, sampling = [], [], [], [], []
         t = 0
         for s in out.scheduled:
-            ids += s.request.tokens(s.start, s.start + s.num_new_tokens)
-            positions += range(s.start, s.start + s.num_new_tokens)
-            entries.append((s.start, s.num_new_tokens, s.block_table))
-            t += s.num_new_tokens
-            if s.samples:
+            req, start, n = s.request, s.start, s.num_new_tokens
+            if n == 1:  # a decode (or a one-token chunk): no list slices
+                ids.append(req.token_at(start))
+                positions.append(start)
+            else:
+                ids += req.tokens(start, start + n)
+                positions += range(start, start + n)
+            entries.append((start, n, s.block_table))
+            t += n
+            if start + n == req.num_tokens:  # s.samples
                 rows.append(t - 1)
-                sampling.append(s.request)
+                sampling.append(req)
         prof = self.profile
         if prof is not None:
             prof.mark("inputs")

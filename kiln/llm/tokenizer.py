@@ -29,6 +29,7 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.add_bos = add_bos
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self._one: dict[tuple[int, bool], str] = {}  # decode_one's answers
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=False).ids
@@ -38,6 +39,15 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_one(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """``decode([token_id])``, remembered (streaming decodes one-token windows for every
+        token of every request; at most two entries per vocabulary id)."""
+        key = (token_id, skip_special_tokens)
+        text = self._one.get(key)
+        if text is None:
+            text = self._one[key] = self.decode([token_id], skip_special_tokens)
+        return text
 
     def token_text(self, token_id: int) -> str:
         return self.tok.id_to_token(token_id) or ""
