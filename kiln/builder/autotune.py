@@ -39,7 +39,10 @@ PLAN_MS = 5.0
 
 # |candidate - reference| <= atol + rtol * |reference|, per output dtype
 TOLERANCE = {torch.float16: (2e-2, 2e-2), torch.bfloat16: (8e-2, 5e-2),
-             torch.float32: (1e-3, 1e-3)}
+             torch.float32: (1e-3, 1e-3),
+             # FP8 codes an 8-bit layer hands off: one e4m3 step (1/8) where two kernels'
+             # float results round to either side of a half (int8 codes are not compared)
+             torch.float8_e4m3fn: (2e-2, 0.13)}
 
 
 @dataclass(frozen=True)

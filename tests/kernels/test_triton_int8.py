@@ -165,3 +165,106 @@ def test_triton_layer_norm_quant(fp8, block):
         assert (got_q.cpu().numpy() == want).mean() > 0.97
     assert np.abs(ref_q.float().cpu().numpy() - got_q.float().cpu().numpy()).max() <= (
         2 ** -3 * np.abs(want).max() if fp8 else 1)
+
+
+@pytest.mark.parametrize("fp8,x_codes,out_codes", [(False, False, False), (False, True, True),
+                                                   (True, False, False), (True, True, True)])
+def test_fp16_tactic_computes_the_quantized_layer(fp8, x_codes, out_codes):
+    """The FP16 candidate (Fp16Q8MatMul): the same layer as the 8-bit kernel to FP16
+    rounding, in every hand-off form, so the autotuner's check against the PyTorch kernel
+    passes and it can be picked where it is faster."""
+    from kiln.kernels.registry import kernels_for
+
+    rng = np.random.default_rng(11)
+    m, k, n = 32, 64, 32
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    if fp8:
+        from kiln.passes.quantize.int8 import quantize_weight_fp8
+
+        w, ws = quantize_weight_fp8(rng.standard_normal((k, n)).astype(np.float32))
+        wt = _dev(w.view(np.uint8)).view(torch.float8_e4m3fn)
+        op, s, zero = I8.Fp8MatMul, float(np.abs(x).max() / 448), 128
+        attrs = dict(x_scale=s)
+        xin = _dev(_e4m3(np.clip(x / s, -448, 448)).view(np.uint8)).view(
+            torch.float8_e4m3fn) if x_codes else _dev(x).half()
+    else:
+        w, ws = quantize_weight(rng.standard_normal((k, n)).astype(np.float32), 1)
+        wt = _dev(w)
+        op, s, zero = I8.Int8MatMul, float(np.abs(x).max() / 127), 120
+        attrs = dict(x_scale=s, x_zero=zero)
+        xin = _dev(_int8_codes(x, s, zero).astype(np.int8)) if x_codes else _dev(x).half()
+    b = _dev(rng.standard_normal(n).astype(np.float32)).half()
+    out_scale = 0.05 if out_codes else 0.0
+    (k16,) = [kk for kk in kernels_for(op, "cuda") if kk.name == "Fp16Q8MatMul"]
+    (k8,) = [kk for kk in kernels_for(op, "cuda") if kk.name.startswith("Triton")]
+    call = Call(op.make_attrs(activation="Relu", out_scale=out_scale, out_float=10, **attrs),
+                1, 4, tactic=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2))
+    space = k16.tactic_space(call, (xin, wt, _dev(ws), b))
+    assert k16.can_run(call, (xin, wt, _dev(ws), b))
+    want = k8.fn(call, xin, wt, _dev(ws), b)
+    for t16 in (space[0], space[-1]):  # a Triton FP16 tile, cuBLAS + the epilogue kernel
+        got = k16.fn(Call(call.attrs, 1, 4, tactic=dict(t16)), xin, wt, _dev(ws), b)
+        assert got.dtype == want.dtype
+        if out_codes:
+            d = (got.float() - want.float()).abs().cpu().numpy()
+            assert d.max() <= (2 ** -3 * want.float().abs().max().item() if fp8 else 1)
+        else:
+            np.testing.assert_allclose(got.float().cpu().numpy(), want.float().cpu().numpy(),
+                                       rtol=1e-2, atol=2e-3 * want.float().abs().max().item())
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("int8_faster", [True, False])
+def test_autotune_weighs_the_fp16_tactic(fp8, int8_faster):
+    """The autotuner's candidates for an 8-bit layer include the FP16 tactic; every candidate
+    passes its check against the PyTorch kernel (also with codes in and out), and the one the
+    timer rates fastest is kept: an 8-bit kernel slower than FP16 is not picked blindly."""
+    import dataclasses
+
+    from kiln.builder import autotune
+
+    rng = np.random.default_rng(2)
+    m, k, n = 32, 64, 32
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    if fp8:
+        from kiln.passes.quantize.int8 import quantize_weight_fp8
+
+        w, ws = quantize_weight_fp8(rng.standard_normal((k, n)).astype(np.float32))
+        wt, op = _dev(w.view(np.uint8)).view(torch.float8_e4m3fn), I8.Fp8MatMul
+        s = float(np.abs(x).max() / 448)
+        xin = _dev(_e4m3(np.clip(x / s, -448, 448)).view(np.uint8)).view(torch.float8_e4m3fn)
+        attrs = dict(x_scale=s)
+    else:
+        w, ws = quantize_weight(rng.standard_normal((k, n)).astype(np.float32), 1)
+        wt, op, s = _dev(w), I8.Int8MatMul, float(np.abs(x).max() / 127)
+        xin = _dev(_int8_codes(x, s, 128).astype(np.int8))
+        attrs = dict(x_scale=s, x_zero=128)
+    call = Call(op.make_attrs(activation="Gelu", out_scale=0.02, out_float=10, **attrs), 1, 4)
+    ins = (xin, wt, _dev(ws), _dev(rng.standard_normal(n).astype(np.float32)).half())
+    cands = autotune.candidates(op, call, ins)
+    names = {c.kernel.name for c in cands}
+    assert {"Fp16Q8MatMul", "TritonFp8MatMul" if fp8 else "TritonInt8MatMul"} <= names
+    ran = []
+
+    def mark(kernel):
+        def fn(*a, _f=kernel.fn, _name=kernel.name):
+            ran.append(_name)
+            return _f(*a)
+        return dataclasses.replace(kernel, fn=fn)
+
+    few = []  # two tactics per kernel (the interpreter is slow), the PyTorch kernel
+    for name in sorted(names):
+        few += [autotune.Candidate(mark(c.kernel), c.tactic)
+                for c in cands if c.kernel.name == name][:2]
+
+    def timer(fn):
+        ran.clear()
+        fn()
+        name = ran[-1]
+        if name.startswith(("Torch", "Cuda")):  # emulation, torch._int_mm / _scaled_mm
+            return 5.0
+        return 1.0 if name.startswith("Triton") == int8_faster else 2.0
+
+    sel = autotune.select("layer", op, call, ins, few, timer)
+    assert sel.failed == []
+    assert sel.kernel == ("Triton" + op.name if int8_faster else "Fp16Q8MatMul")
