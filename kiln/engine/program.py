@@ -179,6 +179,7 @@ class _Plan:
         self.pool: list = []
         self.folded: dict = {}  # slot -> the traced value of a step fixed by the signature
         self.consts: dict = {}  # slot -> constant (the program's and its inlined branches')
+        self.boolf: frozenset = frozenset()  # bool values records keep as float 0/1
         self.lock = threading.Lock()
 
 
@@ -289,7 +290,7 @@ class Program:
             return False
 
     def _plan_records(self, metas: dict, small: dict, steps: list, consts: dict) -> _Plan:
-        from kiln.engine import planners, program_ops
+        from kiln.engine import planners, program_bool, program_ops
 
         work = sum(math.prod(m.shape) for st in steps for i in st.ins + st.outs
                    if i >= 0 and i not in consts for m in [metas.get(i)] if m is not None)
@@ -308,23 +309,35 @@ class Program:
         for s, c in consts.items():
             if isinstance(c, torch.Tensor) and c.dtype == _F32 and c.dim() <= 6:
                 pc.vals[s] = Val(tuple(c.shape), tuple(c.stride()), pc.fixed(c, s), 0, s)
+        for s in self.input_slots:  # integer and bool inputs: read by Cast records only
+            m = metas.get(s)
+            if m is not None and m.dtype in program_bool.INT_SOURCES and len(m.shape) <= 6:
+                b = pc.new_buf((s, False))
+                pc.ivals[s] = (Val(m.shape, m.strides, b, 0, s), m.dtype)
+                ext.append((s, b))
         fallbacks = []
         folded = {s: small[s] for s in (self.input_slots[k] for k in self.keyed) if s in small}
+        pc.folded = folded
         for k, st in enumerate(steps):
             pc.step = k
             if _foldable(st, pc, folded, small) and not set(st.outs) & set(self.output_slots):
                 folded.update((s, small[s]) for s in st.outs)
                 continue
-            ins = [pc.vals.get(i) if i >= 0 else None for i in st.ins]
             outs = [metas.get(s) for s in st.outs]
-            planner = planners.PLANNERS.get(getattr(st.node, "op", None))
+            op = getattr(st.node, "op", None)
+            planner = planners.PLANNERS.get(op)
             made = None
-            if planner is not None and _default_kernel(st) and all(
-                    m is not None and m.dtype == _F32 for m in outs):
-                made = planner(pc, st, ins, outs)
+            if _default_kernel(st) and all(m is not None for m in outs):
+                kind = program_bool.out_kind(op, outs, planner)
+                if kind is not None:
+                    ins = program_bool.inputs(pc, st, op)
+                    made = (program_bool.PLANNERS.get(op) or planner)(pc, st, ins, outs)
+                    if made is not None and kind == "bool":
+                        pc.boolf.update(st.outs)
             if made is not None:
                 pc.vals.update(zip(st.outs, made))
                 continue
+            ins = [pc.vals.get(i) if i >= 0 else None for i in st.ins]
             work = sum(math.prod(m.shape) for i in st.ins + st.outs if i >= 0
                        for m in [metas.get(i)] if m is not None)
             fallbacks.append(self._torch_record(pc, st, ins, outs, len(fallbacks),
@@ -345,6 +358,7 @@ class Program:
                      arena_floats)
         plan.folded = folded
         plan.consts = consts
+        plan.boolf = frozenset(pc.boolf)
         return plan
 
     @staticmethod
@@ -412,8 +426,12 @@ class Program:
                 pos += 2
             if acc is not None:
                 _note_profile(prof, plan, acc)
-            return [own[o[1]] if o[0] == "own" else self._value(plan, o[1], env, arena, views)
+            outs = [own[o[1]] if o[0] == "own" else self._value(plan, o[1], env, arena, views)
                     for o in plan.outputs]
+            if plan.boolf:  # bool results the records kept as float 0/1
+                outs = [x != 0 if s in plan.boolf and x.dtype == _F32 else x
+                        for s, x in zip(self.output_slots, outs)]
+            return outs
         finally:
             if arena is not None:  # (its views stay with it: the next call reuses them)
                 with plan.lock:
@@ -441,6 +459,9 @@ class Program:
         st = fb.step
         xs = [None if i < 0 else _unshared(self._value(plan, i, env, arena, views))
               for i in fb.ins]
+        if plan.boolf:  # bool values the records kept as float 0/1, as the kernel takes them
+            xs = [x != 0 if i in plan.boolf and x.dtype == _F32 else x
+                  for i, x in zip(fb.ins, xs)]
         threads = torch.get_num_threads() if fb.single else 1
         if threads > 1:
             torch.set_num_threads(1)
@@ -610,6 +631,14 @@ class PlanContext:
         self._patches: list[tuple[int, int]] = []  # (program position, arena root)
         self.buf_src: dict[int, tuple[int, bool]] = {}  # buffer -> (slot, is a constant)
         self.kinds: list[int] = []  # the kind of each record emitted (tests read them)
+        self.folded: dict = {}  # slot -> traced value the signature fixes (_foldable)
+        self.boolf: set[int] = set()  # slots of bool values kept as float 0/1 (program_bool)
+        self.ivals: dict = {}  # integer/bool input slot -> (Val in its own elements, dtype)
+
+    def const(self, slot: int):
+        """The value of a constant, or of a step the plan folded (``_foldable``), else None."""
+        c = self.consts.get(slot)
+        return self.folded.get(slot) if c is None else c
 
     def new_buf(self, src: tuple | None = None) -> int:
         """A buffer filled per call; ``src`` = (slot, False): the env value it is."""

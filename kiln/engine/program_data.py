@@ -96,8 +96,8 @@ def _gather(pc, st, ins, outs):
     x = ins[0]
     if x is None or len(outs) != 1 or len(st.ins) < 2:
         return None
-    c = pc.consts.get(st.ins[1])
-    if c is None or not hasattr(c, "reshape") or c.dtype.is_floating_point or c.dim() > 1:
+    c = pc.const(st.ins[1])
+    if c is None or not hasattr(c, "reshape") or c.dtype.is_floating_point:
         return None
     rank = len(x.shape)
     ax = (st.node.attrs.axis or 0) % rank
@@ -114,10 +114,15 @@ def _gather(pc, st, ins, outs):
     steps = {b - a for a, b in zip(idx, idx[1:])}
     if len(steps) <= 1 and (not steps or steps != {0}):
         step = steps.pop() if steps else 1
-        strides = list(x.strides)
-        strides[ax] *= step
-        return [Val(shape, tuple(strides), x.buf, x.off + idx[0] * x.strides[ax], x.root)]
-    if len(idx) > MAX_GATHER_COPIES:
+        # the indices' dims (any rank: the mask an export builds gathers by a [1, 1, 1, S]
+        # arange) step through the axis as the evenly spaced flat indices do
+        inner, ist = 1, []
+        for n in reversed(tuple(c.shape)):
+            ist.append(step * inner * x.strides[ax])
+            inner *= n
+        strides = x.strides[:ax] + tuple(reversed(ist)) + x.strides[ax + 1:]
+        return [Val(shape, strides, x.buf, x.off + idx[0] * x.strides[ax], x.root)]
+    if c.dim() > 1 or len(idx) > MAX_GATHER_COPIES:
         return None
     y = pc.alloc(shape)
     part = tuple(1 if d == ax else n for d, n in enumerate(x.shape))

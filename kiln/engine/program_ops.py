@@ -241,7 +241,7 @@ def _const_ints(pc, st, i: int):
     None where it is computed."""
     if len(st.ins) <= i or st.ins[i] < 0:
         return []
-    c = pc.consts.get(st.ins[i])
+    c = pc.const(st.ins[i])
     return None if c is None or not hasattr(c, "reshape") else [
         int(v) for v in c.reshape(-1).tolist()]
 
@@ -280,7 +280,7 @@ def _gather_one(pc, st, ins, outs):
     """Gather of one constant index (a scalar: the dim goes) from a program value: a view,
     no record (BERT's pooler reading the first token, a head picked by index)."""
     x, idx = ins[0], _const_ints(pc, st, 1)
-    c = pc.consts.get(st.ins[1]) if len(st.ins) > 1 else None
+    c = pc.const(st.ins[1]) if len(st.ins) > 1 else None
     if x is None or len(outs) != 1 or not idx or len(idx) != 1 or c.dim() != 0:
         return None
     ax = (st.node.attrs.axis or 0) % len(x.shape)

@@ -336,8 +336,9 @@ def chain_run_timed(prog, n: int, fparams, table, nthreads: int, acc) -> int:
 POINTWISE = {**{k: v for k, v in ACTIVATIONS.items() if k and k != "HardSwishAffine"},
              "Copy": 0, "Exp": 10, "Neg": 11,
              "Abs": 12, "Sqrt": 13, "Reciprocal": 14, "HardSigmoid": 15,
-             "QuantizeDequantizeU8": 16, "QuantizeDequantizeS8": 17, "Add": 32, "Sub": 33,
-             "Mul": 34, "Div": 35, "Max": 36, "Min": 37, "PRelu": 38}
+             "QuantizeDequantizeU8": 16, "QuantizeDequantizeS8": 17, "NonZero": 18,
+             "Select": 19, "Add": 32, "Sub": 33, "Mul": 34, "Div": 35, "Max": 36, "Min": 37,
+             "PRelu": 38, "SelectB": 39, "SelectA": 40, "NotEqual": 41}
 BINARY = frozenset(k for k, v in POINTWISE.items() if v >= 32)
 POOLS = {"max": 0, "avg_pad": 1, "avg": 2}
 

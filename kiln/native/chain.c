@@ -10,7 +10,7 @@
 /* record kinds: kiln/engine/program_ops.py, program_gemm.py and program_rnn.py name the same */
 enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, OP_WINO = 7,
        OP_RNN = 8, OP_RMS = 9, OP_CONV = 10, OP_QGEMM = 11,
-       OP_QBMM = 12, OP_DQCONV = 13 };
+       OP_QBMM = 12, OP_DQCONV = 13, OP_ICAST = 14 };
 #define GEMM_LEN 17 /* kind M N K a aoff lda w bias r roff ldr c coff ldc act fparam */
 #define LN_LEN 12   /* kind M N x xoff ldx y yoff ldy gamma beta fparam (OP_RMS too, no beta) */
 #define ATTN_LEN 36 /* kind B H Hkv Sq Skv D Dv, (buf off b h s) for q k v, (buf off b h q k) for
@@ -27,6 +27,35 @@ enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, O
 #define DQCONV_LEN 25 /* kind batch C H W x xoff OC kh kw sh sw ph pw dh dw OH OW a a_zero wsum
                        * bias fparam(w_scale) y yoff */
 #define QBMM_LEN 25 /* kind path dims[5] a aoff sa[4] b boff sb[4] y yoff sc[3] fparam(13) */
+#define ICAST_LEN (4 + PW_RANK + 2 * (2 + PW_RANK)) /* kind src-type nonzero rank shape, (buf off
+                                                     * strides) for y and a (a's in its own
+                                                     * elements) */
+
+/* y = float(a) (or, nonzero, a != 0 as 0/1) for an integer or bool tensor a: int64 (src 0),
+ * int32 (1) or bool/uint8 (2), any strides. The integer inputs a program reads are small
+ * (attention masks): a plain loop. */
+static void icast(int src, int nonzero, int rank, const long *shape, float *y, const long *sy,
+                  const void *a, const long *sa)
+{
+    long total = 1, idx[PW_RANK] = {0};
+    for (int d = 0; d < rank; d++)
+        total *= shape[d];
+    for (long e = 0; e < total; e++) {
+        long oy = 0, oa = 0;
+        for (int d = 0; d < rank; d++) {
+            oy += idx[d] * sy[d];
+            oa += idx[d] * sa[d];
+        }
+        float v = src == 0 ? (float)((const int64_t *)a)[oa]
+                : src == 1 ? (float)((const int32_t *)a)[oa] : (float)((const uint8_t *)a)[oa];
+        y[oy] = nonzero ? (v != 0.0f ? 1.0f : 0.0f) : v;
+        for (int d = rank - 1; d >= 0; d--) {
+            if (++idx[d] < shape[d])
+                break;
+            idx[d] = 0;
+        }
+    }
+}
 
 #include <time.h>
 
@@ -131,6 +160,14 @@ static long chain_run(const long *prog, long n, const float *fp, float *const *b
                               PTR(p[23], p[24]), nthreads) != 0)
                 return i;  /* out of memory */
             i += DQCONV_LEN;
+        } else if (p[0] == OP_ICAST && i + ICAST_LEN <= n) {
+            const long *sh = p + 4, *y = sh + PW_RANK, *a = y + 2 + PW_RANK;
+            int src = (int)p[1];
+            const char *base = a[0] >= 0 ? (const char *)bufs[a[0]] : NULL;
+            long esz = src == 0 ? 8 : src == 1 ? 4 : 1;
+            icast(src, (int)p[2], (int)p[3], sh, PTR(y[0], y[1]), y + 2,
+                  base ? base + esz * a[1] : NULL, a + 2);
+            i += ICAST_LEN;
         } else {
             return i;
         }

@@ -5,9 +5,15 @@
  * here and one fused into a GEMM agree. */
 #include "kernels.h"
 
-/* op codes: 0-9 are the ACT_* codes (0: a copy); then unary 10+, binary 32+ */
-enum { PW_EXP = 10, PW_NEG, PW_ABS, PW_SQRT, PW_RECIP, PW_HARD_SIGMOID, PW_QDQ_U8, PW_QDQ_S8 };
-enum { PW_ADD = 32, PW_SUB, PW_MUL, PW_DIV, PW_MAX, PW_MIN, PW_PRELU };
+/* op codes: 0-9 are the ACT_* codes (0: a copy); then unary 10+, binary 32+. The last few
+ * serve bool values, which a program keeps as float 0/1 (kiln/engine/program_bool.py):
+ * NONZERO is a != 0 as 0/1 (Cast to bool: NaN is true), SELECT a != 0 ? p0 : p1 (Where of two
+ * scalars, Not), SELECT_B a != 0 ? b : p0 and SELECT_A a != 0 ? p0 : b (Where of a tensor and a
+ * scalar), NE a != b as 0/1 (Xor). */
+enum { PW_EXP = 10, PW_NEG, PW_ABS, PW_SQRT, PW_RECIP, PW_HARD_SIGMOID, PW_QDQ_U8, PW_QDQ_S8,
+       PW_NONZERO, PW_SELECT };
+enum { PW_ADD = 32, PW_SUB, PW_MUL, PW_DIV, PW_MAX, PW_MIN, PW_PRELU, PW_SELECT_B, PW_SELECT_A,
+       PW_NE };
 
 /* QuantizeLinear then DequantizeLinear with one scale s and zero point z:
  * (clamp(round(x / s) + z, lo, hi) - z) * s, each step the float32 operation kiln's torch
@@ -38,11 +44,17 @@ TGT static inline __m256 unary8(int op, __m256 a, float p0, float p1)
         return qdq8(a, p0, p1, 0.0f, 255.0f);
     case PW_QDQ_S8:
         return qdq8(a, p0, p1, -128.0f, 127.0f);
+    case PW_NONZERO:
+        return _mm256_and_ps(_mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_UQ),
+                             _mm256_set1_ps(1.0f));
+    case PW_SELECT:
+        return _mm256_blendv_ps(_mm256_set1_ps(p1), _mm256_set1_ps(p0),
+                                _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_UQ));
     default: return act256(a, op, p0, p1);
     }
 }
 
-TGT static inline __m256 binary8(int op, __m256 a, __m256 b)
+TGT static inline __m256 binary8(int op, __m256 a, __m256 b, float p0)
 {
     switch (op) {
     case PW_ADD: return _mm256_add_ps(a, b);
@@ -61,6 +73,14 @@ TGT static inline __m256 binary8(int op, __m256 a, __m256 b)
     case PW_PRELU:
         return _mm256_blendv_ps(a, _mm256_mul_ps(a, b),
                                 _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ));
+    case PW_SELECT_B:
+        return _mm256_blendv_ps(_mm256_set1_ps(p0), b,
+                                _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_UQ));
+    case PW_SELECT_A:
+        return _mm256_blendv_ps(b, _mm256_set1_ps(p0),
+                                _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_UQ));
+    case PW_NE:
+        return _mm256_and_ps(_mm256_cmp_ps(a, b, _CMP_NEQ_UQ), _mm256_set1_ps(1.0f));
     default: return a;
     }
 }
@@ -84,7 +104,7 @@ TGT static void row_tail(int op, long j, long n, float *y, long sy, const float 
     for (; j < n; j += 8) {
         long m = n - j < 8 ? n - j : 8;
         __m256 va = load8(a + j * sa, sa, m);
-        __m256 v = b ? binary8(op, va, load8(b + j * sb, sb, m)) : unary8(op, va, p0, p1);
+        __m256 v = b ? binary8(op, va, load8(b + j * sb, sb, m), p0) : unary8(op, va, p0, p1);
         if (sy == 1 && m == 8) {
             _mm256_storeu_ps(y + j, v);
         } else {
@@ -106,7 +126,7 @@ TGT static void row_tail(int op, long j, long n, float *y, long sy, const float 
     break;
 #define BIN(code) case code: \
     for (; j + 8 <= n; j += 8) \
-        _mm256_storeu_ps(y + j, binary8(code, LD(a, sa, j), LD(b, sb, j))); \
+        _mm256_storeu_ps(y + j, binary8(code, LD(a, sa, j), LD(b, sb, j), p0)); \
     break;
 
 TGT static long row_fast(int op, long n, float *y, const float *a, long sa, const float *b,
@@ -116,8 +136,10 @@ TGT static long row_fast(int op, long n, float *y, const float *a, long sa, cons
     switch (op) {
     UN(0) UN(ACT_RELU) UN(ACT_GELU) UN(ACT_GELU_TANH) UN(ACT_SIGMOID) UN(ACT_SILU) UN(ACT_TANH)
     UN(ACT_CLIP) UN(ACT_LEAKY_RELU) UN(ACT_HARD_SWISH) UN(PW_EXP) UN(PW_NEG) UN(PW_ABS)
-    UN(PW_SQRT) UN(PW_RECIP) UN(PW_HARD_SIGMOID) UN(PW_QDQ_U8) UN(PW_QDQ_S8)
+    UN(PW_SQRT) UN(PW_RECIP) UN(PW_HARD_SIGMOID) UN(PW_QDQ_U8) UN(PW_QDQ_S8) UN(PW_NONZERO)
+    UN(PW_SELECT)
     BIN(PW_ADD) BIN(PW_SUB) BIN(PW_MUL) BIN(PW_DIV) BIN(PW_MAX) BIN(PW_MIN) BIN(PW_PRELU)
+    BIN(PW_SELECT_B) BIN(PW_SELECT_A) BIN(PW_NE)
     default: break;
     }
     return j;

@@ -5,7 +5,14 @@ with the same number, and no number has two kinds (three branches once gave 8 th
 import re
 from pathlib import Path
 
-from kiln.engine import program, program_gemm, program_int8, program_ops, program_rnn
+from kiln.engine import (
+    program,
+    program_bool,
+    program_gemm,
+    program_int8,
+    program_ops,
+    program_rnn,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +27,7 @@ def test_python_record_kinds_are_chain_cs():
     c = _c_kinds()
     assert len(set(c.values())) == len(c), c
     python = {name: getattr(mod, name) for mod in (program_ops, program_gemm, program_rnn,
-                                                         program_int8)
+                                                         program_int8, program_bool)
               for name in dir(mod) if re.fullmatch(r"OP_[A-Z]+", name)}
     python.pop("OP_TORCH", None)
     assert python == c
