@@ -195,3 +195,36 @@ def test_layernorm_read_as_a_residual_only_stays():
     g.outputs = [y]
     assert fuse_handoffs(g) == {"gemm": 0, "norm": 0}
     assert g.nodes[0].op is N.LayerNormalization
+
+
+def _resnet(handoff=True):
+    from kiln.zoo import build_onnx
+
+    g = optimize(import_onnx(str(build_onnx("resnet50"))), device="cuda")
+    rng = np.random.default_rng(0)
+    cal = [{g.inputs[0].name: rng.standard_normal((1, 3, 64, 64)).astype(np.float32)}]
+    apply_int8(g, BuilderConfig(device="cuda", fp16=True, int8=True, calib=cal), None)
+    lower_precision(g, "fp16", io=True)
+    counts = fuse_handoffs(g) if handoff else None
+    verify(g, after="test")
+    return g, counts
+
+
+def test_resnet50_conv_handoffs():
+    """Each bottleneck's 1x1 and 3x3 convs write the next conv's codes, and so does the last
+    conv of a stage (its output only the next stage's first 1x1 and downsample read); the
+    stem (read by MaxPool), the residual-carrying block outputs and the classifier's input
+    stay float. The numbers match the graph without hand-offs."""
+    g, counts = _resnet()
+    convs = _ops(g, I8.Int8Conv)
+    assert len(convs) == 53 and counts == {"gemm": 35, "norm": 0}
+    assert len([c for c in convs if c.attrs.out_scale > 0]) == 35
+    assert len([c for c in convs if c.inputs[0].type.dtype == DType.int8]) == 32 + 3 * 2
+    assert convs[0].inputs[0].type.dtype == DType.float16  # the stem reads the image
+    (fc,) = _ops(g, I8.Int8MatMul)
+    assert fc.inputs[0].type.dtype == DType.float16 and fc.attrs.out_scale == 0
+    feeds = {g.inputs[0].name: np.random.default_rng(9).standard_normal(
+        (1, 3, 64, 64)).astype(np.float16)}
+    got = _run(g, feeds)[0]
+    want = _run(_resnet(handoff=False)[0], feeds)[0]
+    assert _cos(got, want) > 0.999

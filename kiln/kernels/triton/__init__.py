@@ -12,6 +12,7 @@ from kiln.kernels.triton import (
     attention,  # noqa: F401
     conv,  # noqa: F401
     gemm,  # noqa: F401
+    int8_conv,  # noqa: F401
     int8_gemm,  # noqa: F401
     norm,  # noqa: F401
     pointwise,  # noqa: F401

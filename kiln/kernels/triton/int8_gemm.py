@@ -178,8 +178,12 @@ def _codes_kernel(X, Y, n_elems, scale, shift, FP8: tl.constexpr, X_CODES: tl.co
 
 
 def _codes_pass(x, out_dtype, scale: float, shift: int, fp8: bool, encode: bool, block=2048):
-    x = x.contiguous()
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    """One elementwise pass of :func:`_codes_kernel` over ``x``'s memory (a dense x keeps
+    its memory order: a channels-last map stays channels-last)."""
+    if not (x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(
+            memory_format=torch.channels_last))):
+        x = x.contiguous()
+    y = torch.empty_like(x, dtype=out_dtype)
     launch(_codes_kernel, (cdiv(x.numel(), block),), x, y, x.numel(), float(scale),
            float(shift), FP8=fp8, X_CODES=x.dtype == _codes_dtype(fp8), ENCODE=encode,
            EXACT=INTERPRET, BLOCK=block, num_warps=4)

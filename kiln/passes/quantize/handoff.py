@@ -12,11 +12,13 @@ selection. Two rewrites:
         ==>  LayerNormQuant(x, g, b, qmul = m / x_scale) -> (v, codes); the readers take codes,
              the Mul goes; v stays for v's float readers (a residual)
 
+Int8Conv layers hand off the same way as the GEMMs (ResNet's 1x1 -> 3x3 -> 1x1 chains: the
+first two write the next one's codes).
+
 A tensor some float op also reads (Attention's input, a residual, a graph output) keeps its
 float producer, and its 8-bit readers quantize it in their own prologue (as before). So does a
 tensor its 8-bit readers read at different scales or kinds (INT8 and FP8), or through any op
-but the smoothing Mul. Layers that another backend runs (Int8Conv: no kernel here takes codes)
-are neither producers nor readers.
+but the smoothing Mul.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from kiln.ops import int8 as I8
 from kiln.ops import math as M
 from kiln.ops import nn as N
 
-GEMMS = (I8.Int8MatMul, I8.Fp8MatMul)
+GEMMS = (I8.Int8MatMul, I8.Fp8MatMul, I8.Int8Conv)  # the layers that take and give codes
 FLOAT = (DType.float16, DType.bfloat16, DType.float32)
 
 
@@ -81,7 +83,8 @@ def _codes_dtype(kind: str) -> DType:
 
 def fuse_handoffs(graph: Graph, log=lambda m: None) -> dict:
     """Apply both rewrites (see the module docstring) in place; returns the counts
-    ``{"gemm": GEMM outputs written as codes, "norm": LayerNorms that write codes}``."""
+    ``{"gemm": GEMM and conv outputs written as codes, "norm": LayerNorms that write
+    codes}``."""
     users = graph.users()
     outputs = {id(v) for v in graph.outputs}
     done = {"gemm": 0, "norm": 0}
@@ -100,7 +103,7 @@ def fuse_handoffs(graph: Graph, log=lambda m: None) -> dict:
         elif p.op is N.LayerNormalization and _norm_quant(graph, p, users, outputs):
             done["norm"] += 1
     if any(done.values()):
-        log(f"int8 hand-offs: {done['gemm']} GEMM output(s) and {done['norm']} LayerNorm "
+        log(f"int8 hand-offs: {done['gemm']} GEMM/conv output(s) and {done['norm']} LayerNorm "
             "output(s) written as their readers' 8-bit codes")
     return done
 
@@ -120,7 +123,8 @@ def _norm_quant(graph: Graph, ln: Node, users: dict, outputs: set) -> bool:
     c = v.type.shape[-1]
     if _dtype(v) not in FLOAT:
         return False
-    direct = [r for r in _unique(users.get(id(v), [])) if r.op in GEMMS and r.inputs[0] is v]
+    direct = [r for r in _unique(users.get(id(v), []))  # (a conv's channels are not last)
+              if r.op in GEMMS and r.op is not I8.Int8Conv and r.inputs[0] is v]
     muls = [m for m in _unique(users.get(id(v), [])) if m.op is M.Mul and _smoothing(m, v, c)]
     groups = ([(None, direct)] if direct else []) + [(m, None) for m in muls]
     if len(groups) != 1:  # one set of codes per LayerNorm
