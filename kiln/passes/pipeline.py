@@ -23,6 +23,7 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
         conv_bias,
         conv_bias_act,
         conv_bn,
+        conv_taps,
         gelu,
         input_affine,
         layernorm,
@@ -46,8 +47,8 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     late = [act_affine, matmul_norm, packed_qkv] if device == "cpu" else []
     # CUDA's generated pointwise kernel also takes boolean mask steps (fusion.pointwise.MASK)
     elementwise = pointwise if device == "cpu" else _CudaPointwise
-    order = [refine, fold, eliminate, pad_conv, conv_bn, conv_bias, layernorm, rmsnorm, gelu,
-             activation, input_affine, attention, qkv, matmul_add, squeeze_excite,
+    order = [refine, fold, eliminate, pad_conv, conv_taps, conv_bn, conv_bias, layernorm,
+             rmsnorm, gelu, activation, input_affine, attention, qkv, matmul_add, squeeze_excite,
              conv_bias_act, *late, elementwise, layout, eliminate]
     # refine, fold and eliminate walk subgraphs themselves; a fusion sees one graph, so it is
     # run again on every subgraph (an If branch or Loop body of Conv + Relu fuses as the outer
