@@ -11,10 +11,11 @@
  * and right borders, whose windows stick out, one at a time with the taps checked (dw_edge*).
  * - AVX2: blocks of PX = 8, 4, 1 pixels, each tap's weight vector loaded once for the block's
  *   pixels (one load per FMA was the kernel before that's bound).
- * - AVX-512: blocks of PXZ = 16, 8, 4, 2, 1 pixels. For 3x3 and 5x5 windows without dilation a
- *   block loads each input vector of a tap row once for every output pixel whose window holds
- *   it (a stride-1 3-tap row: 18 loads for 16 pixels, not 48) and the row's weights once, then
- *   the FMAs (dw_run16); other windows go as AVX2's (dw_block16). A short row under a wide
+ * - AVX-512: blocks of PXZ = 16, 8, 4, 2, 1 pixels. For 3x3 and 5x5 windows (strides 1 and 2
+ *   without dilation, dilation 2 at stride 1) a block loads each input vector of a tap row
+ *   once for every output pixel whose window holds it (a stride-1 3-tap row: 18 loads for 16
+ *   pixels, not 48; a dilation-2 5-tap one: 24, not 80) and the row's weights once, then the
+ *   FMAs (dw_run16); other windows go as AVX2's (dw_block16). A short row under a wide
  *   window (5x5 on a 7 x 7 or 14 x 14 map, where 4 of the 7 or 14 pixels are border ones) is
  *   first copied into a zero-padded buffer, so that every pixel takes the blocks: 1.3-1.55x on
  *   efficientnet's and mobilenet_v3's 5x5 layers; with 3x3 windows the copy cost more than the
@@ -157,8 +158,8 @@ TGT static void dw_item8(const struct dw_row *q, long Wo, long c, const float *b
 /* ---------------------------------------------------------------- AVX-512 */
 
 TGT_ZMM static inline __attribute__((always_inline)) void dw_run16(
-    const struct dw_row *q, long ow0, long c, const int n, const int KW, const int SW, __m512 b0,
-    __mmask16 m)
+    const struct dw_row *q, long ow0, long c, const int n, const int KW, const int SW,
+    const int DW, __m512 b0, __mmask16 m)
 {
     __m512 acc[PXZ];
     for (int p = 0; p < n; p++)
@@ -171,12 +172,12 @@ TGT_ZMM static inline __attribute__((always_inline)) void dw_run16(
         for (int kx = 0; kx < KW; kx++)
             w[kx] = _mm512_maskz_loadu_ps(m, wr + kx * C);
 #pragma GCC unroll 40
-        for (int i = 0; i < (n - 1) * SW + KW; i++) {
+        for (int i = 0; i < (n - 1) * SW + (KW - 1) * DW + 1; i++) {
             __m512 xi = _mm512_maskz_loadu_ps(m, xr + i * xs);
 #pragma GCC unroll 16
-            for (int p = 0; p < n; p++) {
-                int kx = i - p * SW;
-                if (kx >= 0 && kx < KW)
+            for (int p = 0; p < n; p++) {  /* pixel p's tap kx reads column p SW + kx DW */
+                int rel = i - p * SW, kx = rel / DW;
+                if (rel >= 0 && rel % DW == 0 && kx < KW)
                     acc[p] = _mm512_fmadd_ps(xi, w[kx], acc[p]);
             }
         }
@@ -236,32 +237,39 @@ TGT_ZMM static void dw_edge16(const struct dw_row *q, long ow, long c, __m512 b0
     _mm512_mask_storeu_ps(q->y + o, m, act512(acc, q->act, q->p0, q->p1));
 }
 
-#define RUN16(KW, SW)                                                              \
+#define RUN16(KW, SW, DW)                                                          \
     do {                                                                           \
         for (; ow + PXZ <= hi; ow += PXZ)                                          \
-            dw_run16(q, ow, c, PXZ, KW, SW, b0, m);                                \
+            dw_run16(q, ow, c, PXZ, KW, SW, DW, b0, m);                            \
         for (; ow + 8 <= hi; ow += 8)                                              \
-            dw_run16(q, ow, c, 8, KW, SW, b0, m);                                  \
+            dw_run16(q, ow, c, 8, KW, SW, DW, b0, m);                              \
         for (; ow + 4 <= hi; ow += 4)                                              \
-            dw_run16(q, ow, c, 4, KW, SW, b0, m);                                  \
+            dw_run16(q, ow, c, 4, KW, SW, DW, b0, m);                              \
         for (; ow + 2 <= hi; ow += 2)                                              \
-            dw_run16(q, ow, c, 2, KW, SW, b0, m);                                  \
+            dw_run16(q, ow, c, 2, KW, SW, DW, b0, m);                              \
         for (; ow < hi; ow++)                                                      \
-            dw_run16(q, ow, c, 1, KW, SW, b0, m);                                  \
+            dw_run16(q, ow, c, 1, KW, SW, DW, b0, m);                              \
     } while (0)
 
 TGT_ZMM static long dw_span16(const struct dw_row *q, long ow, long hi, long c, __m512 b0,
                               __mmask16 m)
 {
-    int kind = q->dw == 1 ? (int)(q->kw * 10 + q->sw) : 0;
-    if (kind == 31)
-        RUN16(3, 1);
-    else if (kind == 32)
-        RUN16(3, 2);
-    else if (kind == 51)
-        RUN16(5, 1);
-    else if (kind == 52)
-        RUN16(5, 2);
+    /* window width, stride, dilation: the ones with shared-load runs (dilation 2 at stride 1
+     * is the segmentation backbones' 5x5: torchvision's DeepLabV3 and LR-ASPP) */
+    int kind = q->dw <= 2 && q->sw <= 2 && (q->kw == 3 || q->kw == 5) && !(q->dw == 2 &&
+               q->sw == 2) ? (int)(q->kw * 100 + q->sw * 10 + q->dw) : 0;
+    if (kind == 311)
+        RUN16(3, 1, 1);
+    else if (kind == 321)
+        RUN16(3, 2, 1);
+    else if (kind == 511)
+        RUN16(5, 1, 1);
+    else if (kind == 521)
+        RUN16(5, 2, 1);
+    else if (kind == 312)
+        RUN16(3, 1, 2);
+    else if (kind == 512)
+        RUN16(5, 1, 2);
     for (; ow + PXZ <= hi; ow += PXZ)
         dw_block16(q, ow, c, PXZ, b0, m);
     for (; ow + 4 <= hi; ow += 4)

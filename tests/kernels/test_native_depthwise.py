@@ -65,6 +65,12 @@ CASES = [  # N, C, H, W, k, pads (t, l, b, r), stride, dilation, bias, residual,
     (2, 37, 14, 14, 5, (2, 2, 2, 2), 1, 1, True, False, "HardSwish"),
     (1, 17, 9, 9, 7, (3, 2, 3, 4), 1, 1, False, True, "Clip"),      # asymmetric, 7x7
     (1, 24, 14, 14, 5, (1, 2, 2, 1), 2, 1, True, False, "Relu"),    # stride 2, "same"
+    # AVX-512's dilation-2 shared-load runs (3x3 and 5x5 at stride 1): LR-ASPP's 5x5 on 20 x
+    # 20 (padded rows), wide rows in runs beside the borders, a 3x3 one with a channel tail
+    (1, 40, 20, 20, 5, (4, 4, 4, 4), 1, 2, True, False, "HardSwish"),
+    (1, 35, 6, 45, 5, (4, 4, 4, 4), 1, 2, True, True, "Relu"),
+    (1, 24, 5, 41, 3, (2, 2, 2, 2), 1, 2, False, False, "Silu"),
+    (1, 16, 3, 30, 3, (2, 2, 2, 2), 2, 2, True, False, ""),         # stride 2: dw_block16
 ]
 
 
