@@ -16,6 +16,10 @@
 - ``KILN_CPU_KEEP_MEMORY``: ``0`` leaves glibc's malloc as it is. By default CPU engines make it
   keep freed memory for the next run instead of returning it to the OS (see
   :mod:`kiln.runtime.host`).
+- ``KILN_CUDA_MATMUL_NORM``: ``1`` lets CUDA builds fuse a product and the LayerNorm that
+  alone reads it (``FusedMatMulLayerNorm``: BERT's post-norm blocks, the norm kernel adding
+  the residual). Off by default until its kernel's GPU test has a clean run on the H200 (see
+  :mod:`kiln.passes.pipeline`); CPU builds fuse them always.
 - ``KILN_CACHE_DIR``: where kiln.zoo caches exported models (read by ``kiln.zoo.cache_dir``).
 - ``KILN_OMP_PASSIVE``: ``0`` leaves OpenMP's wait policy as it is. By default ``import kiln``
   sets ``OMP_WAIT_POLICY=PASSIVE`` when neither it nor ``GOMP_SPINCOUNT`` is set and torch (whose
@@ -44,6 +48,7 @@ class Settings:
     cpu_keep_memory: bool = True
     cpu_chains: bool = True
     cpu_program: bool = True
+    cuda_matmul_norm: bool = False
 
     @classmethod
     def from_env(cls, env=None) -> Settings:
@@ -53,7 +58,8 @@ class Settings:
                    cudnn_benchmark=env.get("KILN_CUDNN_BENCHMARK", "0") == "1",
                    cpu_keep_memory=env.get("KILN_CPU_KEEP_MEMORY", "1") != "0",
                    cpu_chains=env.get("KILN_CPU_CHAINS", "1") != "0",
-                   cpu_program=env.get("KILN_CPU_PROGRAM", "1") != "0")
+                   cpu_program=env.get("KILN_CPU_PROGRAM", "1") != "0",
+                   cuda_matmul_norm=env.get("KILN_CUDA_MATMUL_NORM", "0") == "1")
 
 
 SETTINGS = Settings.from_env()

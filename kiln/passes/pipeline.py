@@ -15,6 +15,7 @@ Pass = Callable[[Graph, Callable[[str], None]], int]  # (graph, log) -> rewrites
 
 def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     # The one ordered list. Each module exposes PASSES: list of (name, fn) in its order.
+    from kiln import settings
     from kiln.passes import eliminate, fold, refine
     from kiln.passes.fusion import (
         act_affine,
@@ -43,8 +44,11 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     # CUDA kernel (kiln.kernels.triton.gemm.fused_matmul_layernorm: the norm adds a cuBLAS
     # product's residual as it reads the row) passes its tests under Triton's interpreter, but
     # its GPU test run of 2026-12-04 stopped answering in one of its cases (a Triton tile with
-    # a residual): CUDA builds keep FusedMatMul + LayerNorm until a GPU run clears it
-    late = [act_affine, matmul_norm, packed_qkv] if device == "cpu" else []
+    # a residual): CUDA builds keep FusedMatMul + LayerNorm until a GPU run clears it, unless
+    # KILN_CUDA_MATMUL_NORM=1 (for that GPU run; the Triton tile now leaves the residual to the
+    # norm where no activation sits between them, so the case that hung is no longer run)
+    cuda_late = [matmul_norm] if settings.SETTINGS.cuda_matmul_norm else []
+    late = [act_affine, matmul_norm, packed_qkv] if device == "cpu" else cuda_late
     # CUDA's generated pointwise kernel also takes boolean mask steps (fusion.pointwise.MASK)
     elementwise = pointwise if device == "cpu" else _CudaPointwise
     order = [refine, fold, eliminate, pad_conv, conv_taps, conv_bn, conv_bias, layernorm,

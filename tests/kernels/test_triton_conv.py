@@ -197,16 +197,21 @@ def test_triton_conv_tactics_off_gpu():
 
 @pytest.mark.parametrize("stride", [1, 2])
 @pytest.mark.parametrize("activation,bias,residual", [("Relu", True, True), ("", True, False),
-                                                      ("Clip", False, True)])
+                                                      ("Clip", False, True), ("Relu", True, False)])
 def test_triton_conv_1x1_as_gemm(stride, activation, bias, residual):
+    """1x1 convs as GEMMs: the Triton tile, cuBLAS + the epilogue pass, and (bias + ReLU, no
+    residual: the only epilogue cuBLASLt computes whole here) cuBLASLt's fused epilogue."""
     attrs = {"strides": [stride, stride]}
     n = _fused(activation, residual, tactic=None, **attrs)
     x, w, b, r = _inputs((2, 8, 5, 5), (12, 8, 1, 1), n, bias, residual)
     want = torch_fused.fused_conv(_fused(activation, residual, **attrs), x, w, b, r)
     impls = [t["impl"] for t in conv.tactics(n, (x, w, b, r)) if "impl" in t]
-    assert set(impls) == ({"gemm", "cublas", "igemm"} if stride > 1 else {"gemm", "cublas"})
-    gemms = [t for t in conv.tactics(n, (x, w, b, r)) if t.get("impl") in ("gemm", "cublas")]
-    for t in [gemms[0], gemms[-1]]:  # a Triton GEMM tile (the interpreter is slow), cuBLAS
+    lt = {"cublaslt"} if (activation, bias, residual) == ("Relu", True, False) else set()
+    assert set(impls) == ({"gemm", "cublas", "igemm"} if stride > 1 else {"gemm", "cublas"}) | lt
+    gemms = [t for t in conv.tactics(n, (x, w, b, r))
+             if t.get("impl") in ("gemm", "cublas", "cublaslt")]
+    assert conv.makes_plan({"impl": "cublaslt"}) == "cublas"
+    for t in [gemms[0], *[g for g in gemms if g["impl"] != "gemm"]]:  # one Triton tile: slow
         n.tactic, n.cache = t, {}
         y = conv.fused_conv(n, x, w, b, r)
         assert y.shape == want.shape and y.is_contiguous(memory_format=CL), t

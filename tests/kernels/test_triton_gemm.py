@@ -14,6 +14,7 @@ SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "SPLIT_K": 1
          "num_warps": 1, "num_stages": 1}
 SPLIT = dict(SMALL, SPLIT_K=2, GROUP_M=1)
 CUBLAS = {"impl": "cublas", "BLOCK": 64, "num_warps": 1}  # cuBLAS, then the Triton epilogue
+FLAT = dict(CUBLAS, flat=1)  # ... over the output as one run of elements (240: a partial block)
 
 # the torch activations the fused epilogue must reproduce (alpha, beta as the op's attributes)
 ACT = {"": lambda y: y, "Relu": torch.relu, "Gelu": F.gelu, "Silu": F.silu,
@@ -22,8 +23,8 @@ ACT = {"": lambda y: y, "Relu": torch.relu, "Gelu": F.gelu, "Silu": F.silu,
        "Clip": lambda y: y.clamp(-0.5, 0.5), "LeakyRelu": lambda y: F.leaky_relu(y, 0.5)}
 
 
-@pytest.mark.parametrize("tactic", [None, SMALL, SPLIT, CUBLAS],
-                         ids=["default", "small", "splitk", "cublas"])
+@pytest.mark.parametrize("tactic", [None, SMALL, SPLIT, CUBLAS, FLAT],
+                         ids=["default", "small", "splitk", "cublas", "flat"])
 @pytest.mark.parametrize("act", sorted(ACT))
 def test_triton_fused_matmul_epilogue(act, tactic):
     x, w = randn(2, 5, 40, dtype=torch.float16), randn(40, 24, dtype=torch.float16)
@@ -91,6 +92,70 @@ def test_triton_fused_matmul_offers_cublas_only_with_an_epilogue():
     assert any(t.get("impl") == "cublas" for t in res)
 
 
+@pytest.mark.parametrize("act", ["Relu", "GeluTanh"])
+def test_triton_fused_matmul_cublaslt_epilogue(act, monkeypatch):
+    """Bias + ReLU / tanh-GELU in cuBLASLt's own epilogue (torch._addmm_activation): one call,
+    no Triton pass, the torch reference's numbers."""
+    x, w = randn(2, 5, 40, dtype=torch.float16), randn(40, 24, dtype=torch.float16)
+    b = randn(24, dtype=torch.float16)
+    n = call(FC.FusedMatMul, G.CUBLASLT_TACTIC, activation=act)
+    seen, passes = [], []
+    real = torch._addmm_activation
+    monkeypatch.setattr(torch, "_addmm_activation",
+                        lambda *a, **k: seen.append(k) or real(*a, **k))
+    monkeypatch.setattr(G, "rows_act_", lambda *a, **k: passes.append(a))
+    y = G.fused_matmul(n, x, w, b)
+    assert seen == [{"use_gelu": act == "GeluTanh"}] and not passes
+    want = ACT[act](x.float() @ w.float() + b.float())
+    assert y.dtype == torch.float16 and y.shape == (2, 5, 24)
+    assert_close(y, want, scale=3)
+
+
+def test_triton_fused_matmul_cublaslt_only_where_it_computes_the_op(monkeypatch):
+    """cuBLASLt's epilogue is offered for ReLU and tanh-GELU with a bias and no residual; not
+    for the erf GELU (cuBLASLt's GELU is the tanh form), nor with a residual (it would come
+    after the activation), nor without a bias. Forced on such a node, the tactic runs the exact
+    epilogue instead."""
+    x, w, b = randn(4, 32, dtype=torch.float16), randn(32, 16, dtype=torch.float16), \
+        randn(16, dtype=torch.float16)
+    r = randn(4, 16, dtype=torch.float16)
+    k = [k for k in kernels_for(FC.FusedMatMul, "cuda") if k.name == "TritonFusedMatMul"][0]
+
+    def lt(inputs, **attrs):
+        space = k.tactic_space(call(FC.FusedMatMul, **attrs), inputs)
+        return [t for t in space if t.get("impl") == "cublaslt"]
+
+    assert lt((x, w, b), activation="Relu") == [G.CUBLASLT_TACTIC]
+    assert lt((x, w, b), activation="GeluTanh") == [G.CUBLASLT_TACTIC]
+    assert k.library(G.CUBLASLT_TACTIC) == "cublas"
+    assert not lt((x, w, b), activation="Gelu")
+    assert not lt((x, w, b, r), activation="Relu", has_residual=1)
+    assert not lt((x, w), activation="Relu")
+    assert not lt((x, w, b))
+    seen = []
+    real = torch._addmm_activation
+    monkeypatch.setattr(torch, "_addmm_activation",
+                        lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    y = G.fused_matmul(call(FC.FusedMatMul, G.CUBLASLT_TACTIC, activation="Gelu"), x, w, b)
+    y2 = G.fused_matmul(call(FC.FusedMatMul, G.CUBLASLT_TACTIC, activation="Relu",
+                             has_residual=1), x, w, b, r)
+    assert not seen
+    assert_close(y, F.gelu(x.float() @ w.float() + b.float()), scale=3)
+    assert_close(y2, torch.relu(x.float() @ w.float() + b.float() + r.float()), scale=3)
+
+
+def test_triton_flat_epilogue_no_ops():
+    """The flat pass: an empty output launches nothing; nothing to do is a no-op."""
+    from kiln.kernels.triton import common
+    y = torch.empty((0, 8), dtype=torch.float16, device=randn(1).device)
+    assert common.rows_act_(y, None, "Relu", flat=True) is y
+    z = randn(3, 8, dtype=torch.float16)
+    before = z.clone()
+    assert common.rows_act_(z, None, "", flat=True) is z and torch.equal(z, before)
+    with pytest.raises(ValueError, match="contiguous"):
+        common.rows_act_(z.t(), None, "Relu", flat=True)
+
+
 def test_triton_gemm_tactic_space():
     big = G.gemm_tactics(8192, 768, 3072)
     assert all(t["SPLIT_K"] == 1 for t in big)  # 8192x768 fills the GPU: no split-K
@@ -108,6 +173,26 @@ def test_triton_gemm_gpu_bert_shapes(m, k, nn):
     n = call(FC.FusedMatMul, activation="Gelu")
     want = F.gelu(x.float() @ w.float() + b.float())
     for t in [None, *G._matmul_tactics(n, (x, w, b))]:
+        n.tactic = t
+        assert_close(G.fused_matmul(n, x, w, b), want, scale=3)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["Relu", "GeluTanh", "Gelu"])
+def test_triton_gemm_gpu_library_epilogues(act):
+    """cuBLASLt's fused epilogue and the flat Triton pass at BERT's FC1 shape (8192 x 3072:
+    rows not a power of two wide)."""
+    m, k, nn = 8192, 768, 3072
+    x, w = randn(m, k, dtype=torch.float16, device="cuda"), randn(k, nn, dtype=torch.float16,
+                                                                   device="cuda") / k ** 0.5
+    b = randn(nn, dtype=torch.float16, device="cuda")
+    n = call(FC.FusedMatMul, activation=act)
+    want = ACT[act](x.float() @ w.float() + b.float())
+    space = [t for t in G._matmul_tactics(n, (x, w, b)) if "impl" in t]
+    assert any(t.get("flat") for t in space)
+    assert any(t["impl"] == "cublaslt" for t in space) == (act != "Gelu")
+    for t in space:
         n.tactic = t
         assert_close(G.fused_matmul(n, x, w, b), want, scale=3)
 
@@ -144,6 +229,28 @@ def test_triton_fused_matmul_layernorm(tactic, act, with_res):
     want = F.layer_norm(ACT[act](pre), (24,), scale.float(), ln_b.float(), 1e-5)
     assert y.dtype == torch.float16 and y.shape == (2, 5, 24)
     assert_close(y, want, scale=3)
+
+
+@pytest.mark.parametrize("act", ["", "Relu"])
+def test_triton_fused_matmul_layernorm_residual_goes_to_the_norm(act, monkeypatch):
+    """The Triton tile path: with no activation the norm adds the residual (the tile's
+    epilogue takes only the bias); with one, the residual is added before it, in the tile.
+    A residual that is not contiguous (a transposed view) is read correctly either way."""
+    x, w = randn(2, 5, 40, dtype=torch.float16), randn(40, 24, dtype=torch.float16)
+    b, scale, ln_b = (randn(24, dtype=torch.float16) for _ in range(3))
+    r = randn(2, 24, 5, dtype=torch.float16).transpose(1, 2)  # [2, 5, 24], not contiguous
+    seen = {}
+    real_gemm, real_norm = G.gemm2d, G.norm_rows
+    monkeypatch.setattr(G, "gemm2d", lambda n, a, bb, bias=None, res=None, *rest: (
+        seen.__setitem__("gemm_res", res is not None) or real_gemm(n, a, bb, bias, res, *rest)))
+    monkeypatch.setattr(G, "norm_rows", lambda *a, res=None, **k: (
+        seen.__setitem__("norm_res", res is not None) or real_norm(*a, res=res, **k)))
+    n = call(FC.FusedMatMulLayerNorm, dict(SMALL, LN_WARPS=1), activation=act, has_residual=1,
+             epsilon=1e-5)
+    y = G.fused_matmul_layernorm(n, x, w, b, r, scale, ln_b)
+    assert seen == {"gemm_res": bool(act), "norm_res": not act}
+    pre = ACT[act](x.float() @ w.float() + b.float() + r.float())
+    assert_close(y, F.layer_norm(pre, (24,), scale.float(), ln_b.float(), 1e-5), scale=3)
 
 
 def test_triton_fused_matmul_layernorm_tactics():

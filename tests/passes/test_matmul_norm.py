@@ -115,6 +115,32 @@ def test_pipeline_runs_it_on_cpu_only():
     assert cpu.index("fuse_conv_bias_act") < cpu.index("fuse_matmul_layernorm")
 
 
+def test_cuda_builds_fuse_it_with_the_setting(monkeypatch):
+    """KILN_CUDA_MATMUL_NORM=1 (Settings.cuda_matmul_norm): CUDA builds run the pass too, after
+    the epilogue fusions, and none of the CPU-only ones with it (act_affine, packed_qkv)."""
+    import dataclasses
+
+    from kiln import settings
+
+    assert settings.Settings.from_env({"KILN_CUDA_MATMUL_NORM": "1"}).cuda_matmul_norm
+    assert not settings.Settings.from_env({}).cuda_matmul_norm
+    default = {name for name, _ in _passes("cuda")}
+    monkeypatch.setattr(settings, "SETTINGS",
+                        dataclasses.replace(settings.SETTINGS, cuda_matmul_norm=True))
+    cuda = [name for name, _ in _passes("cuda")]
+    assert cuda.index("fuse_conv_bias_act") < cuda.index("fuse_matmul_layernorm")
+    assert set(cuda) - default == {"fuse_matmul_layernorm"}
+    from kiln.frontend import import_onnx
+    from kiln.passes.pipeline import optimize
+
+    on = optimize(import_onnx(_block()), device="cuda")
+    assert [nd.op for nd in on.nodes] == [FC.FusedMatMulLayerNorm]
+    monkeypatch.setattr(settings, "SETTINGS",
+                        dataclasses.replace(settings.SETTINGS, cuda_matmul_norm=False))
+    off = optimize(import_onnx(_block()), device="cuda")
+    assert sorted(nd.op.name for nd in off.nodes) == ["FusedMatMul", "LayerNormalization"]
+
+
 # ---------------------------------------------------------------- the kernel
 
 

@@ -221,12 +221,40 @@ def rows_epilogue_(y, c: int, bias=None, res=None, activation: str = "", alpha: 
     return y
 
 
+# the element count varies per layer shape: one binary per epilogue and block (its divisibility
+# by 16, which the masked wide loads need, is still specialized on: kept in the key)
+@jit
+def flat_act_kernel(Y, R, n, alpha, beta, HAS_RES: tl.constexpr, ACT: tl.constexpr,
+                    WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    if WIDE:  # 2**31 elements or more
+        pid = pid.to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        y += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+    y = act(y, ACT, alpha, beta)
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
 def rows_act_(y, res=None, activation: str = "", alpha: float = 0.0, beta: float = 0.0,
-              block: int = 2048, num_warps: int = 4):
+              block: int = 2048, num_warps: int = 4, flat: bool = False):
     """``y = act(y + res)`` in place on a contiguous ``y`` seen as [rows, last dim] (``res``:
     contiguous, y's shape): the epilogue of a cuBLAS product whose bias cuBLASLt already
-    added. Returns ``y``."""
+    added. ``flat``: over y's elements as one run, ``block`` a program, instead of [rows,
+    cols] tiles (no bias to index by column: the same pass, with no lanes idle where a row is
+    not a power of two wide). Returns ``y``."""
     if not y.is_contiguous() or (res is not None and (res.shape != y.shape
                                                       or not res.is_contiguous())):
         raise ValueError("rows_act_: y and the residual must be contiguous, of one shape")
-    return rows_epilogue_(y, y.shape[-1], None, res, activation, alpha, beta, block, num_warps)
+    if not flat:
+        return rows_epilogue_(y, y.shape[-1], None, res, activation, alpha, beta, block,
+                              num_warps)
+    if y.numel() == 0 or (res is None and not activation):
+        return y
+    launch(flat_act_kernel, (cdiv(y.numel(), block),), y, y if res is None else res,
+           y.numel(), float(alpha), float(beta), HAS_RES=res is not None,
+           ACT=ACT_CODE[activation], WIDE=y.numel() + block >= 2**31, BLOCK=block,
+           num_warps=num_warps)
+    return y

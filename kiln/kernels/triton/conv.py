@@ -17,8 +17,10 @@ over the output. Here, for 2-D convs on FP16/BF16 with symmetric pads, tactics:
   on the NHWC activations seen as an [N*H*W, C] matrix: ``{"impl": "gemm", <GEMM tile>}``
   runs kiln's Triton GEMM with the bias, residual and activation in its epilogue (one kernel,
   embedded in the engine file); ``{"impl": "cublas"}`` runs cuBLAS then the Triton epilogue
-  pass. Neither has cuDNN's per-shape plan creation (tens of ms per layer shape at an engine's
-  first run), which is what an engine's load + first inference time is mostly made of.
+  pass; ``{"impl": "cublaslt"}`` (bias + ReLU, no residual) runs cuBLASLt with the bias and
+  the ReLU in its own epilogue, no pass at all. None has cuDNN's per-shape plan creation (tens
+  of ms per layer shape at an engine's first run), which is what an engine's load + first
+  inference time is mostly made of.
 - Any one-group conv but a plain 1x1: ``{"impl": "igemm", <tile>}``, kiln's implicit-GEMM
   Triton conv (``implicit_gemm.py``) with the epilogue fused; like the GEMM tactics it runs
   from the engine's embedded binaries, with no cuDNN plan to make at the first run.
@@ -45,7 +47,7 @@ from kiln.kernels.triton.common import (
     rows_epilogue_,
     tactic_of,
 )
-from kiln.kernels.triton.gemm import gemm2d, gemm_tactics
+from kiln.kernels.triton.gemm import LT_ACTS, gemm2d, gemm_tactics, lt_fuses
 from kiln.ops import fused_conv as FC
 
 CL = torch.channels_last
@@ -147,6 +149,8 @@ def tactics(n, inputs) -> list[dict]:
         m = x.shape[0] * len(range(0, x.shape[2], s)) * len(range(0, x.shape[3], s))
         out += [dict(t, impl="gemm") for t in gemm_tactics(m, w.shape[0], w.shape[1])]
         out.append({"impl": "cublas"})
+        if lt_fuses(n.a.activation, b, r):
+            out.append({"impl": "cublaslt"})
     _, _, _, (oh, ow) = _geometry(n, x, w)
     if (n.a.group or 1) == 1 and s != 1:
         out += implicit_gemm.tactics(x.shape[0], x.shape[1], w.shape[0], *w.shape[2:], oh, ow)
@@ -170,6 +174,9 @@ def _conv1x1(n, t, x, w, b, r, stride: int):
     w2 = w.reshape(co, c)
     r2 = None if r is None else r.permute(0, 2, 3, 1).reshape(-1, co)
     a = n.a
+    if t["impl"] == "cublaslt" and lt_fuses(a.activation, b, r):
+        y2 = torch._addmm_activation(b, x2, w2.t(), use_gelu=LT_ACTS[a.activation])
+        return y2.view(nb, h, wd, co).permute(0, 3, 1, 2)
     if t["impl"] == "gemm":
         y2 = gemm2d(n, x2, w2.t(), b, r2, a.activation, 1.0, a.alpha or 0.0, a.beta or 0.0)
         return y2.view(nb, h, wd, co).permute(0, 3, 1, 2)
@@ -181,7 +188,7 @@ def makes_plan(t) -> str | None:
     """The library a tactic's first call initialises: cuBLAS for the cuBLAS GEMM, none for the
     Triton GEMM, the implicit GEMM and the depthwise kernel, cuDNN for every other one."""
     impl = t.get("impl") if t else None
-    if impl == "cublas":
+    if impl in ("cublas", "cublaslt"):
         return "cublas"
     return None if impl in ("gemm", "igemm", "depthwise") else "cudnn"
 
@@ -204,7 +211,7 @@ def fused_conv(n, x, w, b=None, r=None):
         x = x.contiguous(memory_format=CL)
     if r is not None and not r.is_contiguous(memory_format=CL):
         r = r.contiguous(memory_format=CL)
-    if t.get("impl") in ("gemm", "cublas"):
+    if t.get("impl") in ("gemm", "cublas", "cublaslt"):
         s = _pointwise(n, x, w)
         if s is not None:
             return _conv1x1(n, t, x, w, b, r, s)

@@ -214,19 +214,37 @@ def _matmul_supports(n, inputs) -> bool:
     return _bias_ok(bias, w.shape[1]) and (res is None or tuple(res.shape) == out)
 
 
+# cuBLAS, then the Triton epilogue pass over the output: over [rows, last dim] tiles, or
+# ("flat") over the output as one run of elements (no lanes idle where a row, BERT's 3072,
+# is not a power of two wide)
 CUBLAS_TACTICS = ({"impl": "cublas", "BLOCK": 2048, "num_warps": 4},
-                  {"impl": "cublas", "BLOCK": 4096, "num_warps": 8})
+                  {"impl": "cublas", "BLOCK": 4096, "num_warps": 8},
+                  {"impl": "cublas", "BLOCK": 4096, "num_warps": 8, "flat": 1})
+# cuBLASLt's own epilogues (torch._addmm_activation): bias + ReLU, or bias + GELU's tanh form,
+# in the GEMM itself, no pass over the output. cuBLASLt has no erf GELU, so an exact Gelu
+# (BERT's) keeps the pass above or the Triton tile's fused epilogue; its tanh form is a
+# different function (|diff| up to 4.7e-4), not substituted for it.
+LT_ACTS = {"Relu": False, "GeluTanh": True}  # activation -> _addmm_activation's use_gelu
+CUBLASLT_TACTIC = {"impl": "cublaslt"}
+
+
+def lt_fuses(activation: str, bias, res) -> bool:
+    """Can cuBLASLt's epilogue compute ``act(x @ w + bias)`` whole? (A residual would have to
+    be added before the activation: no.)"""
+    return activation in LT_ACTS and bias is not None and res is None
 
 
 def _matmul_tactics(n, inputs) -> list[dict]:
     tiles = gemm_tactics(*_mm_shapes(n, inputs))
+    bias = inputs[2] if len(inputs) > 2 else None
     res = inputs[3] if len(inputs) > 3 else None
-    epilogue = getattr(n.a, "activation", "") or res is not None
-    return tiles + ([dict(t) for t in CUBLAS_TACTICS] if epilogue else [])
+    activation = getattr(n.a, "activation", "")
+    out = tiles + ([dict(t) for t in CUBLAS_TACTICS] if activation or res is not None else [])
+    return out + ([dict(CUBLASLT_TACTIC)] if lt_fuses(activation, bias, res) else [])
 
 
 def _matmul_plan(t) -> str | None:
-    return "cublas" if t and t.get("impl") == "cublas" else None
+    return "cublas" if t and t.get("impl") in ("cublas", "cublaslt") else None
 
 
 def _matmul(n, x, w, bias=None, res=None, activation="", act_a=0.0, act_b=0.0):
@@ -234,9 +252,12 @@ def _matmul(n, x, w, bias=None, res=None, activation="", act_a=0.0, act_b=0.0):
     r2 = None if res is None else res.reshape(-1, w.shape[1])
     b1 = None if bias is None else bias.reshape(-1)
     t = getattr(n, "tactic", None) or {}
-    if t.get("impl") == "cublas" and (r2 is None or r2.is_contiguous()):
+    if t.get("impl") == "cublaslt" and lt_fuses(activation, b1, r2):
+        y = torch._addmm_activation(b1, x2, w, use_gelu=LT_ACTS[activation])
+    elif t.get("impl") == "cublas" and (r2 is None or r2.is_contiguous()):
         y = F.linear(x2, w.t(), b1)
-        rows_act_(y, r2, activation, act_a, act_b, t["BLOCK"], t["num_warps"])
+        rows_act_(y, r2, activation, act_a, act_b, t["BLOCK"], t["num_warps"],
+                  flat=bool(t.get("flat")))
     else:
         y = gemm2d(n, x2, w, b1, r2, activation, 1.0, act_a, act_b)
     return y.reshape(*x.shape[:-1], w.shape[1])
@@ -340,9 +361,12 @@ def _mm_ln_tactics(n, inputs) -> list[dict]:
 @register(FC.FusedMatMulLayerNorm, backend="cuda", name="TritonFusedMatMulLayerNorm",
           tactics=_mm_ln_tactics, supports=_mm_ln_supports, makes_plan=_matmul_plan)
 def fused_matmul_layernorm(n, x, w, b=None, r=None, scale=None, ln_bias=None):
-    """LayerNorm(act(x @ w + b + r)): the Triton tile with its fused epilogue, then the norm in
-    place on its fresh output; or cuBLAS(Lt) for ``x @ w + b`` and the norm kernel adding the
-    residual as it reads the row (BERT's post-norm blocks: no separate residual pass)."""
+    """LayerNorm(act(x @ w + b + r)): the Triton tile or cuBLAS(Lt) for ``x @ w + b``, then
+    the norm in place on its fresh output, adding the residual as it reads the row (BERT's
+    post-norm blocks: no separate residual pass). With an activation the residual comes
+    before it, in the Triton tile's epilogue. (The tile took the residual in its epilogue in
+    every case until its GPU test of 2026-12-04 stopped answering in the case of a 16x16 tile
+    with a residual and no activation; the norm adds it there now, in the same traffic.)"""
     if not _mm_ln_supports(n, (x, w, b, r, scale, ln_bias)):
         return torch_fused.fused_matmul_layernorm(n, x, w, b, r, scale, ln_bias)
     t = getattr(n, "tactic", None) or {}
@@ -354,6 +378,9 @@ def fused_matmul_layernorm(n, x, w, b=None, r=None, scale=None, ln_bias=None):
     b1 = None if b is None else b.reshape(-1)
     if t.get("impl") == "cublas" and not n.a.activation and (r2 is None or r2.is_contiguous()):
         y = F.linear(x2, w.t(), b1)
+        norm_rows(y, scale, ln_bias, nn, eps, False, block, warps, res=r2, out=y)
+    elif not n.a.activation:
+        y = gemm2d(n, x2, w, b1)
         norm_rows(y, scale, ln_bias, nn, eps, False, block, warps, res=r2, out=y)
     else:
         y = gemm2d(n, x2, w, b1, r2, n.a.activation, 1.0, n.a.alpha, n.a.beta)

@@ -140,6 +140,8 @@ def norm_rows(x, scale, bias, cols: int, eps: float, rms: bool, block: int, num_
         x2 = x2.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     r2 = x2 if res is None else res.reshape(-1, cols)
+    if r2.stride(-1) != 1:  # the kernel reads a row's elements one after another
+        r2 = r2.contiguous()
     w = scale.contiguous()
     b = bias.contiguous() if bias is not None else w
     q, qm, zshift, fp8 = (y, w, 0, False) if quant is None else quant
