@@ -1,45 +1,65 @@
 #!/usr/bin/env bash
-# Issue 17's H200 checks of session 11's CUDA kernels, in one device call; everything lands in
-# $OUT/r.tgz (one file back, re-packed every 20 s so a call cut off still sends what it had).
+# Issue 17's H200 checks of the CUDA kernels, in one device call (under 8 min); everything
+# lands in $OUT/r.tgz (one file back, re-packed every 20 s so a call cut off still sends what it
+# had).
 #
-#   bash bench/gpu_cuda_kernels.sh                 # tests,export,profile,cold (~6 min)
+#   bash bench/gpu_cuda_kernels.sh                    # export,profile,tests,probe
 #   PARTS=profile PROFILES=tv_resnet50_op17:256 bash bench/gpu_cuda_kernels.sh
+#   PARTS=cold bash bench/gpu_cuda_kernels.sh         # fresh-process load + first run (b1)
 #
-# tests: the GPU cases of the CUDA kernels added on 2026-12-04 (SqueezeExcite, MaxPool, the
-# attention-mask pointwise program, bool-mask / merged-QKV attention, FusedMatMulLayerNorm: its
-# 'Triton tile + residual' case hung there once, so every part runs under timeout --kill-after).
-# profile: bench.cuda_profile per MODEL:BATCH in PROFILES (kiln FP16 and torch eager FP16).
-# cold: bench.cold_parts on COLD_MODELS (fresh-process load + first run at b1).
+# In this order (the figures first; the probe last, in case the old call hangs the device):
+# profile: see below. tests, tests-conv, then
+# probe: bench.gpu_hang_probe, step by step, the call whose GPU test stopped answering on
+#   2026-12-04 (a 16x16 Triton tile with a residual, then the norm in place), with
+#   faulthandler stacks every 15 s: its log says which step stops (compile, launch, sync).
+# tests: the GPU cases of the GEMM epilogues (cuBLASLt's fused bias+ReLU/tanh-GELU, the flat
+#   Triton pass, FusedMatMulLayerNorm as it runs now, the 1x1 conv tactics), pytest's
+#   faulthandler dumping a stack for any test past 30 s.
+# profile: bench.cuda_profile per MODEL:BATCH[:norm] in PROFILES (kiln FP16 and torch eager
+#   FP16); ':norm' builds with KILN_CUDA_MATMUL_NORM=1 (CUDA FusedMatMul + LayerNorm fusion on).
+# cold: bench.cold_parts on COLD_MODELS. Every part runs under timeout --kill-after.
 set -u
-PARTS=${PARTS:-tests,export,profile,cold}
-PROFILES=${PROFILES:-hf_bert_base_sdpa_op17:64 tv_resnet50_op17:256 timm_tf_mobilenetv3_op13:1}
+PARTS=${PARTS:-export,profile,tests,probe}
+PROFILES=${PROFILES:-hf_bert_base_sdpa_op17:64 hf_bert_base_sdpa_op17:64:norm}
 COLD_MODELS=${COLD_MODELS:-hf_bert_sdpa_op17,timm_tf_mobilenetv3_op13,tv_resnet50_op17}
+EXPORT=${EXPORT:-hf_bert_base_sdpa_op17,tv_resnet50_op17}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 W=$(mktemp -d); C=${CORPUS:-/tmp/corpus}; mkdir -p "$C"
 pack() { tar czf "$OUT/r.tgz" -C "$W" . ; }
-trap pack EXIT
-( while sleep 20; do pack; done ) &
+( while sleep 20; do pack; done ) > /dev/null 2>&1 &
+PACKER=$!
+trap 'kill $PACKER 2>/dev/null; pack' EXIT  # the packer must not outlive the call
 t0=$(date +%s)
 part() {  # part NAME SECONDS COMMAND...
   local name=$1 secs=$2; shift 2
   [[ ",$PARTS," == *",${name%%-*},"* ]] || return 0
   echo "[$(( $(date +%s) - t0 )) s] $name" | tee -a "$W/timeline.txt"
-  timeout --kill-after=5 "$secs" "$@" > "$W/$name.txt" 2>&1
+  timeout --kill-after=5 "$secs" "$@" > "$W/$name.txt" 2>&1 < /dev/null
   echo "[$(( $(date +%s) - t0 )) s] $name rc=$?" | tee -a "$W/timeline.txt"
   grep -v -i warn "$W/$name.txt" | tail -25
 }
-part tests 120 python -m pytest -q -p no:cacheprovider -rfE \
-  tests/kernels/test_triton_squeeze_excite.py tests/kernels/test_triton_pool.py \
-  tests/kernels/test_triton_pointwise.py tests/kernels/test_triton_attention.py \
-  "tests/kernels/test_triton_gemm.py::test_triton_fused_matmul_layernorm" \
-  || true
-part export 90 python -m bench.corpus.export --out "$C" \
-  --only "hf_bert_base_sdpa_op17,tv_resnet50_op17,${COLD_MODELS}"
+[[ ",$PARTS," == *",cold,"* ]] && EXPORT="$EXPORT,$COLD_MODELS"
+part export 75 python -m bench.corpus.export --out "$C" --only "$EXPORT"
 for spec in $PROFILES; do
-  m=${spec%:*}; b=${spec#*:}
-  part "profile-$m-b$b" 100 python -m bench.cuda_profile --corpus "$C" --model "$m" --batch "$b" \
-    --peer --top 14 --json "$W/profile-$m-b$b.json"
+  IFS=: read -r m b opt <<< "$spec"
+  envs=(); [[ "${opt:-}" == norm ]] && envs=(KILN_CUDA_MATMUL_NORM=1)
+  tag="$m-b$b${opt:+-$opt}"
+  part "profile-$tag" 100 env ${envs[@]+"${envs[@]}"} python -m bench.cuda_profile --corpus "$C" \
+    --model "$m" --batch "$b" --peer --top 14 --json "$W/profile-$tag.json"
+  # the picks of one block's layers (layer.0 of a BERT): what the tuner chose and against what
+  [[ -f "$W/profile-$tag.json" ]] && python -c "
+import json, sys
+d = json.load(open(sys.argv[1]))['kiln fp16']
+for ln in d['log']:
+    if 'layer.0/' in ln: print('  ' + ln[:90] + ' ... ' + ln[-260:])" "$W/profile-$tag.json"
 done
 part cold 150 python -m bench.cold_parts --corpus "$C" --models "$COLD_MODELS" \
   --plan-margins 0.25 --warm none,cublas --json "$W/cold.json"
+part tests 100 python -m pytest -q -p no:cacheprovider -rfE -o faulthandler_timeout=30 \
+  tests/kernels/test_triton_gemm.py -k "layernorm or cublaslt or library or flat" \
+  || true
+part tests-conv 45 python -m pytest -q -p no:cacheprovider -rfE -o faulthandler_timeout=30 \
+  tests/kernels/test_triton_conv.py -k "1x1" || true
+# last: if the old call hangs the device again, the figures above are in already
+part probe 45 python -X faulthandler -m bench.gpu_hang_probe --dump-s 15
 echo "[$(( $(date +%s) - t0 )) s] done" | tee -a "$W/timeline.txt"
