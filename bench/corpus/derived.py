@@ -1,12 +1,14 @@
-"""Corpus files made from other corpus files: onnxruntime's quantizer on a transformer export
-(dynamic: MatMulInteger + DynamicQuantizeLinear; static: QDQ pairs from calibration)."""
+"""Corpus files made from other corpus files: onnxruntime's quantizer on transformer and CNN
+exports, in both of its formats (dynamic: MatMulInteger + DynamicQuantizeLinear; static QDQ:
+QuantizeLinear/DequantizeLinear pairs from calibration; static QOperator: QLinearMatMul,
+QLinearConv, QLinearAdd and the other QLinear* ops)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from bench.corpus import manifest
-from bench.corpus.spec import Spec, Unavailable
+from bench.corpus.spec import Spec, Unavailable, image
 
 QUANT = ("onnxruntime.quantization",)
 
@@ -28,7 +30,7 @@ def _dynamic(src: str):
     return derive
 
 
-def _static(src: str):
+def _static(src: str, fmt: str = "QDQ"):
     def derive(corpus: Path, out: Path) -> None:
         from onnxruntime.quantization import (
             CalibrationDataReader,
@@ -46,7 +48,7 @@ def _static(src: str):
             def get_next(self):
                 return next(self.batches, None)
 
-        quantize_static(str(path), str(out), Reader(), quant_format=QuantFormat.QDQ,
+        quantize_static(str(path), str(out), Reader(), quant_format=getattr(QuantFormat, fmt),
                         activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
                         op_types_to_quantize=["MatMul", "Gemm", "Conv"])
     return derive
@@ -62,4 +64,15 @@ def specs() -> list[Spec]:
         Spec("hf_distilbert_qstatic_qdq", "quantized", "onnxruntime quantize_static (QDQ, "
              "QInt8, 8 calibration batches) of hf_distilbert_op13", "onnxruntime.quantization",
              _ids_mask(), derive=_static("hf_distilbert_op13"), requires=QUANT),
+        Spec("hf_distilbert_qstatic_qop", "quantized", "onnxruntime quantize_static (QOperator, "
+             "QInt8, 8 calibration batches) of hf_distilbert_op13", "onnxruntime.quantization",
+             _ids_mask(), derive=_static("hf_distilbert_op13", "QOperator"), requires=QUANT),
+        Spec("tv_resnet18_qstatic_qop", "quantized", "onnxruntime quantize_static (QOperator, "
+             "QInt8, 8 calibration batches) of tv_resnet18_dynamo_op18", "onnxruntime.quantization",
+             [image("x")], derive=_static("tv_resnet18_dynamo_op18", "QOperator"),
+             requires=QUANT),
+        Spec("tv_mobilenet_v3_small_qstatic_qdq", "quantized", "onnxruntime quantize_static (QDQ, "
+             "QInt8, 8 calibration batches) of tv_mobilenet_v3_small_op13",
+             "onnxruntime.quantization", [image("x")],
+             derive=_static("tv_mobilenet_v3_small_op13"), requires=QUANT),
     ]

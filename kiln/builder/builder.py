@@ -79,7 +79,8 @@ class Builder:
             self._log_dynamic_inputs(inputs)
         before, near = graph.op_counts(), []
         self.report = {}
-        lower_qlinear(graph, self.log)  # QOperator layers in QDQ form, which folds below
+        # QOperator layers in QDQ form, which folds below (convolutions: see qlinear_conv_int8)
+        lower_qlinear(graph, self.log, conv=cfg.qlinear_conv_int8 or cfg.device == "cuda")
         grid = weight_grids(graph)  # a quantized model's weight scales, before they fold
         explicit = {**fold_qdq(graph, self.log, shared=cfg.qdq_shared_int8),
                     **fold_dynamic_quant(graph, self.log)}

@@ -74,6 +74,7 @@ def main(args) -> int:
                         calib=args.calib, calibrator=args.calibrator,
                         calib_cache=args.calib_cache, int8_asymmetric=args.asymmetric,
                         int8_smoothing=args.smooth, qdq_shared_int8=args.qdq_shared_int8,
+                        qlinear_conv_int8=args.qlinear_conv_int8,
                         layer_precision=parse_layer_precision(args.layer_precision),
                         verbose=args.verbose)
     out = args.output or (args.model.rsplit(".", 1)[0] + ".kiln")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import onnx
 import sympy
 
-from kiln.ir import DType
-from kiln.ir.opdef import InferCtx
+from kiln.ir import REGISTRY, DType
+from kiln.ir.opdef import Attr, InferCtx, OpDef
 from kiln.ops.rules import broadcast_shapes, tensor
 from kiln.ops.schema import onnx_op
 
@@ -81,6 +81,15 @@ def _qlinear_matmul(ctx: InferCtx):
     return [tensor(dt, matmul_shape(ctx.shape(0), ctx.shape(3)))]
 
 
+def _qgemm(ctx: InferCtx):
+    """com.microsoft QGemm: [M, N] codes of y_zero_point's type, or float32 without it."""
+    a, b = ctx.shape(0), ctx.shape(3)
+    m = None if a is None else a[1 if ctx.attrs.transA else 0]
+    n = None if b is None else b[0 if ctx.attrs.transB else 1]
+    dt = ctx.dtype(8) if ctx.has(8) else DType.float32
+    return [tensor(dt, (m, n))]
+
+
 def _out_dim(size, k, stride, dil, pad_total, auto_pad: str):
     if size is None:
         return None
@@ -126,3 +135,11 @@ MatMulInteger = onnx_op("MatMulInteger", _matmul_integer)
 QLinearMatMul = onnx_op("QLinearMatMul", _qlinear_matmul)
 ConvInteger = onnx_op("ConvInteger", _conv_integer)
 QLinearConv = onnx_op("QLinearConv", _qlinear_conv)
+
+# onnxruntime's contrib op, what its quantize_static writes for a Gemm in QOperator format
+QGemm = REGISTRY.add(OpDef(
+    "QGemm", {"alpha": Attr("float", 1.0), "transA": Attr("int", 0), "transB": Attr("int", 0)},
+    domain="com.microsoft", infer=_qgemm, versions=(1,),
+    doc="Gemm of 8-bit codes (onnxruntime): (C + (A - a_zero) @ (B - b_zero)) * alpha * "
+        "a_scale * b_scale [/ y_scale, + y_zero, saturated]; inputs A, a_scale, a_zero_point, "
+        "B, b_scale, b_zero_point, C (int32), y_scale, y_zero_point"))

@@ -421,19 +421,10 @@ class _QOpNet(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(y)))
 
 
-def test_qoperator_model_runs_int8_layers(tmp_path):
-    """onnxruntime's quantize_static in QOperator format (QLinearConv, QLinearMatMul between
-    QuantizeLinear/DequantizeLinear): every QLinear layer becomes a kiln INT8 layer on the
-    model's own weight codes. Their outputs differ in the int16 saturation of u8 x s8 pairs
-    on AVX2 (onnxruntime's MLAS and oneDNN's convolutions saturate differently; on this net
-    most of both runtimes' error to FP32 is saturation):
-    kiln stays about as close to FP32 as onnxruntime."""
-    ort = pytest.importorskip("onnxruntime")
-    from onnxruntime.quantization import (
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
+def _qoperator_model(tmp_path):
+    """onnxruntime's quantize_static of :class:`_QOpNet` in QOperator format: 2 QLinearConv and
+    2 QLinearMatMul between QuantizeLinear/DequantizeLinear; (file, net, inputs)."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
     torch.manual_seed(0)
     src, qop = tmp_path / "n.onnx", tmp_path / "n.qop.onnx"
@@ -447,19 +438,150 @@ def test_qoperator_model_runs_int8_layers(tmp_path):
                     op_types_to_quantize=["Conv", "MatMul"])
     ops = [n.op_type for n in onnx.load(str(qop)).graph.node]
     assert ops.count("QLinearConv") == 2 and ops.count("QLinearMatMul") == 2
+    x = {"x": np.random.default_rng(9).standard_normal((2, 3, 8, 8)).astype(np.float32)}
+    return qop, net, x
+
+
+def test_qoperator_model_runs_int8_layers(tmp_path):
+    """With ``qlinear_conv_int8`` every QLinear layer becomes a kiln INT8 layer on the model's
+    own weight codes. Their outputs differ in the int16 saturation of u8 x s8 pairs on AVX2
+    (onnxruntime's MLAS and oneDNN's convolutions saturate differently; on this net most of
+    both runtimes' error to FP32 is saturation) and in the convolutions' two roundings:
+    kiln stays about as close to FP32 as onnxruntime."""
+    ort = pytest.importorskip("onnxruntime")
+    qop, net, x = _qoperator_model(tmp_path)
     logs = []
-    e = Builder(BuilderConfig(), log=logs.append).build(qop)
+    e = Builder(BuilderConfig(qlinear_conv_int8=True), log=logs.append).build(qop)
     assert any("4 QLinearMatMul/QLinearConv layer(s) in QDQ form" in m for m in logs)
     kinds = list(e.choices.values())
     # the MatMuls requantize their output before the bias Add, as QLinearMatMul does
     assert kinds.count("TorchInt8Conv") == 2 and kinds.count("TorchInt8MatMulQDQ") == 2
     assert not any("QLinear" in k for k in kinds)
-    x = {"x": np.random.default_rng(9).standard_normal((2, 3, 8, 8)).astype(np.float32)}
     got = e.create_context().run(x)["y"]
     want = ort.InferenceSession(str(qop)).run(None, x)[0]
     fp32 = net(torch.from_numpy(x["x"])).detach().numpy()
     assert (got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want) > 0.99
     assert np.abs(got - fp32).max() <= 1.5 * np.abs(want - fp32).max()
+
+
+def test_qoperator_convs_keep_qlinearconv_steps_by_default(tmp_path):
+    """By default (CPU) QLinearConv runs its own steps (exact int32 sums, one requantization
+    multiplier), the QLinearMatMuls still become INT8 layers; without int16 saturation in
+    onnxruntime's u8 x s8 GEMMs (VNNI, or no AVX2-only path) the output is onnxruntime's
+    exactly, where the INT8-conv form rounds a few codes differently."""
+    ort = pytest.importorskip("onnxruntime")
+    qop, net, x = _qoperator_model(tmp_path)
+    logs = []
+    e = Builder(BuilderConfig(), log=logs.append).build(qop)
+    assert any("2 QLinearMatMul/QLinearConv layer(s) in QDQ form" in m for m in logs)
+    kinds = list(e.choices.values())
+    assert kinds.count("TorchInt8Conv") == 0 and kinds.count("TorchInt8MatMulQDQ") == 2
+    assert sum("QLinearConv" in k for k in kinds) == 2
+    got = e.create_context().run(x)["y"]
+    want = ort.InferenceSession(str(qop)).run(None, x)[0]
+    if K.u8s8_saturates():
+        assert (got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want) > 0.99
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+def test_qlinearconv_stem_matches_reference_exactly(tmp_path):
+    """A ResNet stem as onnxruntime's QOperator quantizer writes it (int8 codes, 3 -> 64
+    channels, 7x7 stride 2, at 160x160): kiln's default build gives the ONNX reference's
+    codes exactly (its QDQ/INT8-conv form, ``qlinear_conv_int8``, rounds 69 of 409,600
+    differently on an AVX-512 VNNI machine)."""
+    from onnx.reference import ReferenceEvaluator
+
+    rng = np.random.default_rng(5)
+    c, m, size = 3, 64, 160
+    inits = [numpy_helper.from_array(np.array(0.0173, np.float32), "xs"),
+             numpy_helper.from_array(np.array(-3, np.int8), "xz"),
+             numpy_helper.from_array(rng.integers(-127, 128, (m, c, 7, 7)).astype(np.int8), "w"),
+             numpy_helper.from_array(rng.uniform(0.001, 0.01, m).astype(np.float32), "ws"),
+             numpy_helper.from_array(np.zeros(m, np.int8), "wz"),
+             numpy_helper.from_array(np.array(0.0291, np.float32), "ys"),
+             numpy_helper.from_array(np.array(5, np.int8), "yz"),
+             numpy_helper.from_array(rng.integers(-500, 500, m).astype(np.int32), "b")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             helper.make_node("QLinearConv", ["xq", "xs", "xz", "w", "ws", "wz", "ys", "yz", "b"],
+                              ["yq"], pads=[3, 3, 3, 3], strides=[2, 2]),
+             helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["y"])]
+    g = helper.make_graph(
+        nodes, "stem", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, m, size // 2, size // 2])],
+        inits)
+    path = tmp_path / "stem.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+    x = {"x": rng.standard_normal((1, c, size, size)).astype(np.float32)}
+    want = ReferenceEvaluator(str(path)).run(None, x)[0]
+    e = Builder(BuilderConfig()).build(path)
+    assert sum("QLinearConv" in k for k in e.choices.values()) == 1
+    np.testing.assert_array_equal(e.create_context().run(x)["y"], want)
+
+
+@pytest.mark.parametrize("requant", [True, False])
+def test_qgemm_matches_onnxruntime(tmp_path, requant):
+    """com.microsoft QGemm (what onnxruntime's QOperator quantizer writes for a Gemm, e.g. a
+    classifier's last Linear): int32 bias, per-column weight scales, transB, alpha; requantized
+    to uint8 codes, or float32 out without y_scale/y_zero_point: onnxruntime's values."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(2)
+    k, n = 96, 40
+    inits = [numpy_helper.from_array(np.array(0.021, np.float32), "as"),
+             numpy_helper.from_array(np.array(131, np.uint8), "az"),
+             numpy_helper.from_array(rng.integers(-127, 128, (n, k)).astype(np.int8), "b"),
+             numpy_helper.from_array(rng.uniform(0.002, 0.02, n).astype(np.float32), "bs"),
+             numpy_helper.from_array(np.zeros(n, np.int8), "bz"),
+             numpy_helper.from_array(rng.integers(-3000, 3000, n).astype(np.int32), "c"),
+             numpy_helper.from_array(np.array(0.37, np.float32), "ys"),
+             numpy_helper.from_array(np.array(120, np.uint8), "yz")]
+    ins = ["a", "as", "az", "b", "bs", "bz", "c"] + (["ys", "yz"] if requant else [])
+    y_type = TensorProto.UINT8 if requant else TensorProto.FLOAT
+    g = helper.make_graph(
+        [helper.make_node("QGemm", ins, ["y"], domain="com.microsoft", transB=1, alpha=0.75)],
+        "qgemm", [helper.make_tensor_value_info("a", TensorProto.UINT8, [7, k])],
+        [helper.make_tensor_value_info("y", y_type, [7, n])], inits)
+    path = tmp_path / "qgemm.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                                  helper.make_opsetid("com.microsoft", 1)]),
+              str(path))
+    a = {"a": rng.integers(0, 256, (7, k)).astype(np.uint8)}
+    want = ort.InferenceSession(str(path)).run(None, a)[0]
+    got = Builder(BuilderConfig()).build(path).create_context().run(a)["y"]
+    assert got.dtype == want.dtype
+    if requant:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_qlinearmatmul_of_two_activations(tmp_path):
+    """QLinearMatMul whose both operands are computed in the run (attention's Q Kᵀ in
+    onnxruntime's QOperator format): runs (the weight cache must not keep anything made from
+    an activation) and gives onnxruntime's codes, on the first run and later ones."""
+    ort = pytest.importorskip("onnxruntime")
+    inits = [numpy_helper.from_array(np.array(0.05, np.float32), "s"),
+             numpy_helper.from_array(np.array(128, np.uint8), "z"),
+             numpy_helper.from_array(np.array(0.4, np.float32), "ys"),
+             numpy_helper.from_array(np.array(100, np.uint8), "yz")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+             helper.make_node("QuantizeLinear", ["t", "s", "z"], ["tq"]),
+             helper.make_node("QLinearMatMul", ["xq", "s", "z", "tq", "s", "z", "ys", "yz"],
+                              ["yq"]),
+             helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["y"])]
+    g = helper.make_graph(
+        nodes, "qkt", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 8, 16]),
+                       helper.make_tensor_value_info("t", TensorProto.FLOAT, [2, 4, 16, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, 8, 8])], inits)
+    path = tmp_path / "qkt.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    ctx = Builder(BuilderConfig()).build(path).create_context()
+    sess = ort.InferenceSession(str(path))
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        feeds = {"x": rng.standard_normal((2, 4, 8, 16)).astype(np.float32),
+                 "t": rng.standard_normal((2, 4, 16, 8)).astype(np.float32)}
+        np.testing.assert_array_equal(ctx.run(feeds)["y"], sess.run(None, feeds)[0])
 
 
 def _qdq_model(tmp_path, residual: bool):

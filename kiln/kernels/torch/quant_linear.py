@@ -180,8 +180,10 @@ def exact_chunks(abs_rows: torch.Tensor) -> list[tuple[int, int]]:
 
 def _prepared(cache: dict | None, key: str, tensors: tuple, make):
     """``make()`` once per set of input tensors: the same objects, not written since (torch's
-    version counter), as a constant weight is; an activation made again each call."""
-    if cache is None:
+    version counter), as a constant weight is; an activation made again each call. A tensor made
+    under inference mode (an activation of the running program, e.g. attention's second
+    QLinearMatMul operand) has no version counter: nothing made from it is kept."""
+    if cache is None or any(torch.is_tensor(t) and t.is_inference() for t in tensors):
         return make()
     versions = tuple(getattr(t, "_version", None) for t in tensors)
     got = cache.get(key)
@@ -343,6 +345,33 @@ def qlinear_matmul(n, a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp=None):
     mult = a_scale * b_scale / y_scale
     to = dtype_of(y_zp) if y_zp is not None else dtype_of(a)
     return _requantize(acc, mult, y_zp, to)
+
+
+@register(Q.QGemm)
+def qgemm(n, a, a_scale, a_zp, b, b_scale, b_zp, c=None, y_scale=None, y_zp=None):
+    """onnxruntime's QGemm: ``acc = C + (A - a_zero) @ (B - b_zero)`` exact in int32, times
+    ``alpha * a_scale * b_scale`` (per column where b_scale is) in float32, as its MLAS output
+    processors compute; then divided by y_scale, rounded half to even, shifted by y_zero and
+    saturated to y_zero's type, or left as float32 without y_zero_point."""
+    at = n.attrs
+    if at.transA:
+        a = a.t()
+    if at.transB:  # a constant weight: transposed once, so the packed form is kept too
+        b = _prepared(n.cache, "qgemm_bt", (b,), lambda: b.t().contiguous())
+    acc = int_matmul(a, b, a_zp, b_zp, n.cache)
+    if c is not None:
+        acc = acc + c.to(torch.int32)
+    scale = (torch.as_tensor(at.alpha if at.alpha is not None else 1.0, dtype=torch.float32)
+             * a_scale.float().reshape(()) * b_scale.float().reshape(-1))
+    if y_zp is None:
+        if y_scale is not None:
+            scale = scale / y_scale.float().reshape(())
+        return acc.to(torch.float32) * scale
+    scale = scale / y_scale.float().reshape(())
+    to = dtype_of(y_zp)
+    lo, hi = INT_RANGE[to]
+    r = torch.round(acc.to(torch.float32) * scale) + y_zp.to(torch.float32).reshape(())
+    return to_quant(r.clamp(lo, hi), to)
 
 
 def conv_padding(x_shape, ks, strides, dils, pads, auto_pad: str):

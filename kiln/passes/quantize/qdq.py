@@ -169,7 +169,7 @@ def _weight_layer_input(n, v) -> bool:
     return p is not None and p.op is Q.DequantizeLinear and p.inputs[0].const is not None
 
 
-def lower_qlinear(graph: Graph, log=lambda m: None) -> int:
+def lower_qlinear(graph: Graph, log=lambda m: None, conv: bool = True) -> int:
     """onnxruntime's QOperator layers with a constant weight, in QDQ form, so that
     :func:`fold_qdq` and the INT8 rewrite make them kiln INT8 layers::
 
@@ -180,14 +180,17 @@ def lower_qlinear(graph: Graph, log=lambda m: None) -> int:
 
     The quantized tensors between such layers become Q -> DQ pairs, which fold; the weight
     keeps its codes (:func:`kiln.passes.quantize.int8.weight_grids`). Fires for constant
-    weights and scalar activation scales; returns the number of layers lowered."""
+    weights and scalar activation scales (QLinearConv only with ``conv``: its QDQ form rounds
+    twice where QLinearConv rounds once, see ``BuilderConfig.qlinear_conv_int8``); returns the
+    number of layers lowered."""
     from kiln.ir import DType, Node, TensorType, Value
     from kiln.ops import nn as N
 
     done = 0
     new_nodes = []
     for n in graph.nodes:
-        if n.op not in (Q.QLinearMatMul, Q.QLinearConv) or len(n.inputs) < 8:
+        if n.op not in (Q.QLinearMatMul, Q.QLinearConv) or len(n.inputs) < 8 or (
+                n.op is Q.QLinearConv and not conv):
             new_nodes.append(n)
             continue
         x, sx, zx, w, sw, zw, sy, zy = n.inputs[:8]
