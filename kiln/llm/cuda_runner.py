@@ -254,6 +254,27 @@ class _Step:
         self.dev = self.host.to(device) if pin else self.host.clone()
         self.graph = None
         self.logits = self.tokens = None
+        self.tokens_host = None  # pinned copy of the tokens (CUDA), made on first use
+
+
+class _Ahead:
+    """A decode step launched before the engine asked for it: what it predicted."""
+
+    __slots__ = ("step", "b", "rids", "starts", "tables", "ids")
+
+    def __init__(self, step: _Step, b: int, rids: list[str], entries):
+        self.step, self.b, self.rids = step, b, rids
+        self.starts = [start + 1 for start, _, _ in entries]
+        self.tables = [table for _, _, table in entries]
+        self.ids = None  # the tokens the launching step sampled (its successor's ids)
+
+    def matches(self, ids, entries, rids) -> bool:
+        if rids != self.rids or ids != self.ids:
+            return False
+        for (start, _, table), s0, t0 in zip(entries, self.starts, self.tables):
+            if start != s0 or table[:len(t0)] != t0:
+                return False
+        return True
 
 
 class CudaModelRunner(ModelRunner):
@@ -263,7 +284,7 @@ class CudaModelRunner(ModelRunner):
                  kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False,
                  decode_tile: int | tuple[int, int] | None = None,
                  dot_tile: int | tuple[int, int] | None = None,
-                 tune_decode: bool | None = None):
+                 tune_decode: bool | None = None, lookahead: bool | None = None):
         # MHA decode in the tiled kernel: (tokens, warps), from KILN_LLM_DECODE_TILE unless
         # given (0: the tl.dot kernel); the tl.dot kernel's tile from KILN_LLM_DECODE_DOT_TILE
         # unless given; read before super() makes the attention backend.
@@ -292,6 +313,12 @@ class CudaModelRunner(ModelRunner):
         self.pool = None
         self.triton_decode = True
         self.paths = {"decode": "cuda-graph" if self.sizes else "eager-triton", "gemv": {}}
+        # greedy decode steps launch the next step before the engine asks (see _greedy_decode)
+        if lookahead is None:
+            lookahead = os.environ.get("KILN_LLM_LOOKAHEAD") != "0"
+        self.lookahead = lookahead
+        self.ahead_stats = {"hits": 0, "misses": 0, "launched": 0}
+        self._ahead: _Ahead | None = None
         if tune_gemv is None:
             tune_gemv = (model.device.type == "cuda" and os.environ.get("KILN_LLM_GEMV") != "0"
                          and model.weights in ("dtype", "fp8"))
@@ -468,11 +495,101 @@ class CudaModelRunner(ModelRunner):
     def forward_sample(self, ids, positions, entries, rows, sampling):
         greedy = sampling and all(r.params.greedy and not r.params.penalized for r in sampling)
         if greedy and rows == list(range(len(entries))) and self._decode_only(entries, rows):
-            out = self._decode_safe(ids, positions, entries)
-            if out is not None:
-                self._launched()
-                return out[1].tolist()  # the in-graph argmax: one id per sequence comes back
+            toks = self._greedy_decode(ids, positions, entries, sampling)
+            if toks is not None:
+                return toks
+        if self._ahead is not None:  # a step launched ahead that this one is not: unused
+            self.ahead_stats["misses"] += 1
+            self._ahead = None
         return super().forward_sample(ids, positions, entries, rows, sampling)
+
+    def _greedy_decode(self, ids, positions, entries, sampling) -> list[int] | None:
+        """A greedy decode step's tokens (the in-graph argmax: one id per sequence comes
+        back), or None where the Triton path failed (the caller runs the torch path).
+
+        Lookahead: after launching this step (N), the runner launches N + 1 on the device
+        before returning N's tokens, with N + 1's inputs made there from N's (each row's
+        argmax as its next id, position and length + 1, the slot from its table), so the GPU
+        runs N + 1 while the host updates the scheduler, detokenizes and schedules. When the
+        engine then asks for N + 1 and it is the step predicted (the same requests in the same
+        order, each one token on, the ids N sampled, the same tables), its tokens are already
+        under way; any other step is launched as usual after it on the same stream. A step
+        launched ahead and not used only wrote K/V at one position past each of its requests'
+        tokens, in blocks they held and had not filled (so never a prefix-cached block);
+        whoever writes that slot next does so later on the stream. Not launched where a row's
+        next position needs a block its table lacks, or a request reaches max_tokens now."""
+        ahead, self._ahead = self._ahead, None
+        rids = [r.request_id for r in sampling]
+        if ahead is not None and ahead.matches(ids, entries, rids):
+            step, b = ahead.step, ahead.b
+            self.ahead_stats["hits"] += 1
+            self._launched()
+        else:
+            if ahead is not None:
+                self.ahead_stats["misses"] += 1
+            try:
+                step, b = self._decode_step(ids, positions, entries)
+            except Exception as e:
+                self._decode_failed(e)
+                return None
+            self._launched()
+        host, event = self._tokens_to_host(step, b)
+        if self.lookahead and self._can_look_ahead(step, entries, sampling):
+            try:
+                self._advance(step, b)
+                self._launch(step)
+                self._ahead = _Ahead(step, b, rids, entries)
+                self.ahead_stats["launched"] += 1
+            except Exception as e:  # launching ahead is an optimization: off from now on
+                log.warning("decode lookahead failed (%s: %s); off", type(e).__name__,
+                            str(e)[:200])
+                self.lookahead = False
+                self._ahead = None
+        if event is not None:
+            event.synchronize()
+        toks = host[:b].tolist()
+        if self._ahead is not None:
+            self._ahead.ids = toks
+        return toks
+
+    def _can_look_ahead(self, step: _Step, entries, sampling) -> bool:
+        bs = self.block_size
+        if any(len(r.output_token_ids) + 1 >= r.params.max_tokens for r in sampling):
+            return False  # the batch changes at the next step
+        return all((start + 1) // bs < len(table) for start, _, table in entries) and all(
+            start + 1 < self.model.cfg.max_position for start, _, _ in entries)
+
+    def _tokens_to_host(self, step: _Step, b: int):
+        """(a host tensor that holds, or will hold, the step's b tokens; the CUDA event
+        after which it does, or None)."""
+        if step.dev.device.type != "cuda":
+            return step.tokens[:b].clone(), None
+        if step.tokens_host is None:
+            step.tokens_host = torch.empty(step.size, dtype=torch.long, pin_memory=True)
+        step.tokens_host[:b].copy_(step.tokens[:b], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return step.tokens_host, ev
+
+    def _advance(self, step: _Step, b: int):
+        """The step's device inputs one token on, made on the device: rows < b take their
+        argmax as the next id, position and length + 1, the new position's slot from the
+        table (padding rows stay as they are)."""
+        s, bs, buf = step.size, self.block_size, step.dev
+        buf[:b].copy_(step.tokens[:b])
+        buf[s:s + b] += 1
+        buf[3 * s:3 * s + b] += 1
+        pos = buf[s:s + b].long()
+        tables = buf[4 * s:].view(s, step.width)[:b]
+        blk = tables.gather(1, (pos // bs)[:, None])[:, 0].long()
+        buf[2 * s:2 * s + b] = (blk * bs + pos % bs).to(buf.dtype)
+
+    def _launch(self, step: _Step):
+        """Run the step on its device buffer: the graph, or the body eagerly."""
+        if step.graph is not None:
+            step.graph.replay()
+        else:
+            step.logits, step.tokens = self._body(step)
 
     def _decode_safe(self, ids, positions, entries):
         """(logits [b, V], tokens [b]) of a decode step, or None where the Triton path failed
@@ -480,39 +597,46 @@ class CudaModelRunner(ModelRunner):
         try:
             return self._decode(ids, positions, entries)
         except Exception as e:
-            log.warning("Triton decode failed (%s: %s); decode runs the torch path",
-                        type(e).__name__, str(e)[:200])
-            self.triton_decode = False
-            self.paths["decode"] = "torch"
-            self._drop_graphs()
+            self._decode_failed(e)
             return None
+
+    def _decode_failed(self, e: Exception):
+        log.warning("Triton decode failed (%s: %s); decode runs the torch path",
+                    type(e).__name__, str(e)[:200])
+        self.triton_decode = False
+        self.paths["decode"] = "torch"
+        self._drop_graphs()
 
     def _drop_graphs(self):
         self.steps.clear()
         self.graphs.clear()
         self.sizes = []
         self.pool = None
+        self._ahead = None
 
     def _decode(self, ids, positions, entries):
+        step, b = self._decode_step(ids, positions, entries)
+        return step.logits[:b], step.tokens[:b]
+
+    def _decode_step(self, ids, positions, entries) -> tuple[_Step, int]:
+        """Fill a decode step's inputs and launch it: (the step, its rows); the results land
+        in step.logits / step.tokens."""
         b = len(entries)
         width = max(len(t) for _, _, t in entries)
         size = next((s for s in self.sizes if s >= b), None)
         if size is None or width > self.max_blocks:  # past the graph ladder: eager, unpadded
             step = self._make_step(b, max(width, 1))
             self._fill(step, ids, positions, entries)
-            logits, tokens = self._body(step)
-            return logits[:b], tokens[:b]
+            self._launch(step)
+            return step, b
         step = self.steps.get(size)
         if step is None:
             step = self.steps[size] = self._make_step(size, self.max_blocks)
         self._fill(step, ids, positions, entries)
         if step.graph is None and size not in self.graphs:
             self._capture(step)
-        if step.graph is not None:
-            step.graph.replay()
-            return step.logits[:b], step.tokens[:b]
-        logits, tokens = self._body(step)
-        return logits[:b], tokens[:b]
+        self._launch(step)
+        return step, b
 
     def _make_step(self, size, width):
         return _Step(size, width, self.scratch * self.block_size, self.scratch, self.model.device)
@@ -640,4 +764,5 @@ class CudaModelRunner(ModelRunner):
         return {"decode": self.paths["decode"], "graphs": sorted(self.graphs),
                 "gemv": dict(self.paths["gemv"]), "fused": fused,
                 "decode_tile": self.attn.mha_tile, "dot_tile": self.attn.dot_tile,
-                "decode_tune": self.decode_tune, **self.describe_kv()}
+                "decode_tune": self.decode_tune,
+                "lookahead": {"on": self.lookahead, **self.ahead_stats}, **self.describe_kv()}
