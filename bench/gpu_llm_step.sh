@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Issue 20's GPU checks in one device call (H200, repo root, ~8 min at most): the LLM tests that
-# need CUDA, the 7B FP8-KV bench.llm rows (decode b1, TTFT 512, 256 concurrent 512/256), the step
-# breakdown (bench.llm_step) and the decode attention kernels (bench.llm_attention).
+# need CUDA, the 7B FP8-KV bench.llm rows (decode b1, TTFT 512, 256 concurrent 512/256) with the
+# decode lookahead on (llm) and off (llm0, KILN_LLM_LOOKAHEAD=0), the step breakdown
+# (bench.llm_step, with the batch-1 decode's kernels) and the decode attention kernels
+# (bench.llm_attention).
 #
-#   PARTS=tests,llm,step,attn bash bench/gpu_llm_step.sh     # the default: all four
+#   PARTS=tests,llm,llm0,step,attn bash bench/gpu_llm_step.sh     # the default: all five
 #   PARTS=step STEP_ARGS="--weights fp8" bash bench/gpu_llm_step.sh
 #
 # Every part writes under $OUT (at most 8 files come back): summary.txt (versions, per part its
-# exit code and seconds), tests.txt, llm.json + llm.txt, step.json + step.txt, attn.json +
-# attn.txt. Each part runs under `timeout` (TESTS_S, LLM_S, STEP_S, ATTN_S seconds; the
-# defaults add up to 460 s; on 2026-12-04 the parts took 78 + 42 + 22 + 18 s) so that one hang
-# does not eat the others; rc 124 in summary.txt = cut off.
+# exit code and seconds), tests.txt, llm.json + llm.txt (llm0's rows and output appended to
+# them at the end), step.json + step.txt, attn.json + attn.txt. Each part runs under `timeout`
+# (TESTS_S, LLM_S, LLM0_S, STEP_S, ATTN_S seconds; the defaults add up to 480 s; on 2026-12-04
+# the parts took 78 + 42 + 22 + 18 s before the load-time warm-up) so that one hang does not
+# eat the others; rc 124 in summary.txt = cut off.
 set -u
 OUT=${OUT:-$(mktemp -d)}
-PARTS=${PARTS:-tests,llm,step,attn}
+PARTS=${PARTS:-tests,llm,llm0,step,attn}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 S="$OUT/summary.txt"
 t0=$(date +%s)
@@ -36,15 +39,33 @@ part() {  # part NAME SECONDS COMMAND...: run it under timeout, log rc and secon
 }
 
 # the LLM tests that need CUDA (or run their Triton kernels on it); stops after 10 failures
-part tests "${TESTS_S:-190}" python -m pytest -q --maxfail=10 -rfE -p no:cacheprovider ${TESTS:-\
+part tests "${TESTS_S:-140}" python -m pytest -q --maxfail=10 -rfE -p no:cacheprovider ${TESTS:-\
 tests/llm/test_cuda_runner.py tests/llm/test_cuda_mixed.py tests/llm/test_cuda_runner_fill.py \
 tests/llm/test_triton_attention.py tests/llm/test_triton_fused.py tests/llm/test_triton_gemv.py \
-tests/llm/test_kv_fp8.py tests/llm/test_fp8.py tests/llm/test_bench_llm.py}
+tests/llm/test_kv_fp8.py tests/llm/test_fp8.py tests/llm/test_bench_llm.py \
+tests/llm/test_lookahead.py tests/llm/test_profile.py}
 # the README's H200 row: 7B shape, FP16 weights, FP8 KV; decode b1, TTFT 512, 256 x (512 / 256)
-part llm "${LLM_S:-130}" python -m bench.llm --device cuda --models 7b --peers 0 \
+part llm "${LLM_S:-110}" python -m bench.llm --device cuda --models 7b --peers 0 \
   --cuda-weights dtype --kv-cache-dtype fp8 --agree 0 ${LLM_ARGS:-} --json "$OUT/llm.json"
+# the same rows with the decode lookahead off (kiln.llm.cuda_runner._greedy_decode): the A/B
+KILN_LLM_LOOKAHEAD=0 part llm0 "${LLM0_S:-90}" python -m bench.llm --device cuda --models 7b \
+  --peers 0 --cuda-weights dtype --kv-cache-dtype fp8 --agree 0 ${LLM_ARGS:-} \
+  --json "$OUT/llm0.json"
 part step "${STEP_S:-90}" python -m bench.llm_step --kv-cache-dtype fp8 ${STEP_ARGS:-} \
   --json "$OUT/step.json"
 part attn "${ATTN_S:-50}" python -m bench.llm_attention ${ATTN_ARGS:---warps 4,8 --dot-tiles \
 32,64,128} --json "$OUT/attn.json"
+# llm0 into llm's files (8 files at most come back): its rows tagged lookahead_off
+if [[ -f "$OUT/llm0.txt" ]]; then
+  { echo "=== llm0: KILN_LLM_LOOKAHEAD=0 ==="; cat "$OUT/llm0.txt"; } >> "$OUT/llm.txt"
+  python - "$OUT/llm.json" "$OUT/llm0.json" <<'PY' 2>&1 | tee -a "$S"
+import json, os, sys
+a, b = sys.argv[1], sys.argv[2]
+rows = json.load(open(a)) if os.path.exists(a) else []
+off = json.load(open(b)) if os.path.exists(b) else []
+json.dump(rows + [dict(r, lookahead_off=True) for r in off], open(a, "w"), indent=1)
+print(f"llm.json: {len(rows)} rows + {len(off)} lookahead-off rows")
+PY
+  rm -f "$OUT/llm0.txt" "$OUT/llm0.json"
+fi
 echo "[$(( $(date +%s) - t0 )) s] done" | tee -a "$S"

@@ -18,6 +18,10 @@ Parts (median of ``--iters`` calls; CUDA events on the GPU, the wall clock on th
 - ``decode``: one decode step of ``--batch`` sequences at ``--ctx`` cached tokens: the runner's
   ``_decode`` (host fill, copy, graph replay) and the graph replay alone; its GEMMs alone at
   ``--batch`` rows and the paged decode attention alone (every layer);
+- ``decode_b1``: the batch-1 decode step at ``--b1-ctx`` cached tokens (graph replay) against
+  the weight-streaming bound, each weight shape's one-row GEMV alone (GB/s), the small kernels
+  alone (add + RMSNorm, RoPE + KV write, attention), the rest (gaps between kernels), and the
+  kernels one step launches;
 - ``engine_decode``: ``--engine-seqs`` requests of ``--engine-prompt`` tokens through
   ``LLMEngine.step`` until every one has its first token, then ``--engine-steps`` decode-only
   steps timed on the wall clock, split into the runner's share and the host's (scheduler, KV
@@ -337,6 +341,107 @@ def decode_step(engine, cfg, blocks: Blocks, args, timer) -> dict:
     return out
 
 
+def decode_b1(engine, cfg, blocks: Blocks, args, timer) -> dict:
+    """The batch-1 decode step (``--b1-ctx`` cached tokens) and its kernels alone: per weight
+    shape the one-row GEMM the model runs (the Triton GEMV picked at load, or cuBLAS; the down
+    GEMV with SiLU-mul made in registers where picked), each layer's weight in turn so every
+    call streams from HBM, with its GB/s and fraction of ``--bandwidth``; the small kernels
+    (add + RMSNorm, RoPE + KV write, paged attention); what is left of the graph replay (the
+    gaps between kernels); and the kernels one step launches (torch.profiler over one eager
+    step: the graph replays the same ones)."""
+    from kiln.llm import fp8
+
+    runner, m = engine.runner, engine.runner.model
+    bs, ctx = runner.block_size, args.b1_ctx
+    table = blocks.take(-(-ctx // bs))
+    entries = [(ctx - 1, 1, table)]
+    out = {"ctx": ctx, "layers": cfg.num_layers}
+    dev, dt = m.device, m.dtype
+    with torch.inference_mode():
+        out["step_ms"] = timer(lambda: runner._decode([5], [ctx - 1], entries)) * 1e3
+        step = runner.graphs.get(1)
+        if step is not None:
+            out["graph_replay_ms"] = timer(step.graph.replay) * 1e3
+        g = torch.Generator(device=dev).manual_seed(4)
+        L = cfg.num_layers
+        ops = m.fused if m.fused is not None else None
+        gemv = {}
+
+        def per_layer(fn):  # layer i % L on the i-th call: each call a weight not in L2
+            it = iter(range(1 << 30))
+            return timer(lambda: fn(next(it) % L))
+
+        for name in ("qkv", "o", "gate_up", "down"):
+            w0 = getattr(m.layers[0], name)
+            n_in = w0.shape[1]
+            x = torch.randn(1, n_in, generator=g, device=dev, dtype=dt)
+            if name == "down" and ops is not None:
+                gu = torch.randn(1, 2 * n_in, generator=g, device=dev, dtype=dt)
+                sec = per_layer(lambda i, gu=gu: m._silu_down(gu, m.layers[i].down, ops))
+                name = "silu_mul+down"
+            else:
+                sec = per_layer(lambda i, n=name, x=x: m._linear(x, getattr(m.layers[i], n)))
+            nbytes = (w0.q.numel() if isinstance(w0, fp8.Fp8Weight)
+                      else w0.numel() * w0.element_size())
+            gemv[name] = {"us": sec * 1e6, "gb_s": nbytes / sec / 1e9,
+                          "fraction": nbytes / sec / args.bandwidth, "bytes": nbytes}
+        x = torch.randn(1, cfg.hidden_size, generator=g, device=dev, dtype=dt)
+        sec = timer(lambda: m._linear(x, m.lm_head))
+        w = m.lm_head
+        nbytes = w.q.numel() if isinstance(w, fp8.Fp8Weight) else w.numel() * w.element_size()
+        gemv["lm_head"] = {"us": sec * 1e6, "gb_s": nbytes / sec / 1e9,
+                           "fraction": nbytes / sec / args.bandwidth, "bytes": nbytes}
+        out["gemv"] = gemv
+        out["gemv_ms"] = (sum(v["us"] for k, v in gemv.items() if k != "lm_head") * L
+                          + gemv["lm_head"]["us"]) / 1e3
+        small = {}
+        if ops is not None:
+            r = torch.randn(1, cfg.hidden_size, generator=g, device=dev, dtype=dt)
+            small["add_rms_norm"] = timer(
+                lambda: ops.add_rms_norm(x, r, m.layers[0].ln1, cfg.rms_norm_eps)) * 2 * L
+            qkv = torch.randn(1, m.q_size + 2 * m.kv_size, generator=g, device=dev, dtype=dt)
+            pos = torch.full((1,), ctx - 1, dtype=torch.long, device=dev)
+            slots = torch.full((1,), table[-1] * bs, dtype=torch.long, device=dev)
+            small["rope_kv"] = timer(lambda: ops.rope_kv(
+                qkv, m.cos, m.sin, pos, slots, *runner.attn.flat_kv(0), cfg.num_heads,
+                cfg.num_kv_heads, cfg.head_dim, runner.attn.kv_scales(0))) * L
+        from kiln.llm.cuda_runner import DecodeMeta
+
+        q = torch.randn(1, cfg.num_heads, cfg.head_dim, generator=g, device=dev, dtype=dt)
+        meta = DecodeMeta(None, torch.tensor([table], dtype=torch.int32, device=dev),
+                          torch.full((1,), ctx, dtype=torch.int32, device=dev))
+        small["attention"] = timer(lambda: runner.attn.attend(0, q, meta)) * L
+        out["small_ms"] = {k: v * 1e3 for k, v in small.items()}
+        total = out.get("graph_replay_ms", out["step_ms"])
+        out["rest_ms"] = total - out["gemv_ms"] - sum(out["small_ms"].values())
+        out["bound_ms"] = (cfg.weight_bytes(1 if m.weights == "fp8" else dt.itemsize)
+                           / args.bandwidth * 1e3)
+        out["fraction_of_bound"] = out["bound_ms"] / total
+        out["kernels_per_step"] = kernels_per_step(runner, entries)
+    return out
+
+
+def kernels_per_step(runner, entries) -> dict | str:
+    """Kernels one eager decode step launches, in all and by name (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if runner.model.device.type != "cuda":
+        return "cuda only"
+    step = runner._make_step(len(entries), max(len(t) for _, _, t in entries))
+    runner._fill(step, [5] * len(entries), [e[0] for e in entries], entries)
+    runner._body(step)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner._body(step)
+        torch.cuda.synchronize()
+    names = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            names[e.name[:60]] = names.get(e.name[:60], 0) + 1
+    return {"total": sum(names.values()),
+            "by_name": dict(sorted(names.items(), key=lambda kv: -kv[1])[:16])}
+
+
 def engine_decode(engine, cfg, args) -> dict:
     """Wall time of the engine's decode-only steps and the runner's share of it."""
     from kiln.llm import SamplingParams
@@ -393,6 +498,7 @@ def run(args) -> dict:
     emit = Emit(args.json, res)
     for part, fn in (("prefill", lambda: prefill_step(engine, cfg, blocks, args, timer)),
                      ("decode", lambda: decode_step(engine, cfg, blocks, args, timer)),
+                     ("decode_b1", lambda: decode_b1(engine, cfg, blocks, args, timer)),
                      ("engine_decode", lambda: engine_decode(engine, cfg, args))):
         if part not in parts:
             continue
@@ -438,11 +544,12 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--weights", default="dtype", choices=["dtype", "fp8"])
     ap.add_argument("--kv-cache-dtype", default="fp8", choices=["auto", "fp8"])
-    ap.add_argument("--parts", default="prefill,decode,engine_decode")
+    ap.add_argument("--parts", default="prefill,decode,decode_b1,engine_decode")
     ap.add_argument("--prompts", type=int, default=16, help="prompts in the prefill step")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=256, help="sequences in the decode step")
     ap.add_argument("--ctx", type=int, default=640, help="cached tokens of each")
+    ap.add_argument("--b1-ctx", type=int, default=64, help="cached tokens of the b1 step")
     ap.add_argument("--engine-seqs", type=int, default=256)
     ap.add_argument("--engine-prompt", type=int, default=128)
     ap.add_argument("--engine-steps", type=int, default=16)

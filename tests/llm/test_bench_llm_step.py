@@ -42,7 +42,7 @@ def test_smoke_run_reports_every_part(tmp_path):
                 "--engine-steps", "2", "--iters", "1", "--num-blocks", "64",
                 "--max-model-len", "128", "--json", str(path)])
     assert json.loads(path.read_text())["model"] == "tiny"
-    for part in ("prefill", "decode", "engine_decode"):
+    for part in ("prefill", "decode", "decode_b1", "engine_decode"):
         assert "error" not in res[part], res[part]
     assert res["prefill"]["tokens"] == 24 and res["prefill"]["step_ms_default"] > 0
     assert res["prefill"]["sdpa_batched_ms"] > 0 and res["decode"]["attention_ms"] > 0
@@ -51,3 +51,8 @@ def test_smoke_run_reports_every_part(tmp_path):
     assert like["all_tokens"] == 1 + 12 + 6 and like["no_decodes_tokens"] == 18
     assert all(isinstance(like[f"{k}_ms"], float) for k in ("all", "no_chunk", "no_decodes"))
     assert res["engine_decode"]["steps"] == 2 and res["engine_decode"]["runner_ms"] > 0
+    b1 = res["decode_b1"]
+    assert set(b1["gemv"]) == {"qkv", "o", "gate_up", "silu_mul+down", "lm_head"}
+    assert all(v["us"] > 0 and v["gb_s"] > 0 for v in b1["gemv"].values())
+    assert set(b1["small_ms"]) == {"add_rms_norm", "rope_kv", "attention"}
+    assert b1["step_ms"] > 0 and b1["bound_ms"] > 0
