@@ -209,7 +209,8 @@ def test_triton_gemm_best_tiles_keeps_the_wave_model_best():
 
 
 LN_CASES = [({"impl": "cublas", "LN_WARPS": 1}, ""), ({"impl": "cublas", "LN_WARPS": 4}, ""),
-            (dict(SMALL, LN_WARPS=1), ""), (dict(SMALL, LN_WARPS=1), "Gelu")]
+            (dict(SMALL, LN_WARPS=1), ""), (dict(SMALL, LN_WARPS=1), "Gelu"),
+            ({"impl": "cublas", "LN_WARPS": 2, "LN_ROWS": 4}, "")]  # 4 rows a norm program
 
 
 @pytest.mark.parametrize("tactic,act", LN_CASES)
@@ -263,6 +264,11 @@ def test_triton_fused_matmul_layernorm_tactics():
                             (x, w, None, None, s))
     assert [t for t in plain if t.get("impl") == "cublas"]
     assert not [t for t in gelu if t.get("impl") == "cublas"] and gelu
+    many = randn(8192, 32, dtype=torch.float16)  # BERT-base b64's rows: multi-row norms too
+    rows = [t for t in G._mm_ln_tactics(call(FC.FusedMatMulLayerNorm), (many, w, None, None, s))
+            if t.get("LN_ROWS")]
+    assert rows and all(t["impl"] == "cublas" for t in rows)
+    assert not [t for t in plain if t.get("LN_ROWS")]  # 4 rows: one a program
     wide = randn(32, 8200, dtype=torch.float16)
     assert not G._mm_ln_supports(call(FC.FusedMatMulLayerNorm),
                                  (x, wide, None, None, randn(8200, dtype=torch.float16)))

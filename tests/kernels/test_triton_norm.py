@@ -82,3 +82,36 @@ def test_triton_layernorm_gpu_bert_shape(dtype):
         n.tactic = t
         assert_close(norm.layer_norm(n, x, w, b), _ln_ref(x, w, b, -1), scale=2)
     assert_close(norm.rms_norm(call(N.RMSNormalization), x, w), _rms_ref(x, w, -1), scale=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("with_res", [False, True])
+def test_triton_norm_row_tile_matches_torch(dtype, rms, with_res):
+    """ROWS rows a program: 37 rows of 24 (a partial last tile, padded columns), plus the
+    residual the norm adds as it reads; in place like the fused product's use."""
+    x, r = randn(37, 24, dtype=dtype), randn(37, 24, dtype=dtype)
+    w, b = randn(24, dtype=dtype), randn(24, dtype=dtype)
+    pre = x.float() + (r.float() if with_res else 0)
+    want = _rms_ref(pre, w, -1) if rms else _ln_ref(pre, w, b, -1)
+    y = norm.norm_rows(x, w, None if rms else b, 24, 1e-5, rms, 32, 2,
+                       res=r if with_res else None, out=x, rows=4)
+    assert y is x
+    assert_close(y, want)
+
+
+def test_triton_norm_row_tiles_only_for_short_rows_and_many_of_them():
+    """Multi-row tactics where a row fits TILE_COLS and there are ROWS rows per SM at least
+    (BERT-base b64: 8192 rows of 768, padded 1024); none for 8 rows or 4096-wide rows. The
+    op's kernel takes them, and runs them."""
+    tiles = norm.row_tiles(1024, 8192)
+    assert tiles and all(t["BLOCK"] == 1024 and t["ROWS"] > 1 for t in tiles)
+    assert norm.row_tiles(1024, 8) == [] and norm.row_tiles(4096, 8192) == []
+    assert all(t["ROWS"] * norm.SMS <= 600 for t in norm.row_tiles(32, 600))
+    x, w, b = randn(600, 24), randn(24), randn(24)
+    n = call(N.LayerNormalization)
+    space = norm.row_tactics(n, (x, w, b))
+    assert norm.tactics(n, (x, w, b)) == [t for t in space if "ROWS" not in t]
+    tile = [t for t in space if t.get("ROWS")][0]
+    y = norm.layer_norm(call(N.LayerNormalization, tile), x, w, b)
+    assert_close(y, _ln_ref(x, w, b, -1))

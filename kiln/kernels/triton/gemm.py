@@ -36,7 +36,7 @@ from kiln.kernels.triton.common import (
     tactic_of,
 )
 from kiln.kernels.triton.lazy import cdiv, jit, tl
-from kiln.kernels.triton.norm import norm_rows
+from kiln.kernels.triton.norm import norm_rows, row_tiles
 from kiln.ops import fused_conv as FC
 from kiln.ops import nn as N
 
@@ -352,10 +352,13 @@ def _mm_ln_supports(n, inputs) -> bool:
 
 
 def _mm_ln_tactics(n, inputs) -> list[dict]:
-    tiles = [dict(t, LN_WARPS=1) for t in gemm_tactics(*_mm_shapes(n, inputs))]
+    m, nn, k = _mm_shapes(n, inputs)
+    tiles = [dict(t, LN_WARPS=1) for t in gemm_tactics(m, nn, k)]
     if n.a.activation:  # cuBLAS + LN(y + r) only where no activation sits between them
         return tiles
-    return tiles + [{"impl": "cublas", "LN_WARPS": w} for w in LN_WARPS]
+    rows = [{"impl": "cublas", "LN_WARPS": t["num_warps"], "LN_ROWS": t["ROWS"]}
+            for t in row_tiles(next_pow2(nn), m)]  # the norm over several rows a program
+    return tiles + [{"impl": "cublas", "LN_WARPS": w} for w in LN_WARPS] + rows
 
 
 @register(FC.FusedMatMulLayerNorm, backend="cuda", name="TritonFusedMatMulLayerNorm",
@@ -372,13 +375,13 @@ def fused_matmul_layernorm(n, x, w, b=None, r=None, scale=None, ln_bias=None):
     t = getattr(n, "tactic", None) or {}
     nn = w.shape[1]
     eps = float(n.a.epsilon if n.a.epsilon is not None else 1e-5)
-    block, warps = next_pow2(nn), t.get("LN_WARPS", 1)
+    block, warps, rows = next_pow2(nn), t.get("LN_WARPS", 1), t.get("LN_ROWS", 1)
     x2 = x.reshape(-1, x.shape[-1])
     r2 = None if r is None else r.reshape(-1, nn)
     b1 = None if b is None else b.reshape(-1)
     if t.get("impl") == "cublas" and not n.a.activation and (r2 is None or r2.is_contiguous()):
         y = F.linear(x2, w.t(), b1)
-        norm_rows(y, scale, ln_bias, nn, eps, False, block, warps, res=r2, out=y)
+        norm_rows(y, scale, ln_bias, nn, eps, False, block, warps, res=r2, out=y, rows=rows)
     elif not n.a.activation:
         y = gemm2d(n, x2, w, b1)
         norm_rows(y, scale, ln_bias, nn, eps, False, block, warps, res=r2, out=y)

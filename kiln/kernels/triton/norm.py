@@ -2,7 +2,8 @@
 
 The normalized dims (``axis`` to the end) are flattened into one row of N elements. When one
 BLOCK covers the row it stays in registers (one read, one write); otherwise the kernel loops over
-the row in BLOCK chunks (three reads). Tactic: ``{"BLOCK", "num_warps"}``.
+the row in BLOCK chunks (three reads). Tactic: ``{"BLOCK", "num_warps"}``, and for short rows
+``{"BLOCK", "num_warps", "ROWS"}``: ROWS whole rows a program.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kiln.kernels.triton.common import (
     tactic_of,
     warps_for,
 )
-from kiln.kernels.triton.lazy import jit, tl
+from kiln.kernels.triton.lazy import cdiv, jit, tl
 from kiln.ops import int8 as I8
 from kiln.ops import nn as N
 from kiln.ops.rules import norm_axis
@@ -96,6 +97,32 @@ def _norm_kernel(X, W, B, Y, R, Q, QM, stride_x, stride_y, stride_r, n_cols, eps
             _store(y_row, q_row, QM, c, m, y, zshift, QUANT, FP8, EXACT)
 
 
+@jit(do_not_specialize=["n_rows"])
+def _norm_tile_kernel(X, W, B, Y, R, n_rows, stride_x, stride_y, stride_r, n_cols, eps,
+                      HAS_B: tl.constexpr, RMS: tl.constexpr, BLOCK: tl.constexpr,
+                      ROWS: tl.constexpr, HAS_R: tl.constexpr):
+    """ROWS whole rows (each within one BLOCK) per program. A short row (BERT's 768) is a
+    warp's work, and programs of one warp each cap an SM at 32 of them (half its warps);
+    ROWS rows over num_warps warps keep more loads in flight."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    m = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_R:
+        x += tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=m,
+                     other=0.0).to(tl.float32)
+    if RMS:
+        xc = x
+    else:
+        xc = tl.where(m, x - (tl.sum(x, axis=1) / n_cols)[:, None], 0.0)
+    inv = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+    cm = cols < n_cols
+    y = xc * inv[:, None] * tl.load(W + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y += tl.load(B + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
+
+
 def _row_len(n, x) -> int:
     ax = norm_axis(n.a.axis if n.a.axis is not None else -1, x.dim())
     return x.shape[ax:].numel()
@@ -121,20 +148,44 @@ def tactics(n, inputs) -> list[dict]:
             for w in sorted({1, 2, 4, 8, 16} & set(range(1, max(2, b // 32) + 1)))]
 
 
+# (ROWS, num_warps) of the multi-row tile, for rows of at most TILE_COLS (padded) elements
+ROW_TILES = ((4, 4), (8, 4), (8, 8), (16, 8))
+TILE_COLS = 2048
+SMS = 132  # an H100/H200's SM count
+
+
+def row_tiles(block: int, rows: int) -> list[dict]:
+    """Multi-row tactics for ``rows`` rows of ``block`` (a power of two) padded columns: where
+    a row is short and a tile's worth of rows per SM is there to take."""
+    if block > TILE_COLS:
+        return []
+    return [{"BLOCK": block, "num_warps": w, "ROWS": r} for r, w in ROW_TILES
+            if r * SMS <= rows and r * block <= 16384]
+
+
+def row_tactics(n, inputs) -> list[dict]:
+    """LayerNorm/RMSNorm: one row a program (:func:`tactics`) and the multi-row tiles."""
+    x = inputs[0]
+    cols = _row_len(n, x)
+    return tactics(n, inputs) + row_tiles(next_pow2(cols), x.numel() // max(1, cols))
+
+
 def _launch(n, x, scale, bias, rms: bool):
     cols = _row_len(n, x)
     eps = n.a.epsilon if n.a.epsilon is not None else 1e-5
     block = min(next_pow2(cols), 8192)
     t = tactic_of(n, {"BLOCK": block, "num_warps": warps_for(block)})
-    return norm_rows(x, scale, bias, cols, float(eps), rms, t["BLOCK"], t["num_warps"])
+    return norm_rows(x, scale, bias, cols, float(eps), rms, t["BLOCK"], t["num_warps"],
+                     rows=t.get("ROWS", 1))
 
 
 def norm_rows(x, scale, bias, cols: int, eps: float, rms: bool, block: int, num_warps: int,
-              res=None, out=None, quant=None):
+              res=None, out=None, quant=None, rows: int = 1):
     """LayerNorm (``rms``: RMSNorm) of ``x (+ res)`` over rows of ``cols`` elements, into
     ``out`` (default: a new tensor; ``x`` itself works: each row is read before it is
     written). ``res``: x's shape and layout. ``quant``: ``(codes, qmul, zshift, fp8)``: the
-    output's codes too, into ``codes`` (contiguous, x's shape)."""
+    output's codes too, into ``codes`` (contiguous, x's shape). ``rows`` > 1 (no ``quant``,
+    rows within one ``block``): that many rows a program."""
     x2 = x.reshape(-1, cols)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -144,6 +195,11 @@ def norm_rows(x, scale, bias, cols: int, eps: float, rms: bool, block: int, num_
         r2 = r2.contiguous()
     w = scale.contiguous()
     b = bias.contiguous() if bias is not None else w
+    if rows > 1 and block >= cols and quant is None:
+        launch(_norm_tile_kernel, (cdiv(x2.shape[0], rows),), x2, w, b, y, r2, x2.shape[0],
+               x2.stride(0), cols, r2.stride(0), cols, eps, HAS_B=bias is not None, RMS=rms,
+               BLOCK=block, ROWS=rows, HAS_R=res is not None, num_warps=num_warps)
+        return y
     q, qm, zshift, fp8 = (y, w, 0, False) if quant is None else quant
     launch(
         _norm_kernel, (x2.shape[0],), x2, w, b, y, r2, q, qm, x2.stride(0), cols,
@@ -153,7 +209,7 @@ def norm_rows(x, scale, bias, cols: int, eps: float, rms: bool, block: int, num_
     return y
 
 
-@register(N.LayerNormalization, backend="cuda", name="TritonLayerNorm", tactics=tactics,
+@register(N.LayerNormalization, backend="cuda", name="TritonLayerNorm", tactics=row_tactics,
           supports=supports)
 def layer_norm(n, x, scale, bias=None):
     if not supports(n, (x, scale, bias)):
@@ -161,7 +217,7 @@ def layer_norm(n, x, scale, bias=None):
     return _launch(n, x, scale, bias, rms=False)
 
 
-@register(N.RMSNormalization, backend="cuda", name="TritonRMSNorm", tactics=tactics,
+@register(N.RMSNormalization, backend="cuda", name="TritonRMSNorm", tactics=row_tactics,
           supports=supports)
 def rms_norm(n, x, scale):
     if not supports(n, (x, scale)):
