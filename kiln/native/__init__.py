@@ -76,6 +76,8 @@ def _load():
     lib.kiln_pointwise.restype = None
     lib.kiln_pool2d.argtypes = [_I, _P, _P, _P, _P, _P, _I]
     lib.kiln_pool2d.restype = None
+    lib.kiln_resize_linear2d.argtypes = [_L] * 6 + [_P] * 10 + [_I]
+    lib.kiln_resize_linear2d.restype = None
     lib.kiln_dw_pack.argtypes = [_L, _L, _L, _P, _P]
     lib.kiln_dw_pack.restype = None
     lib.kiln_depthwise.argtypes = [_P, _P, _P, _P, _P, _P, _I, _F, _F, _I]
@@ -758,6 +760,55 @@ def pool2d(kind: str, x: torch.Tensor, kernel, stride, dilation, pads, out_hw) -
     g = (_L * 14)(n, c, h, w, *out_hw, *kernel, *stride, *dilation, *pads)
     _lib.kiln_pool2d(POOLS[kind], g, x.data_ptr(), (_L * 4)(*x.stride()), y.data_ptr(),
                      (_L * 4)(*y.stride()), torch.get_num_threads())
+    return y
+
+
+def _linear_taps(n_in: int, n_out: int, align_corners: bool):
+    """Bilinear source taps and weights along one axis, in torch's float32 arithmetic
+    (``upsample_bilinear2d``: scale in/out, or (in - 1)/(out - 1) for align_corners; the
+    source ``scale * (dst + 0.5) - 0.5`` clamped at 0), so the kernel gives F.interpolate's
+    values: (i0, i1 int32, w0, w1 float32) [n_out]."""
+    f32 = np.float32
+    dst = np.arange(n_out, dtype=f32)
+    if align_corners:
+        scale = f32((n_in - 1) / (n_out - 1)) if n_out > 1 else f32(0)
+        src = scale * dst
+    else:
+        scale = f32(n_in / n_out)
+        src = np.maximum(scale * (dst + f32(0.5)) - f32(0.5), f32(0))
+    i0 = np.minimum(src.astype(np.int32), n_in - 1)
+    i1 = np.minimum(i0 + 1, n_in - 1).astype(np.int32)
+    w1 = (src - i0.astype(f32)).astype(f32)
+    return i0, i1, (f32(1) - w1).astype(f32), w1
+
+
+_TAPS: dict = {}  # (n_in, n_out, align_corners) -> the tables, as torch tensors
+
+
+def resize_linear2d(x: torch.Tensor, size: tuple[int, int], align_corners: bool) -> torch.Tensor:
+    """``F.interpolate(x, size, mode="bilinear", align_corners=...)`` of a float32 [N, C, H, W]
+    tensor, contiguous or channels-last (the output has its memory format), in resize.c."""
+    n, c, h, w = x.shape
+    ho, wo = size
+    # channels-last where torch's F.interpolate makes it so: NHWC strides, also when they are
+    # contiguous ones too (a 1 x 1 map of a channels-last tensor)
+    cl = x.is_contiguous(memory_format=torch.channels_last) and x.stride(1) < x.stride(3)
+    if not cl and not x.is_contiguous():
+        x = x.contiguous()
+    y = torch.empty((n, c, ho, wo), dtype=torch.float32,
+                    memory_format=torch.channels_last if cl else torch.contiguous_format)
+    tabs = []
+    for key in ((h, ho, align_corners), (w, wo, align_corners)):
+        t = _TAPS.get(key)
+        if t is None:
+            t = _TAPS[key] = [torch.from_numpy(a) for a in _linear_taps(*key)]
+        tabs.append(t)
+    (y0, y1, hy0, hy1), (x0, x1, wx0, wx1) = tabs
+    planes, lanes = (n, c) if cl else (n * c, 1)
+    _lib.kiln_resize_linear2d(planes, h, w, lanes, ho, wo, x.data_ptr(), y.data_ptr(),
+                              y0.data_ptr(), y1.data_ptr(), hy0.data_ptr(), hy1.data_ptr(),
+                              x0.data_ptr(), x1.data_ptr(), wx0.data_ptr(), wx1.data_ptr(),
+                              torch.get_num_threads())
     return y
 
 

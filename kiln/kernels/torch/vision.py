@@ -201,8 +201,23 @@ def _interpolate(x, shape, out, full, rois, opts):
             for a in (2, 3)):
         return None
     mode, corners = _INTERPOLATE[key]
+    if mode == "bilinear" and _native_linear(x):  # resize.c: F.interpolate's values, 2.5-3x
+        # faster on LR-ASPP's [1, 21, 40, 40] -> 320 x 320 (1 thread: 1141 -> 415 us
+        # channels-last, 2682 -> 949 NCHW)
+        from kiln import native
+
+        return native.resize_linear2d(x, tuple(out[2:]), corners)
     return torch.nn.functional.interpolate(x, size=tuple(out[2:]), mode=mode,
                                            align_corners=corners)
+
+
+def _native_linear(x) -> bool:
+    """Whether resize.c takes this bilinear resize: a float32 CPU tensor, contiguous or
+    channels-last, with the native library built."""
+    from kiln import native
+
+    return native.available and x.dtype == torch.float32 and x.device.type == "cpu" and (
+        x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last))
 
 
 def _floats(t) -> list[float]:
