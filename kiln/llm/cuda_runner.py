@@ -255,6 +255,7 @@ class _Step:
         self.graph = None
         self.logits = self.tokens = None
         self.tokens_host = None  # pinned copy of the tokens (CUDA), made on first use
+        self.rows = []  # each row's block table as the device buffer holds it (the last fill)
 
 
 class _Ahead:
@@ -262,13 +263,16 @@ class _Ahead:
 
     __slots__ = ("step", "b", "rids", "starts", "tables", "ids")
 
-    def __init__(self, step: _Step, b: int, rids: list[str], entries):
+    def __init__(self, step: _Step, b: int, rids: list[str], entries, tables):
         self.step, self.b, self.rids = step, b, rids
         self.starts = [start + 1 for start, _, _ in entries]
-        self.tables = [table for _, _, table in entries]
+        self.tables = tables  # as the device buffer holds them
         self.ids = None  # the tokens the launching step sampled (its successor's ids)
 
     def matches(self, ids, entries, rids) -> bool:
+        """Whether the engine's step is the one launched: the same requests in the same
+        order, each at the next position with the ids sampled, and tables that the device's
+        begin (the blocks a step reads and writes are in those, see _can_look_ahead)."""
         if rids != self.rids or ids != self.ids:
             return False
         for (start, _, table), s0, t0 in zip(entries, self.starts, self.tables):
@@ -538,7 +542,7 @@ class CudaModelRunner(ModelRunner):
             try:
                 self._advance(step, b)
                 self._launch(step)
-                self._ahead = _Ahead(step, b, rids, entries)
+                self._ahead = _Ahead(step, b, rids, entries, step.rows)
                 self.ahead_stats["launched"] += 1
             except Exception as e:  # launching ahead is an optimization: off from now on
                 log.warning("decode lookahead failed (%s: %s); off", type(e).__name__,
@@ -553,11 +557,15 @@ class CudaModelRunner(ModelRunner):
         return toks
 
     def _can_look_ahead(self, step: _Step, entries, sampling) -> bool:
-        bs = self.block_size
+        """Whether the next step can be made on the device: no request ends with this one,
+        and every row's next position lies in a block of its table as the device buffer holds
+        it (filled at the last miss; a hit leaves it as it was)."""
+        bs, limit = self.block_size, self.model.cfg.max_position
         if any(len(r.output_token_ids) + 1 >= r.params.max_tokens for r in sampling):
             return False  # the batch changes at the next step
-        return all((start + 1) // bs < len(table) for start, _, table in entries) and all(
-            start + 1 < self.model.cfg.max_position for start, _, _ in entries)
+        return len(step.rows) == len(entries) and all(
+            (start + 1) // bs < len(table) and start + 1 < limit
+            for (start, _, _), table in zip(entries, step.rows))
 
     def _tokens_to_host(self, step: _Step, b: int):
         """(a host tensor that holds, or will hold, the step's b tokens; the CUDA event
@@ -644,6 +652,7 @@ class CudaModelRunner(ModelRunner):
     def _fill(self, step: _Step, ids, positions, entries):
         s, w, bs, a = step.size, step.width, self.block_size, step.arr
         b = len(entries)
+        step.rows = [e[2] for e in entries]
         np.copyto(a, step.template)
         if b <= 16:  # few rows: a Python loop beats numpy's per-call cost
             for i, ((start, _, table), tok, p) in enumerate(zip(entries, ids, positions)):
