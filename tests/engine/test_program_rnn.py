@@ -96,8 +96,13 @@ def _run(model, feeds, tmp_path, with_ort: bool):
 @pytest.mark.parametrize("kind", ["RNN", "GRU", "LSTM"])
 @pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
 @pytest.mark.parametrize("layout", [0, 1])
-@pytest.mark.parametrize("seq,batch", [(1, 1), (3, 2), (17, 3)])  # direct rows, then a GEMM
-def test_recurrent_record_matches(kind, direction, layout, seq, batch, tmp_path):
+@pytest.mark.parametrize("seq,batch", [(1, 1), (3, 2), (17, 3)])
+@pytest.mark.parametrize("direct_rows", [0, 8])  # a GEMM record first (the default); rows
+def test_recurrent_record_matches(kind, direction, layout, seq, batch, direct_rows, tmp_path,
+                                  monkeypatch):  # of up to 8 made inside the recurrence
+    from kiln.engine import program_rnn
+
+    monkeypatch.setattr(program_rnn, "DIRECT_ROWS", direct_rows)
     init = seq > 1
     model, inputs = _rnn_model(kind, direction, layout, seq, batch, init=init,
                                lens=batch > 1 and layout == 0)
