@@ -43,7 +43,7 @@ _TO_F32, _TO_BOOL = 1, 9  # ONNX TensorProto codes of Cast's ``to``
 
 # ops whose float planners move values without arithmetic: they take bool values as they are
 _VIEWS = {T.Reshape, T.Flatten, T.Squeeze, T.Unsqueeze, T.Identity, T.Transpose, T.Slice,
-          T.Split, T.Gather, T.Concat}
+          T.Split, T.Gather, T.Concat, T.Expand}
 
 
 def _cast(pc, st, ins, outs):

@@ -132,6 +132,25 @@ def _gather(pc, st, ins, outs):
     return [y]
 
 
+# ---- Expand -----------------------------------------------------------------------------------
+
+def _expand(pc, st, ins, outs):
+    """Expand: a broadcast view (stride 0 along the dims it repeats), no record. Grouped-query
+    attention's key/value heads (Unsqueeze -> Expand -> Reshape) are then one copy, the
+    Reshape's; records read stride-0 operands as they read any strides, and a torch record or
+    an output gets them copied out."""
+    x = ins[0]
+    if x is None or len(outs) != 1:
+        return None
+    shape = tuple(outs[0].shape)
+    k = len(shape) - len(x.shape)
+    if k < 0 or any(n not in (1, shape[k + d]) for d, n in enumerate(x.shape)):
+        return None
+    strides = tuple(0 if d < k or x.shape[d - k] != shape[d] else x.strides[d - k]
+                    for d in range(len(shape)))
+    return [Val(shape, strides, x.buf, x.off, x.root)]
+
+
 # ---- Pow --------------------------------------------------------------------------------------
 
 def _pow(pc, st, ins, outs):
@@ -202,5 +221,5 @@ def _collapse(dims: list) -> list | None:
     return [(1, 0)] * (2 - len(dims)) + dims
 
 
-PLANNERS = {T.Pad: _pad, T.Gather: _gather, M.Pow: _pow,
+PLANNERS = {T.Pad: _pad, T.Gather: _gather, M.Pow: _pow, T.Expand: _expand,
             R.ReduceMean: _reduce("avg"), R.ReduceMax: _reduce("max")}

@@ -306,3 +306,51 @@ def test_attention_record_copies_a_strided_head_dim(tmp_path, k_transposed):
     # a contiguous [1, H, D, S] key has its head dim strided: copied (must fire); a transposed
     # [1, H, S, D] one has it contiguous: read in place (must not)
     assert att == [["attention"]] if k_transposed else att == [["copy", "attention"]]
+
+
+# ---- Expand: a broadcast view ---------------------------------------------------------------
+
+def _expand_model(x_shape, shape, then):
+    mk = helper.make_node
+    inits = [numpy_helper.from_array(np.array(shape, np.int64), "shape")]
+    nodes = [mk("Expand", ["x", "shape"], ["e"])]
+    if then == "reshape":  # grouped-query attention's repeat_kv: [B, Hkv, r, S, D] -> [B, H, S, D]
+        b, hkv, r, s, d = shape
+        inits.append(numpy_helper.from_array(np.array([b, hkv * r, s, d], np.int64), "s2"))
+        nodes.append(mk("Reshape", ["e", "s2"], ["y"]))
+    elif then == "add":
+        nodes.append(mk("Add", ["e", "e"], ["y"]))
+    elif then == "cumsum":  # a torch record reads the broadcast view (copied out for it)
+        inits.append(numpy_helper.from_array(np.array(1, np.int64), "ax"))
+        nodes.append(mk("CumSum", ["e", "ax"], ["y"]))
+    else:  # the expanded view is the output
+        nodes.append(mk("Identity", ["e"], ["y"]))
+    g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                     x_shape)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.skipif(not native.available, reason=native.why_not or "no native")
+@pytest.mark.parametrize("x_shape, shape, then", [
+    ((1, 2, 1, 5, 4), (1, 2, 3, 5, 4), "reshape"),
+    ((3, 1), (2, 3, 4), "add"),
+    ((1, 4), (3, 4), "output"),
+    ((2, 1, 3), (2, 5, 3), "add"),
+    ((2, 1, 3), (2, 5, 3), "cumsum"),
+])
+def test_expand_is_a_view_and_matches_onnxruntime(x_shape, shape, then, tmp_path):
+    path = tmp_path / "m.onnx"
+    onnx.save(_expand_model(x_shape, shape, then), path)
+    engine = kiln.Builder(kiln.BuilderConfig(device="cpu", tf32=False)).build(str(path))
+    ctx = engine.create_context()
+    x = np.random.default_rng(1).standard_normal(x_shape).astype(np.float32)
+    ctx.run({"x": x})  # traced
+    got = ctx.run({"x": x})["y"]
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0]
+    np.testing.assert_array_equal(got, want)
+    plan = next(p for p in engine._executor.program.plans.values() if p)
+    # no torch record for the Expand: a view
+    assert [fb.step.node.op.name for fb in plan.fallbacks] == (["CumSum"] if then == "cumsum"
+                                                               else [])
