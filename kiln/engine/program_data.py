@@ -106,6 +106,8 @@ def _gather(pc, st, ins, outs):
     if any(not -size <= i < size for i in idx):
         return None  # (torch's kernel raises the index error)
     idx = [i % size for i in idx]
+    if not idx:  # no index (a detector's empty selection folded to a constant): torch's
+        return None
     shape = tuple(outs[0].shape)
     if c.dim() == 0:
         keep = tuple(d for d in range(rank) if d != ax)

@@ -176,6 +176,18 @@ def test_gather_constant_indices_matches_onnxruntime(axis, idx, tmp_path):
     assert not torch_ops
 
 
+def test_gather_of_no_constant_index_plans_and_matches_onnxruntime(tmp_path):
+    """Must not fire: a constant index tensor with no element (tv_ssdlite320's empty selection,
+    folded) gives an empty result; the planner leaves it to torch (it indexed the first of
+    no indices and stopped the run)."""
+    inits = [numpy_helper.from_array(np.zeros((0,), np.int64), "i")]
+    mk = helper.make_node
+    nodes = [mk("Gather", ["x", "i"], ["g"], axis=1), mk("Neg", ["g"], ["y"])]
+    x = np.random.default_rng(7).standard_normal((3, 4, 6)).astype(np.float32)
+    got, want, _ = _run(_model(nodes, {"x": [3, 4, 6]}, inits), {"x": x}, tmp_path)
+    assert got.shape == want.shape == (3, 0, 6)
+
+
 @pytest.mark.parametrize("e", [2.0, 0.5, 1.0, -1.0, 3.0])
 def test_pow_constant_exponent_matches_onnxruntime(e, tmp_path):
     inits = [numpy_helper.from_array(np.array(e, np.float32), "e")]
