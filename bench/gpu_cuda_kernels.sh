@@ -18,10 +18,23 @@
 # profile: bench.cuda_profile per MODEL:BATCH[:norm] in PROFILES (kiln FP16 and torch eager
 #   FP16); ':norm' builds with KILN_CUDA_MATMUL_NORM=1 (CUDA FusedMatMul + LayerNorm fusion on).
 # cold: bench.cold_parts on COLD_MODELS. Every part runs under timeout --kill-after.
+# q8 (not in the default PARTS; issue 18's INT8/FP8 engines): bench.cuda_profile per
+#   MODEL:BATCH:PRECISIONS in Q8_PROFILES ('none': no profile): kiln FP16 and its INT8/FP8
+#   engines, each tuned, then '== MODEL bB kiln int8: ratio int8/fp16 ...x' lines with the
+#   agreement with FP32 on held-out batches (also in q8-summary.txt); Q8_HANDOFF=0 adds
+#   --no-handoff (the A/B of the fused form); Q8_TESTS=1 first runs the interpreter-tested
+#   INT8/FP8 kernel and hand-off tests on the GPU. A BERT and a ResNet profile may not fit one
+#   600 s call together: run them as separate calls.
+#   PARTS=q8 bash bench/gpu_cuda_kernels.sh                  # BERT-base b64 fp16,int8,fp8
+#   PARTS=q8 Q8_PROFILES=tv_resnet50_op17:256:fp16,int8 bash bench/gpu_cuda_kernels.sh
+#   PARTS=q8 Q8_TESTS=1 Q8_PROFILES=none bash bench/gpu_cuda_kernels.sh   # the GPU tests
 set -u
 PARTS=${PARTS:-export,profile,tests,probe}
 PROFILES=${PROFILES:-hf_bert_base_sdpa_op17:64 hf_bert_base_sdpa_op17:64:norm}
 COLD_MODELS=${COLD_MODELS:-hf_bert_sdpa_op17,timm_tf_mobilenetv3_op13,tv_resnet50_op17}
+Q8_PROFILES=${Q8_PROFILES:-hf_bert_base_sdpa_op17:64:fp16,int8,fp8}
+Q8_TESTS=${Q8_TESTS:-0}
+Q8_HANDOFF=${Q8_HANDOFF:-1}
 EXPORT=${EXPORT:-hf_bert_base_sdpa_op17,tv_resnet50_op17}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 W=$(mktemp -d); C=${CORPUS:-/tmp/corpus}; mkdir -p "$C"
@@ -53,6 +66,22 @@ d = json.load(open(sys.argv[1]))['kiln fp16']
 for ln in d['log']:
     if 'layer.0/' in ln: print('  ' + ln[:90] + ' ... ' + ln[-260:])" "$W/profile-$tag.json"
 done
+if [[ ",$PARTS," == *",q8,"* ]]; then
+  [[ "$Q8_TESTS" == 1 ]] && part q8-tests 150 python -m pytest -q -p no:cacheprovider -rfE \
+    -o faulthandler_timeout=30 tests/kernels/test_triton_int8.py \
+    tests/kernels/test_triton_int8_conv.py tests/passes/test_quant_handoff.py
+  [[ "$Q8_PROFILES" == none ]] && Q8_PROFILES=""
+  q8m=$(for spec in $Q8_PROFILES; do echo -n "${spec%%:*},"; done)
+  [[ -n "$q8m" ]] && part q8-export 90 python -m bench.corpus.export --out "$C" --only "${q8m%,}"
+  for spec in $Q8_PROFILES; do
+    IFS=: read -r m b precs <<< "$spec"
+    extra=""; [[ "$Q8_HANDOFF" == 0 ]] && extra="--no-handoff"
+    part "q8-$m-b$b" 480 python -m bench.cuda_profile --corpus "$C" --model "$m" --batch "$b" \
+      --precision "$precs" $extra --top 14 --json "$W/q8-$m-b$b.json"
+    grep "^== .* ratio \|^== .*kiln .*: no result\|build failed" "$W/q8-$m-b$b.txt" \
+      | tee -a "$W/q8-summary.txt"
+  done
+fi
 part cold 150 python -m bench.cold_parts --corpus "$C" --models "$COLD_MODELS" \
   --plan-margins 0.25 --warm none,cublas --json "$W/cold.json"
 part tests 100 python -m pytest -q -p no:cacheprovider -rfE -o faulthandler_timeout=30 \
