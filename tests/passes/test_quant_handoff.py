@@ -228,3 +228,23 @@ def test_resnet50_conv_handoffs():
     got = _run(g, feeds)[0]
     want = _run(_resnet(handoff=False)[0], feeds)[0]
     assert _cos(got, want) > 0.999
+
+
+def test_handoff_graph_round_trips_through_the_engine_file(tmp_path):
+    """LayerNormQuant, the hand-off attributes and the int8 values between layers survive
+    save/load: the loaded engine computes what the graph did."""
+    from kiln.engine.engine import Engine, load
+
+    g, _ = _graph()
+    held = _feeds(8)
+    want = _run(g, held)[0]
+    e = Engine(g, {})
+    e.save(tmp_path / "m.kiln")
+    back = load(tmp_path / "m.kiln")
+    ops = {n.op.name for n in back.graph.nodes}
+    assert "LayerNormQuant" in ops
+    assert sum(n.attrs.out_scale > 0 for n in back.graph.nodes if n.op is I8.Int8MatMul) == \
+        LAYERS
+    got = back.create_context().run(held)
+    np.testing.assert_allclose(np.asarray(next(iter(got.values())), np.float32), want,
+                               rtol=1e-3, atol=1e-3)

@@ -75,7 +75,7 @@ def _q8_gemm_kernel(X, W, Y, WS, CS, Bias, R, M, N, K, s_xm, s_xk, s_wk, s_wn, s
         if FP8:
             acc = tl.dot(q, w, acc)
         else:
-            acc += tl.dot(q, w, out_dtype=tl.int32)
+            acc = tl.dot(q, w, acc, out_dtype=tl.int32)
         x_ptrs += BLOCK_K * s_xk
         w_ptrs += BLOCK_K * s_wk
     cols = rn < N
@@ -120,11 +120,15 @@ def supports_q8(n, inputs, fp8: bool) -> bool:
 
 
 def tactics_q8(n, inputs) -> list[dict]:
+    """The tiles no more than twice the output's extent, of those the ones the FP16 GEMM's
+    wave model rates best (each compiles a kernel per hand-off form at build)."""
+    from kiln.kernels.triton.gemm import best_tiles
+
     x, wq = inputs[0], inputs[1]
     m, nn = x.numel() // x.shape[-1], wq.shape[1]
     fits = [dict(zip(KEYS, c)) for c in _CONFIGS]
     fits = [t for t in fits if t["BLOCK_M"] <= max(16, 2 * m) and t["BLOCK_N"] <= max(16, 2 * nn)]
-    return fits or [dict(DEFAULT)]
+    return best_tiles(fits, m, nn) or [dict(DEFAULT)]
 
 
 def q8_matmul(n, x, wq, w_scale, b=None, r=None, fp8: bool = False):
