@@ -11,7 +11,7 @@ if sys.platform.startswith("linux"):
     sources = [f"kiln/native/{name}.c"
                for name in ("gemm", "layernorm", "attention", "winograd", "pointwise", "pool",
                             "depthwise", "conv", "chain", "rnn", "llm", "quant", "qgemm", "qconv",
-                            "resize", "team")]
+                            "resize", "softmax", "team")]
     native.append(Extension("kiln.native._kernels", sources, depends=["kiln/native/kernels.h"],
                             extra_compile_args=["-O3", "-fopenmp", "-std=gnu11"],
                             extra_link_args=["-fopenmp"], optional=True))

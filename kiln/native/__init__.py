@@ -78,6 +78,8 @@ def _load():
     lib.kiln_pool2d.restype = None
     lib.kiln_resize_linear2d.argtypes = [_L] * 6 + [_P] * 10 + [_I]
     lib.kiln_resize_linear2d.restype = None
+    lib.kiln_softmax_rows.argtypes = [_L, _L, _P, _L, _P, _L, _I]
+    lib.kiln_softmax_rows.restype = None
     lib.kiln_dw_pack.argtypes = [_L, _L, _L, _P, _P]
     lib.kiln_dw_pack.restype = None
     lib.kiln_depthwise.argtypes = [_P, _P, _P, _P, _P, _P, _I, _F, _F, _I]
@@ -760,6 +762,19 @@ def pool2d(kind: str, x: torch.Tensor, kernel, stride, dilation, pads, out_hw) -
     g = (_L * 14)(n, c, h, w, *out_hw, *kernel, *stride, *dilation, *pads)
     _lib.kiln_pool2d(POOLS[kind], g, x.data_ptr(), (_L * 4)(*x.stride()), y.data_ptr(),
                      (_L * 4)(*y.stride()), torch.get_num_threads())
+    return y
+
+
+def softmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last axis of a float32 CPU tensor whose rows are contiguous and evenly
+    strided (softmax.c); a contiguous result."""
+    n = x.shape[-1]
+    rows = x.numel() // n if n else 0
+    y = torch.empty(x.shape, dtype=torch.float32)
+    if rows:
+        ld = x.stride(-2) if x.dim() > 1 else n
+        _lib.kiln_softmax_rows(rows, n, x.data_ptr(), ld, y.data_ptr(), n,
+                               torch.get_num_threads())
     return y
 
 
