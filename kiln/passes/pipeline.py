@@ -21,6 +21,7 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
         act_affine,
         activation,
         attention,
+        attention_mask,
         conv_bias,
         conv_bias_act,
         conv_bn,
@@ -51,9 +52,11 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     late = [act_affine, matmul_norm, packed_qkv] if device == "cpu" else cuda_late
     # CUDA's generated pointwise kernel also takes boolean mask steps (fusion.pointwise.MASK)
     elementwise = pointwise if device == "cpu" else _CudaPointwise
+    # CUDA's attention kernels read a boolean keep-mask at its key-padding shape
+    keep_mask = [] if device == "cpu" else [attention_mask]
     order = [refine, fold, eliminate, pad_conv, conv_taps, conv_bn, conv_bias, layernorm,
-             rmsnorm, gelu, activation, input_affine, attention, qkv, matmul_add, squeeze_excite,
-             conv_bias_act, *late, elementwise, layout, eliminate]
+             rmsnorm, gelu, activation, input_affine, attention, *keep_mask, qkv, matmul_add,
+             squeeze_excite, conv_bias_act, *late, elementwise, layout, eliminate]
     # refine, fold and eliminate walk subgraphs themselves; a fusion sees one graph, so it is
     # run again on every subgraph (an If branch or Loop body of Conv + Relu fuses as the outer
     # graph does, and its layers run as the outer graph's would)

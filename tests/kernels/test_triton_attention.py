@@ -89,6 +89,23 @@ def test_triton_attention_bool_key_padding_mask(causal):
     assert_close(y, want.transpose(1, 2).flatten(-2), scale=2)
 
 
+@pytest.mark.parametrize("bool_mask", [False, True])
+def test_triton_attention_fully_masked_row_is_zeros(bool_mask):
+    """A sequence whose keys are all masked (attention_mask all 0): zeros, as SDPA and the
+    safe-softmax guard HF exports give (the fusion drops that guard), not 0/0."""
+    b, h, s, d = 2, 2, 9, 16
+    q, k, v = (randn(b, s, h * d, dtype=torch.float16) for _ in range(3))
+    keep = torch.ones(b, 1, 1, s, dtype=torch.bool)
+    keep[1] = False
+    mask = keep if bool_mask else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    mask = mask.to(q.device)
+    n = call(FT.Attention, SMALL, num_heads=h, scale=0.25)
+    y = A.attention(n, q, k, v, mask.half() if not bool_mask else mask)
+    assert torch.isfinite(y.float()).all() and not y[1].float().abs().any()
+    want = _ref(_heads(q[:1], h), _heads(k[:1], h), _heads(v[:1], h), None, 0, 0.25)
+    assert_close(y[:1], want.transpose(1, 2).flatten(-2), scale=2)
+
+
 def test_triton_attention_merged_qkv_views():
     """qkv_split: input 0 is the merged projection [B, S, Dq + Dk + Dv]; q, k, v are read as
     strided views of it (no copy), inputs 1 and 2 absent."""

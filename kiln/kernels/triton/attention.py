@@ -74,7 +74,7 @@ def _attn_kernel(Q, K, V, Mask, Out, qk_scale, Sq, Sk, H, D, DV,
                     mask=(cols[:, None] < Sk) & (offs_dv[None, :] < DV), other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * scale_old[:, None])
         m_i = m_new
-    acc = acc / l_i[:, None]
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a fully masked row: zeros, as SDPA
     o_ptrs = Out + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_dv[None, :] * s_od
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty),
              mask=(offs_m[:, None] < Sq) & (offs_dv[None, :] < DV))
