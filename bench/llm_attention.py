@@ -26,7 +26,7 @@ import torch
 
 from bench.llm import BANDWIDTH
 from kiln.llm import kv_quant
-from kiln.llm.triton_attention import decode_splits, paged_decode
+from kiln.llm.triton_attention import KQ, decode_splits, paged_decode
 
 
 def make_case(batch, ctx, heads, kv_heads, head_dim, block_size, device, seed=0):
@@ -66,10 +66,12 @@ def median_call_s(fn, iters: int, device: str, warmup: int = 3) -> float:
 
 def run(batch=256, ctx=640, heads=32, kv_heads=32, head_dim=128, block_size=16, layers=32,
         kvs=("auto", "fp8"), tiles=(0, 32, 64, 128), iters=20, device="cuda",
-        warps=(4,), dot_tiles=()) -> list[dict]:
+        warps=(4,), dot_tiles=(), kq_tiles=(), stages=()) -> list[dict]:
     """One row per KV dtype and kernel: ``tiles`` 0 = the tl.dot kernel, N = the tiled MHA
     kernel with N tokens a tile, once per ``warps``; ``dot_tiles``: the tl.dot kernel with N
-    tokens a tile (``KILN_LLM_DECODE_DOT_TILE=N:W``), once per ``warps``."""
+    tokens a tile (``KILN_LLM_DECODE_DOT_TILE=N:W``), once per ``warps``; ``kq_tiles``: its
+    K . q^T variant (``_decode_split_kq``), once per ``warps``; ``stages``: the dot and kq
+    kernels again at each of these num_stages."""
     q, kc, vc, tables, lens = make_case(batch, ctx, heads, kv_heads, head_dim, block_size, device)
     scale = head_dim ** -0.5
     sms = (torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda"
@@ -86,10 +88,15 @@ def run(batch=256, ctx=640, heads=32, kv_heads=32, head_dim=128, block_size=16, 
             k, v = kv_quant.quantize(kc, sc[0]), kv_quant.quantize(vc, sc[1])
         kernels = [(t, w, None) for t in tiles for w in (warps if t else (None,))]
         kernels += [(0, None, (t, w)) for t in dot_tiles for w in warps]
+        kernels += [(0, None, (t, w, KQ)) for t in kq_tiles for w in warps]
+        kernels += [(0, None, (t, w, st)) for t in dot_tiles for w in warps for st in stages]
+        kernels += [(0, None, (t, w, st, KQ)) for t in kq_tiles for w in warps for st in stages]
         for tile, w, dot in kernels:
             name = "dot" if not tile else f"tile{tile}" + (f":{w}" if len(warps) > 1 else "")
             if dot:
-                name = f"dot{dot[0]}:{dot[1]}"
+                nums = [c for c in dot if c != KQ]
+                name = (("kq" if dot[-1] == KQ else "dot") + f"{nums[0]}:{nums[1]}"
+                        + (f":s{nums[2]}" if len(nums) > 2 else ""))
             row = {"kv_cache_dtype": kv, "kernel": name,
                    "batch": batch, "ctx": ctx, "heads": heads, "kv_heads": kv_heads,
                    "head_dim": head_dim, "splits": splits}
@@ -136,6 +143,9 @@ def main(argv=None):
     ap.add_argument("--warps", default="4", help="warps of the tiled kernel, e.g. 4,8")
     ap.add_argument("--dot-tiles", default="",
                     help="the tl.dot kernel at N tokens a tile, e.g. 32,64,128 (x --warps)")
+    ap.add_argument("--kq-tiles", default="",
+                    help="the K . q^T variant of the tl.dot kernel at N tokens a tile (x --warps)")
+    ap.add_argument("--stages", default="", help="num_stages to time the dot/kq tiles at too")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--json", help="write the rows here")
@@ -144,7 +154,9 @@ def main(argv=None):
                args.layers, [k for k in args.kv.split(",") if k],
                [int(t) for t in args.tiles.split(",") if t], args.iters, args.device,
                [int(w) for w in args.warps.split(",") if w],
-               [int(t) for t in args.dot_tiles.split(",") if t])
+               [int(t) for t in args.dot_tiles.split(",") if t],
+               [int(t) for t in args.kq_tiles.split(",") if t],
+               [int(t) for t in args.stages.split(",") if t])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -42,6 +42,7 @@ from kiln.llm.attention import TorchPagedAttention
 from kiln.llm.fused import FusedOps
 from kiln.llm.runner import ModelRunner
 from kiln.llm.triton_attention import (
+    KQ,
     decode_splits,
     dot_tile_from_env,
     mha_tile_from_env,
@@ -55,7 +56,10 @@ FP8_DECODE_TILE = (128, 4)  # MHA decode over an FP8 cache: the tiled kernel (se
 # tile128:4 665 against 1076; 8 warps never won)
 # FP8 stayed at ~47% of the bandwidth (about FP16's time for half the bytes): the loop's
 # pipelining depth (num_stages, a third number; Triton's default 3 on Hopper) is timed too
-DOT_CANDIDATES = ((16, 4), (32, 4), (64, 4), (128, 4), (64, 4, 2), (64, 4, 4), (128, 4, 2))
+# the K . q^T variant ("kq": the widened K tile as the dot's first operand, which Hopper's MMA
+# can take from registers instead of a shared-memory copy per element; unmeasured) too
+DOT_CANDIDATES = ((16, 4), (32, 4), (64, 4), (128, 4), (64, 4, 2), (64, 4, 4), (128, 4, 2),
+                  (64, 4, KQ), (128, 4, KQ))
 MHA_CANDIDATES = ((64, 4), (128, 4), (128, 4, 2), (128, 4, 4))
 
 log = logging.getLogger("kiln.llm")
@@ -389,6 +393,8 @@ class CudaModelRunner(ModelRunner):
         """(name, mha_tile, dot_tile) of the decode kernel configurations _tune_decode times:
         the tl.dot kernel at 16 to 128 tokens a tile, and for MHA models the tiled kernel."""
         def name(kind, c):
+            if c[-1] == KQ:  # the K . q^T variant of the tl.dot kernel
+                kind, c = "kq", c[:-1]
             return f"{kind}{c[0]}:{c[1]}" + (f":s{c[2]}" if len(c) > 2 else "")
         out = [(name("dot", c), None, c) for c in DOT_CANDIDATES]
         cfg = self.model.cfg

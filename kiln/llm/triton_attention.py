@@ -85,6 +85,63 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, kv
 
 
 @triton.jit(do_not_specialize=["stride_tb", "SPLITS"])
+def _decode_split_kq(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, kv_scale_ptr,
+                     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, scale,
+                     SPLITS, HEADS: tl.constexpr, GROUP: tl.constexpr,
+                     GROUP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                     FP8_KV: tl.constexpr, TILE: tl.constexpr):
+    """``_decode_split`` with the scores made as K . q^T ([TILE, GROUP_PAD]: the K tile, widened
+    from FP8 in registers, is the dot's first operand, which Hopper's MMA may read from
+    registers; in ``_decode_split`` it is the second, staged through shared memory), then
+    P^T . V as before. Same partials (acc, m, l), same reduction."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    n = tl.load(lens_ptr + b)
+    per = ((n + SPLITS - 1) // SPLITS + TILE - 1) // TILE * TILE
+    start = sp * per
+    end = tl.minimum(start + per, n)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    t = tl.arange(0, TILE)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    qt = tl.load(q_ptr + b * stride_qb + heads[None, :] * stride_qh + d[:, None],
+                 mask=gmask[None, :], other=0.0)  # [D, GROUP_PAD]
+    qk_scale = scale
+    if FP8_KV:
+        qk_scale = scale * tl.load(kv_scale_ptr)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    lsum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    for pos in range(start, end, TILE):
+        tok = pos + t
+        valid = tok < end
+        blks = tl.load(tables_ptr + b * stride_tb + tok // BS, mask=valid, other=0).to(tl.int64)
+        off = (blks[:, None] * stride_kb + (tok % BS)[:, None] * stride_kt + kvh * stride_kh
+               + d[None, :])
+        k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
+        if FP8_KV:
+            k = k.to(qt.dtype)
+            v = v.to(qt.dtype)
+        st = tl.dot(k, qt).to(tl.float32) * qk_scale  # [TILE, GROUP_PAD]
+        st = tl.where(valid[:, None], st, float("-inf"))
+        m_new = tl.maximum(m, tl.max(st, 0))
+        alpha = tl.exp(m - m_new)
+        pt = tl.exp(st - m_new[None, :])
+        lsum = lsum * alpha + tl.sum(pt, 0)
+        acc = acc * alpha[:, None] + tl.dot(tl.trans(pt).to(v.dtype), v).to(tl.float32)
+        m = m_new
+    if FP8_KV:
+        acc = acc * tl.load(kv_scale_ptr + 1)
+    row = (b * HEADS + heads) * SPLITS + sp
+    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+    tl.store(ml_ptr + row * 2, m, mask=gmask)
+    tl.store(ml_ptr + row * 2 + 1, lsum, mask=gmask)
+
+
+@triton.jit(do_not_specialize=["stride_tb", "SPLITS"])
 def _decode_split_tiles(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
                         kv_scale_ptr, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
                         stride_tb, scale, SPLITS, HEADS: tl.constexpr, D: tl.constexpr,
@@ -192,12 +249,16 @@ def dot_tile_from_env() -> tuple[int, int] | None:
                       "KILN_LLM_DECODE_DOT_TILE", least=16)
 
 
+KQ = "kq"  # a dot_tile ending in this string: the K . q^T kernel (_decode_split_kq)
+
+
 def _config(cfg, default_tile: int) -> tuple[int, int, dict]:
     """A kernel configuration N, (N, W) or (N, W, S) -> (tokens, warps, {num_stages: S}
-    where given); None -> (default_tile, 4, {})."""
+    where given); None -> (default_tile, 4, {}). A trailing ``KQ`` is not a number here."""
     if not cfg:
         return default_tile, 4, {}
     cfg = cfg if isinstance(cfg, tuple) else (cfg,)
+    cfg = tuple(c for c in cfg if c != KQ)
     tile, warps = cfg[0], cfg[1] if len(cfg) > 1 else 4
     return tile, warps, {"num_stages": cfg[2]} if len(cfg) > 2 else {}
 
@@ -215,7 +276,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     H == KV, the tiled kernel (``_decode_split_tiles``) with that many tokens per iteration,
     or (tokens, warps). ``dot_tile``: the tl.dot kernel's tokens per iteration (a power of two,
     at least 16), or (tokens, warps); None: one block (at least 16 tokens), 4 warps. Either
-    may carry a third number, Triton's num_stages (the loop's software pipelining depth).
+    may carry a third number, Triton's num_stages (the loop's software pipelining depth); a
+    dot_tile tuple ending in ``KQ`` ("kq") runs ``_decode_split_kq`` (scores as K . q^T).
     """
     b, heads, d = q.shape
     _, bs, kv, _ = k_cache.shape
@@ -238,7 +300,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         tile, warps, stages = _config(dot_tile, max(16, bs))
         if tile < 16 or tile & (tile - 1):
             raise ValueError(f"paged_decode: dot_tile {tile}: a power of two of at least 16")
-        _decode_split[(b, kv, splits)](
+        kq = isinstance(dot_tile, tuple) and dot_tile[-1] == KQ
+        (_decode_split_kq if kq else _decode_split)[(b, kv, splits)](
             q, k_cache, v_cache, tables, lens, acc, ml, kv_scale if fp8_kv else lens,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             tables.stride(0), scale, splits, HEADS=heads, GROUP=group,

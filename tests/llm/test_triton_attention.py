@@ -113,6 +113,24 @@ def test_cuda_runner_decode_path_matches_torch_path(tiny_dir):
     assert got == want
 
 
+def test_cuda_runner_kq_decode_matches_torch_path(tiny_dir):
+    """Decode steps (and mixed steps' decode rows) on the K . q^T kernel: the torch path's
+    greedy tokens (GQA tiny Llama, FP32 on the CPU)."""
+    from kiln.llm import LLM, SamplingParams
+    from kiln.llm.cuda_runner import CudaModelRunner
+    from kiln.llm.triton_attention import KQ
+
+    prompts = ["Hello there", "The capital of France is", "1, 2, 3"]
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_dir, num_blocks=32).generate(prompts, p)]
+    llm = LLM(tiny_dir, num_blocks=32, max_num_batched_tokens=8)
+    eng = llm.engine
+    eng.runner = CudaModelRunner(eng.model, 32, eng.config.block_size, cuda_graphs=False,
+                                 max_model_len=256, dot_tile=(32, 4, KQ))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+    assert got == want and eng.runner.describe()["dot_tile"] == (32, 4, KQ)
+
+
 def test_decode_splits_fill_the_gpu_then_stop():
     from kiln.llm.triton_attention import decode_splits
 
@@ -361,6 +379,40 @@ def test_decode_candidates_by_model(mha_dir, tiny_dir):
                             tune_decode=False)
         names[key] = [c[0] for c in r.decode_candidates()]
     assert "dot64:4" in names["gqa"] and "dot64:4:s2" in names["gqa"]
+    assert "kq64:4" in names["gqa"] and "kq128:4" in names["gqa"]
     assert not any(n.startswith("tile") for n in names["gqa"])
     assert "tile128:4" in names["mha"] and "tile128:4:s4" in names["mha"]
     assert set(names["gqa"]) < set(names["mha"])
+
+
+@pytest.mark.parametrize("dot_tile,bs", [((32, 4, "kq"), 16), ((64, 4, 2, "kq"), 4),
+                                         ((16, 4, "kq"), 32)])
+@pytest.mark.parametrize("splits,lens", [(1, [33, 5]), (3, [1, 17, 40])])
+def test_paged_decode_kq_matches_sdpa(dot_tile, bs, splits, lens):
+    """The K . q^T variant of the tl.dot kernel (tiles across blocks, within one, 2 stages):
+    GQA, MHA and MQA against SDPA."""
+    _check_paged_decode(4, 2, splits, lens, dot_tile=dot_tile, bs=bs)
+    _check_paged_decode(3, 3, splits, lens, dot_tile=dot_tile, bs=bs)
+    _check_paged_decode(6, 1, splits, lens, dot_tile=dot_tile, bs=bs)
+
+
+@pytest.mark.parametrize("heads,kv", [(4, 2), (3, 3)])
+def test_paged_decode_kq_fp8_cache_equals_dot(heads, kv):
+    """Over an e4m3 cache the K . q^T kernel gives the q . K^T kernel's output to float
+    rounding."""
+    from kiln.llm import kv_quant
+
+    g = torch.Generator().manual_seed(3)
+    d, bs, blocks, lens = 16, 16, 12, [33, 5, 70]
+    k8 = kv_quant.quantize(torch.randn(blocks, bs, kv, d, generator=g) * 2, torch.tensor(0.01))
+    v8 = kv_quant.quantize(torch.randn(blocks, bs, kv, d, generator=g), torch.tensor(0.005))
+    sc = torch.tensor([0.01, 0.005], device=DEV)
+    tables = _scattered_tables(lens, bs, blocks, g).to(DEV)
+    dtype = torch.float16 if DEV == "cuda" else torch.float32
+    q = torch.randn(len(lens), heads, d, generator=g).to(DEV, dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    args = (q, k8.to(DEV), v8.to(DEV), tables, lens_t, d ** -0.5)
+    want = paged_decode(*args, splits=2, kv_scale=sc, dot_tile=(32, 4)).float()
+    got = paged_decode(*args, splits=2, kv_scale=sc, dot_tile=(32, 4, "kq")).float()
+    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
