@@ -32,6 +32,7 @@ from kiln.engine.step import kernel_error, store_outputs
 from kiln.errors import KilnError
 
 OP_TORCH = 100  # a record the C library does not know: [OP_TORCH, fallback index]
+OP_GATHER = 15  # program_bool's Gather by run-time indices: the C library stops at a bad one
 _MAX_PLANS = 4
 # A torch record touching fewer elements than this (inputs, weights and outputs) runs on one
 # thread: an OpenMP region costs more than such an op's work, and on a busy machine far more
@@ -331,7 +332,7 @@ class Program:
                 kind = program_bool.out_kind(op, outs, planner)
                 if kind is not None:
                     ins = program_bool.inputs(pc, st, op)
-                    made = (program_bool.PLANNERS.get(op) or planner)(pc, st, ins, outs)
+                    made = program_bool.plan(pc, st, ins, outs, planner)
                     if made is not None and kind == "bool":
                         pc.boolf.update(st.outs)
             if made is not None:
@@ -414,6 +415,12 @@ class Program:
                                                   nthreads, ctypes.addressof(acc) + 8 * pos)
                 if pos >= n:
                     break
+                if plan.prog[pos] == OP_GATHER:  # an index out of range (program_bool)
+                    st, size = plan.steps[plan.rec_step[pos]], plan.prog[pos + 3]
+                    raise kernel_error(st, IndexError(
+                        f"an index in '{st.node.inputs[1].name}' is out of range for axis "
+                        f"{st.node.attrs.axis or 0} of size {size} (valid: {-size} to "
+                        f"{size - 1}): pass indices in that range"))
                 if plan.prog[pos] != OP_TORCH:
                     raise RuntimeError(f"native program: the C library stopped at position "
                                        f"{pos} (out of memory, or a record it does not know: "

@@ -1,4 +1,5 @@
-"""Bool values in native programs, and the Casts and Wheres around them.
+"""Bool values and integer inputs in native programs: the Casts, Wheres and Gathers around
+them.
 
 The attention masks that Hugging Face exports build run on integer and bool tensors: the
 ``attention_mask`` input (int64) is Cast to bool, viewed (Flatten, Gather, Reshape), combined
@@ -16,6 +17,9 @@ float record reads and writes exactly, so:
   whatever they are);
 - ``Where(cond, x, y)`` with a bool ``cond`` and at least one of ``x``, ``y`` a constant scalar
   is one ``Select`` record (both scalars: a unary one); two tensors stay a torch record;
+- ``Gather`` of a float32 value by an integer graph input (token ids into an embedding table)
+  is one record reading the indices at run time (``OP_GATHER``); an index out of range stops
+  the run with an error naming the node, the input and the axis size;
 - a bool value that a torch record or a graph output takes is turned back into a bool tensor
   (``x != 0``) there; small bool constants the plan folded become float 0/1 constants where a
   record reads them.
@@ -26,16 +30,18 @@ leaves its step to torch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kiln import native
-from kiln.engine.program import Val, contiguous_strides
+from kiln.engine.program import OP_GATHER, Val, contiguous_strides, is_contiguous
 from kiln.engine.program_ops import RANK, _const_scalar, _dense_like, _pad, emit_pw
 from kiln.ops import math as M
 from kiln.ops import quant as Q
 from kiln.ops import tensor as T
 
-OP_ICAST = 14  # chain.c's record kind
+OP_ICAST = 14  # chain.c's record kinds (and OP_GATHER, from kiln.engine.program)
 # integer and bool input dtypes a Cast record reads, and chain.c's code for each
 INT_SOURCES = {torch.int64: 0, torch.int32: 1, torch.bool: 2}
 _F32 = torch.float32
@@ -116,10 +122,41 @@ def _where(pc, st, ins, outs):
     return [y] if ok else None
 
 
-PLANNERS = {Q.Cast: _cast, M.And: _binary("Mul"), M.Or: _binary("Max"),
+def _gather(pc, st, ins, outs):
+    """Gather of a contiguous float32 value by an integer graph input (token ids into the
+    embedding table): one record that reads the indices at run time; an index out of range
+    stops the run with the node named (see ``Program._run``)."""
+    x, iv = ins[0], pc.ivals.get(st.ins[1]) if len(st.ins) > 1 else None
+    if x is None or iv is None or len(outs) != 1 or iv[1] == torch.bool or not x.shape:
+        return None
+    idx, _ = iv
+    if not is_contiguous(idx) or not is_contiguous(x):
+        return None
+    ax = (st.node.attrs.axis or 0) % len(x.shape)
+    n, size = math.prod(idx.shape), x.shape[ax]
+    inner, outer = math.prod(x.shape[ax + 1:]), math.prod(x.shape[:ax])
+    y = pc.alloc(outs[0].shape)
+    if math.prod(y.shape) != outer * n * inner:
+        return None
+    rec = [OP_GATHER, INT_SOURCES[iv[1]], n, size, inner, outer]
+    pc.put(rec, x)
+    pc.put(rec, idx)
+    pc.put(rec, y)
+    pc.emit(rec)
+    return [y]
+
+
+PLANNERS = {Q.Cast: _cast, T.Gather: _gather, M.And: _binary("Mul"), M.Or: _binary("Max"),
             M.Xor: _binary("NotEqual"), M.Not: _not, M.Where: _where}
 # ops that may read a bool value: this module's and the views'
 _TAKE_BOOL = set(PLANNERS) | _VIEWS
+
+
+def plan(pc, st, ins, outs, planner):
+    """This module's planner for the step, then (where it declines) the op's float one."""
+    own = PLANNERS.get(getattr(st.node, "op", None))
+    made = own(pc, st, ins, outs) if own is not None else None
+    return planner(pc, st, ins, outs) if made is None and planner is not None else made
 
 
 def out_kind(op, outs, planner) -> str | None:

@@ -10,7 +10,7 @@
 /* record kinds: kiln/engine/program_ops.py, program_gemm.py and program_rnn.py name the same */
 enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, OP_WINO = 7,
        OP_RNN = 8, OP_RMS = 9, OP_CONV = 10, OP_QGEMM = 11,
-       OP_QBMM = 12, OP_DQCONV = 13, OP_ICAST = 14 };
+       OP_QBMM = 12, OP_DQCONV = 13, OP_ICAST = 14, OP_GATHER = 15 };
 #define GEMM_LEN 17 /* kind M N K a aoff lda w bias r roff ldr c coff ldc act fparam */
 #define LN_LEN 12   /* kind M N x xoff ldx y yoff ldy gamma beta fparam (OP_RMS too, no beta) */
 #define ATTN_LEN 36 /* kind B H Hkv Sq Skv D Dv, (buf off b h s) for q k v, (buf off b h q k) for
@@ -30,6 +30,27 @@ enum { OP_GEMM = 1, OP_LN = 2, OP_ATTN = 3, OP_PW = 4, OP_POOL = 5, OP_DW = 6, O
 #define ICAST_LEN (4 + PW_RANK + 2 * (2 + PW_RANK)) /* kind src-type nonzero rank shape, (buf off
                                                      * strides) for y and a (a's in its own
                                                      * elements) */
+
+#define GATHER_LEN 12 /* kind src-type n size inner outer x xoff idx idxoff y yoff */
+
+/* Gather along an axis by integer indices a program reads at run time (token ids into an
+ * embedding table): x is [outer, size, inner] contiguous, idx n int64 (src 0) or int32 (1)
+ * indices (negative ones count from the end), y [outer, n, inner]. Returns 0, or 1 at an index
+ * out of range (nothing after it written; the caller names the node). */
+static int gather_rows(int src, long n, long size, long inner, long outer, const float *x,
+                       const void *idx, float *y)
+{
+    for (long j = 0; j < n; j++) {
+        long i = src == 0 ? (long)((const int64_t *)idx)[j] : (long)((const int32_t *)idx)[j];
+        if (i < -size || i >= size)
+            return 1;
+        if (i < 0)
+            i += size;
+        for (long o = 0; o < outer; o++)
+            memcpy(y + (o * n + j) * inner, x + (o * size + i) * inner, sizeof(float) * inner);
+    }
+    return 0;
+}
 
 /* y = float(a) (or, nonzero, a != 0 as 0/1) for an integer or bool tensor a: int64 (src 0),
  * int32 (1) or bool/uint8 (2), any strides. The integer inputs a program reads are small
@@ -168,6 +189,13 @@ static long chain_run(const long *prog, long n, const float *fp, float *const *b
             icast(src, (int)p[2], (int)p[3], sh, PTR(y[0], y[1]), y + 2,
                   base ? base + esz * a[1] : NULL, a + 2);
             i += ICAST_LEN;
+        } else if (p[0] == OP_GATHER && i + GATHER_LEN <= n) {
+            int src = (int)p[1];
+            const char *ib = p[8] >= 0 ? (const char *)bufs[p[8]] : NULL;
+            if (!ib || gather_rows(src, p[2], p[3], p[4], p[5], PTR(p[6], p[7]),
+                                   ib + (src == 0 ? 8 : 4) * p[9], PTR(p[10], p[11])) != 0)
+                return i;  /* an index out of range */
+            i += GATHER_LEN;
         } else {
             return i;
         }

@@ -225,3 +225,49 @@ def test_select_and_nonzero_codes(n):
                                   np.where(an != 0, -np.inf, bn).astype(np.float32))
     np.testing.assert_array_equal(native.pointwise("NotEqual", a, b).numpy(),
                                   (an != bn).astype(np.float32))
+
+
+@pytest.mark.parametrize("axis, x_shape, idx_shape, dtype", [
+    (0, (50, 16), (1, 7), TensorProto.INT64),  # token ids into an embedding table
+    (0, (50, 16), (2, 3), TensorProto.INT32),
+    (1, (3, 20, 4), (5,), TensorProto.INT64),
+    (0, (10, 2, 3), (), TensorProto.INT64),
+])
+def test_gather_by_integer_input_is_a_record(axis, x_shape, idx_shape, dtype, tmp_path):
+    rng = np.random.default_rng(8)
+    table = rng.standard_normal(x_shape).astype(np.float32)
+    inits = [numpy_helper.from_array(table, "table")]
+    nodes = [mk("Gather", ["table", "ids"], ["g"], axis=axis), mk("Neg", ["g"], ["y"])]
+    model = _model(nodes, {"ids": (dtype, list(idx_shape))}, inits)
+    size = x_shape[axis]
+    ids = rng.integers(-size, size, idx_shape).astype(np.int64 if dtype == TensorProto.INT64
+                                                      else np.int32)
+    (got,), (want,), torch_ops, plan = _run(model, {"ids": ids}, tmp_path)
+    np.testing.assert_array_equal(got, want)
+    assert not torch_ops and 15 in plan.kinds
+
+
+def test_gather_by_integer_input_out_of_range_names_the_node(tmp_path):
+    inits = [numpy_helper.from_array(np.ones((8, 4), np.float32), "table")]
+    nodes = [mk("Gather", ["table", "ids"], ["y"], axis=0, name="embed")]
+    model = _model(nodes, {"ids": (TensorProto.INT64, [1, 3])}, inits)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    ctx = kiln.Builder(kiln.BuilderConfig(device="cpu")).build(str(path)).create_context()
+    ok = np.array([[1, 2, -8]], np.int64)
+    ctx.run({"ids": ok})  # traced
+    np.testing.assert_array_equal(ctx.run({"ids": ok})["y"], np.ones((1, 3, 4), np.float32))
+    with pytest.raises(kiln.KilnError, match=r"embed.*'ids'.*size 8"):
+        ctx.run({"ids": np.array([[1, 8, 0]], np.int64)})
+
+
+def test_gather_by_computed_indices_stays_torch(tmp_path):
+    """Must not fire: indices computed from the input (Add) are no graph input the record can
+    read: a torch record, the right rows."""
+    inits = [numpy_helper.from_array(np.arange(40, dtype=np.float32).reshape(10, 4), "table"),
+             numpy_helper.from_array(np.array(1, np.int64), "one")]
+    nodes = [mk("Add", ["ids", "one"], ["j"]), mk("Gather", ["table", "j"], ["y"], axis=0)]
+    model = _model(nodes, {"ids": (TensorProto.INT64, [2])}, inits)
+    (got,), (want,), torch_ops, _ = _run(model, {"ids": np.array([3, 0], np.int64)}, tmp_path)
+    np.testing.assert_array_equal(got, want)
+    assert torch_ops["Gather"] == 1
