@@ -40,7 +40,7 @@ CL = torch.channels_last
 FLAT_BELOW = 16  # input channels below which K is walked flat (the stem's 3)
 
 
-@jit(do_not_specialize=["H", "W", "OH", "OW", "M"])
+@jit(do_not_specialize=["H", "W", "OH", "OW", "M", "zint"])  # zint: .to() below
 def _q8_conv_kernel(X, Wt, Y, WS, CS, Bias, R, H, W, C, OH, OW, CO, M,
                     stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, act_a, act_b,
                     x_scale, zshift, zint, out_scale, out_shift,
