@@ -67,8 +67,8 @@ for ln in d['log']:
     if 'layer.0/' in ln: print('  ' + ln[:90] + ' ... ' + ln[-260:])" "$W/profile-$tag.json"
 done
 if [[ ",$PARTS," == *",q8,"* ]]; then
-  [[ "$Q8_TESTS" == 1 ]] && part q8-tests 150 python -m pytest -q -p no:cacheprovider -rfE \
-    -o faulthandler_timeout=30 tests/kernels/test_triton_int8.py \
+  [[ "$Q8_TESTS" == 1 ]] && part q8-tests 420 python -m pytest -q -p no:cacheprovider -rfE \
+    -o faulthandler_timeout=120 tests/kernels/test_triton_int8.py \
     tests/kernels/test_triton_int8_conv.py tests/passes/test_quant_handoff.py
   [[ "$Q8_PROFILES" == none ]] && Q8_PROFILES=""
   q8m=$(for spec in $Q8_PROFILES; do echo -n "${spec%%:*},"; done)
