@@ -79,7 +79,7 @@ if [[ ",$PARTS," == *",q8,"* ]]; then
     extra=""; [[ "$Q8_HANDOFF" == 0 ]] && extra="--no-handoff"
     part "q8-$m-b$b" 480 python -m bench.cuda_profile --corpus "$C" --model "$m" --batch "$b" \
       --precision "$precs" $extra --top 14 --json "$W/q8-$m-b$b.json"
-    grep "^== .* ratio \|^== .*kiln .*: no result\|build failed" "$W/q8-$m-b$b.txt" \
+    grep "^== .* ratio \|^  ratio \|^== .*kiln .*: no result\|build failed" "$W/q8-$m-b$b.txt" \
       | tee -a "$W/q8-summary.txt"
   done
 fi
