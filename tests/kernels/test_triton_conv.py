@@ -435,3 +435,52 @@ def test_triton_conv_gpu_every_tactic(xs, ws, attrs, activation, residual, dtype
         y = conv.fused_conv(n, x, w, b, r)
         assert y.shape == want.shape and y.dtype == dtype, t
         assert_close(y, want, scale=4)
+
+
+# ---------------------------------------------------------------- stem: channels padded to 4
+
+
+@pytest.mark.parametrize("c", [1, 3])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_triton_pad_channels_nhwc(c, layout):
+    """One pass: any-strided [N, C, H, W] -> channels-last [N, 4, H, W], zeros from C on."""
+    x = randn(2, c, 5, 7)
+    if layout == "nhwc":
+        x = x.contiguous(memory_format=CL)
+    y = conv.pad_channels_nhwc(x)
+    assert y.shape == (2, 4, 5, 7) and y.is_contiguous(memory_format=CL)
+    assert torch.equal(y[:, :c], x) and not y[:, c:].any()
+
+
+@pytest.mark.parametrize("activation,bias", [("Relu", True), ("", False)])
+def test_triton_conv_stem_pads_channels(activation, bias, monkeypatch):
+    """A 3-channel stem: the pad_c tactics run cuDNN's conv on the 4-channel padded image and
+    weight (made once per node), with the result of the unpadded conv."""
+    xs, ws, attrs = CONVS[2]  # (1, 3, 12, 12) * (8, 3, 7, 7), pads 3, stride 2
+    n = _fused(activation, False, tactic=None, **attrs)
+    x, w, b, _ = _inputs(xs, ws, n, bias, False)
+    want = torch_fused.fused_conv(_fused(activation, False, **attrs), x, w, b, None)
+    padded = [t for t in conv.tactics(n, (x, w, b, None)) if t.get("pad_c")]
+    assert padded and all(t["pad_c"] == conv.PAD_C and "impl" not in t for t in padded)
+    seen = []
+    real = conv.F.conv2d
+    monkeypatch.setattr(conv.F, "conv2d", lambda xx, ww, *a: seen.append(
+        (xx.shape[1], ww.shape[1])) or real(xx, ww, *a))
+    for t in padded:
+        n.tactic, n.cache = t, {}
+        y = conv.fused_conv(n, x, w, b, None)
+        conv.fused_conv(n, x, w, b, None)
+        assert y.shape == want.shape and y.is_contiguous(memory_format=CL)
+        assert_close(y, want, scale=2)
+        kept = [v for k, v in n.cache.items() if k[0] == "w_pad"]
+        assert len(kept) == 1 and kept[0][0] is w and kept[0][1].shape[1] == conv.PAD_C
+    assert seen and all(s == (conv.PAD_C, conv.PAD_C) for s in seen)
+
+
+def test_triton_conv_no_channel_padding_off_the_stem():
+    """Only one-group convs of fewer than 4 input channels get the pad_c tactics."""
+    for i in (0, 1, 3, 4):  # 8, 6, 6 (grouped), 4 input channels
+        xs, ws, attrs = CONVS[i]
+        n = _fused("Relu", False, **attrs)
+        x, w, b, _ = _inputs(xs, ws, n, True, False)
+        assert not [t for t in conv.tactics(n, (x, w, b, None)) if t.get("pad_c")], i

@@ -27,6 +27,13 @@ over the output. Here, for 2-D convs on FP16/BF16 with symmetric pads, tactics:
 - Depthwise convs (one group per input channel): ``{"impl": "depthwise", <tile>}``, a direct
   Triton kernel over NHWC tiles with the epilogue fused (``depthwise.py``).
 
+- A stem conv of fewer than PAD_C (4) input channels (an image's 3): ``"pad_c": 4`` on the
+  cuDNN tactics. cuDNN's first-layer kernels read 4-channel NHWC pixels, so for a 3-channel
+  input PyTorch's channels-last copy of the NCHW image and then cuDNN's own channel-padding
+  kernel ran before it (ResNet-50 b256 on the H200: 0.10 + 0.12 ms of a 6.7 ms pass); one
+  Triton pass writes the NHWC image with a zero fourth channel instead, for the weight padded
+  likewise once per node (the zero channel adds nothing to any output).
+
 Asymmetric pads, other ranks and dtypes, or a residual not of the output's shape run the
 PyTorch kernel. Under ``TRITON_INTERPRET=1`` CPU tensors of any float dtype take the Triton
 tactics (the conv is then PyTorch's CPU conv), so CPU-only CI covers the epilogue.
@@ -43,11 +50,13 @@ from kiln.kernels.triton import depthwise, implicit_gemm
 from kiln.kernels.triton.common import (
     FLOATS,
     HALF,
+    launch,
     on_device,
     rows_epilogue_,
     tactic_of,
 )
 from kiln.kernels.triton.gemm import LT_ACTS, gemm2d, gemm_tactics, lt_fuses
+from kiln.kernels.triton.lazy import cdiv, jit, tl
 from kiln.ops import fused_conv as FC
 
 CL = torch.channels_last
@@ -67,6 +76,51 @@ def bias_act_(y, bias=None, res=None, activation: str = "", alpha: float = 0.0,
             res is not None and (res.shape != y.shape or not res.is_contiguous(memory_format=CL))):
         raise ValueError("bias_act_: y and the residual must be channels-last, of one shape")
     return rows_epilogue_(y, y.shape[1], bias, res, activation, alpha, beta, block, num_warps)
+
+
+PAD_C = 4  # the channel count cuDNN's first-layer kernels read NHWC pixels in
+
+
+@jit
+def _pad_nhwc_kernel(X, Y, P, C, H, W, s_n, s_c, s_h, s_w, CP: tl.constexpr,
+                     BLOCK_P: tl.constexpr):
+    """Y [P = N*H*W pixels, CP] = X's C channels (read through its strides), zeros after."""
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    c = tl.arange(0, CP)
+    n, h, w = p // (H * W), (p // W) % H, p % W
+    ok = p < P
+    src = (X + n[:, None].to(tl.int64) * s_n + c[None, :] * s_c + h[:, None] * s_h
+           + w[:, None] * s_w)
+    v = tl.load(src, mask=ok[:, None] & (c[None, :] < C), other=0.0)
+    tl.store(Y + p[:, None].to(tl.int64) * CP + c[None, :], v, mask=ok[:, None])
+
+
+def pad_channels_nhwc(x, cp: int = PAD_C, block_p: int = 256):
+    """``x`` [N, C, H, W] (any strides, C <= cp) as a channels-last [N, cp, H, W] tensor whose
+    channels from C on are zero: one pass."""
+    nb, c, h, w = x.shape
+    y = torch.empty((nb, cp, h, w), dtype=x.dtype, device=x.device, memory_format=CL)
+    pixels = nb * h * w
+    launch(_pad_nhwc_kernel, (cdiv(pixels, block_p),), x, y, pixels, c, h, w, *x.stride(),
+           CP=cp, BLOCK_P=block_p, num_warps=4)
+    return y
+
+
+def _weight_padded(n, w, cp: int):
+    """``w`` [Co, C, kh, kw] with zero input channels up to ``cp``, channels-last, made once per
+    node, device and dtype."""
+    key = ("w_pad", w.device, w.dtype, cp)
+    pair = n.cache.get(key)
+    if pair is None or pair[0] is not w:
+        wp = torch.zeros((w.shape[0], cp, *w.shape[2:]), dtype=w.dtype, device=w.device)
+        wp[:, :w.shape[1]] = w
+        pair = n.cache[key] = (w, wp.contiguous(memory_format=CL))
+    return pair[1]
+
+
+def _pads_stem(n, x, w) -> bool:
+    """A one-group conv of fewer than PAD_C input channels that runs cuDNN (symmetric pads)."""
+    return (n.a.group or 1) == 1 and x.shape[1] < PAD_C and not _direct_only(n, x, w)
 
 
 # ---------------------------------------------------------------- the op
@@ -156,12 +210,14 @@ def tactics(n, inputs) -> list[dict]:
         out += implicit_gemm.tactics(x.shape[0], x.shape[1], w.shape[0], *w.shape[2:], oh, ow)
     if depthwise.is_depthwise(n.a.group or 1, x, w):
         out += depthwise.tactics(w.shape[0], x.shape[0] * oh * ow)
+    stem = [dict(DEFAULT, pad_c=PAD_C)] if _pads_stem(n, x, w) else []
     if b is None and r is None and not n.a.activation:
-        return [dict(DEFAULT)] + out  # nothing to fuse: the conv alone
+        return [dict(DEFAULT)] + out + stem  # nothing to fuse: the conv alone
     out += [{"epilogue": "triton", "BLOCK": blk, "num_warps": w} for blk, w in _CONFIGS]
     if _cudnn_fuses(n, x):
         out.append({"epilogue": "cudnn"})
-    return out
+        stem.append({"epilogue": "cudnn", "pad_c": PAD_C})
+    return out + stem
 
 
 def _conv1x1(n, t, x, w, b, r, stride: int):
@@ -207,7 +263,10 @@ def fused_conv(n, x, w, b=None, r=None):
     pad, stride, dil, _ = geo
     if b is not None and b.dtype != x.dtype:
         b = b.to(x.dtype)
-    if not x.is_contiguous(memory_format=CL):
+    pad_c = t.get("pad_c") if t.get("impl") is None and _pads_stem(n, x, w) else None
+    if pad_c:  # the image as padded NHWC in one pass, and the weight to match
+        x, w_pad = pad_channels_nhwc(x, pad_c), _weight_padded(n, w, pad_c)
+    elif not x.is_contiguous(memory_format=CL):
         x = x.contiguous(memory_format=CL)
     if r is not None and not r.is_contiguous(memory_format=CL):
         r = r.contiguous(memory_format=CL)
@@ -215,7 +274,8 @@ def fused_conv(n, x, w, b=None, r=None):
         s = _pointwise(n, x, w)
         if s is not None:
             return _conv1x1(n, t, x, w, b, r, s)
-    wc = torch_fused._weight_nhwc(n, w)  # channels-last, made once per node (a no-op if it is)
+    # channels-last, made once per node (a no-op if it is)
+    wc = w_pad if pad_c else torch_fused._weight_nhwc(n, w)
     if t.get("impl") == "igemm" and groups == 1:
         return implicit_gemm.conv2d(t, x, wc, b, r, geo, a.activation, a.alpha or 0.0,
                                     a.beta or 0.0)
