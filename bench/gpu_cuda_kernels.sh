@@ -4,7 +4,8 @@
 # had).
 #
 #   bash bench/gpu_cuda_kernels.sh                    # export,profile,tests,probe
-#   PARTS=profile PROFILES=tv_resnet50_op17:256 bash bench/gpu_cuda_kernels.sh
+#   PARTS=export,profile EXPORT=tv_resnet50_op17 PROFILES=tv_resnet50_op17:256 \
+#     bash bench/gpu_cuda_kernels.sh                  # ResNet-50 b256 alone (~2-3 min)
 #   PARTS=cold bash bench/gpu_cuda_kernels.sh         # fresh-process load + first run (b1)
 #
 # In this order (the figures first; the probe last, in case the old call hangs the device):
@@ -14,7 +15,8 @@
 #   faulthandler stacks every 15 s: its log says which step stops (compile, launch, sync).
 # tests: the GPU cases of the GEMM epilogues (cuBLASLt's fused bias+ReLU/tanh-GELU, the flat
 #   Triton pass, FusedMatMulLayerNorm as it runs now); tests-more: the 1x1 conv tactics, the
-#   multi-row LayerNorm tile, attention's fully masked rows and BERT-shape masks; pytest's
+#   3-channel stem's tactics (padded to 4 channels), the multi-row LayerNorm tile, attention's
+#   fully masked rows and BERT-shape masks; pytest's
 #   faulthandler dumping a stack for any test past 30 s.
 # profile: bench.cuda_profile per MODEL:BATCH[:norm] in PROFILES (kiln FP16 and torch eager
 #   FP16); ':norm' builds with KILN_CUDA_MATMUL_NORM=1 (CUDA FusedMatMul + LayerNorm fusion on).
@@ -85,12 +87,13 @@ if [[ ",$PARTS," == *",q8,"* ]]; then
 fi
 part cold 150 python -m bench.cold_parts --corpus "$C" --models "$COLD_MODELS" \
   --plan-margins 0.25 --warm none,cublas --json "$W/cold.json"
-part tests 100 python -m pytest -q -p no:cacheprovider -rfE -o faulthandler_timeout=30 \
+part tests 90 python -m pytest -q -p no:cacheprovider -rfE -o faulthandler_timeout=30 \
   tests/kernels/test_triton_gemm.py -k "layernorm or cublaslt or library or flat" \
   || true
-part tests-more 60 python -m pytest -q -p no:cacheprovider -rfE -o faulthandler_timeout=30 \
+part tests-more 90 python -m pytest -q -p no:cacheprovider -rfE -o faulthandler_timeout=30 \
   tests/kernels/test_triton_conv.py tests/kernels/test_triton_norm.py \
-  tests/kernels/test_triton_attention.py -k "1x1 or norm or fully or bert_shape" || true
+  tests/kernels/test_triton_attention.py \
+  -k "1x1 or stem or pad_channels or norm or fully or bert_shape" || true
 # last: if the old call hangs the device again, the figures above are in already
-part probe 45 python -X faulthandler -m bench.gpu_hang_probe --dump-s 15
+part probe 40 python -X faulthandler -m bench.gpu_hang_probe --dump-s 15
 echo "[$(( $(date +%s) - t0 )) s] done" | tee -a "$W/timeline.txt"
