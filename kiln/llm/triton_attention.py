@@ -4,6 +4,9 @@ packed into one tile (GQA), then a reduction over the splits.
     grid (seq, kv_head, split): q[group, D] . K[block]^T -> online softmax -> partial (acc, m, l)
     grid (seq, head):           out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
 
+(with one split, as from 17 sequences on for 32 KV heads, the first kernel writes acc / l
+itself and the reduction is not launched: one kernel a layer fewer.)
+
 Each split covers ceil(len / SPLITS) tokens rounded up to whole blocks, computed in the kernel
 from the sequence's length, so the launch has no per-step arguments (CUDA-graph safe). Tested
 under ``TRITON_INTERPRET=1`` on small shapes; the speed is the GPU's business.
@@ -28,7 +31,8 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, kv
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, scale,
                   SPLITS, HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                   D: tl.constexpr, BS: tl.constexpr, FP8_KV: tl.constexpr,
-                  TILE: tl.constexpr):
+                  TILE: tl.constexpr,
+                  stride_ob=0, stride_oh=0, DIRECT: tl.constexpr = False):
     # TILE tokens per iteration (the dot tile, 16 or more: tl.dot's least rows): one block
     # (TILE == BS), or each token's block looked up on its own (a tile spans TILE / BS blocks,
     # or part of one). SPLITS is a runtime value: one compile serves every batch size.
@@ -78,10 +82,15 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, kv
         m = m_new
     if FP8_KV:  # sum p (v8 * sv) = sv * sum p v8
         acc = acc * tl.load(kv_scale_ptr + 1)
-    row = (b * HEADS + heads) * SPLITS + sp
-    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
-    tl.store(ml_ptr + row * 2, m, mask=gmask)
-    tl.store(ml_ptr + row * 2 + 1, lsum, mask=gmask)
+    if DIRECT:  # one split: the output itself (acc_ptr is out), no partials to reduce
+        o = acc / lsum[:, None]
+        tl.store(acc_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 o.to(acc_ptr.dtype.element_ty), mask=gmask[:, None])
+    else:
+        row = (b * HEADS + heads) * SPLITS + sp
+        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+        tl.store(ml_ptr + row * 2, m, mask=gmask)
+        tl.store(ml_ptr + row * 2 + 1, lsum, mask=gmask)
 
 
 @triton.jit(do_not_specialize=["stride_tb", "SPLITS"])
@@ -89,7 +98,8 @@ def _decode_split_kq(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
                      stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, scale,
                      SPLITS, HEADS: tl.constexpr, GROUP: tl.constexpr,
                      GROUP_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                     FP8_KV: tl.constexpr, TILE: tl.constexpr):
+                     FP8_KV: tl.constexpr, TILE: tl.constexpr,
+                     stride_ob=0, stride_oh=0, DIRECT: tl.constexpr = False):
     """``_decode_split`` with the scores made as K . q^T ([TILE, GROUP_PAD]: the K tile, widened
     from FP8 in registers, is the dot's first operand, which Hopper's MMA may read from
     registers; in ``_decode_split`` it is the second, staged through shared memory), then
@@ -135,17 +145,23 @@ def _decode_split_kq(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
         m = m_new
     if FP8_KV:
         acc = acc * tl.load(kv_scale_ptr + 1)
-    row = (b * HEADS + heads) * SPLITS + sp
-    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
-    tl.store(ml_ptr + row * 2, m, mask=gmask)
-    tl.store(ml_ptr + row * 2 + 1, lsum, mask=gmask)
+    if DIRECT:  # one split: the output itself (acc_ptr is out), no partials to reduce
+        o = acc / lsum[:, None]
+        tl.store(acc_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 o.to(acc_ptr.dtype.element_ty), mask=gmask[:, None])
+    else:
+        row = (b * HEADS + heads) * SPLITS + sp
+        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+        tl.store(ml_ptr + row * 2, m, mask=gmask)
+        tl.store(ml_ptr + row * 2 + 1, lsum, mask=gmask)
 
 
 @triton.jit(do_not_specialize=["stride_tb", "SPLITS"])
 def _decode_split_tiles(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
                         kv_scale_ptr, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
                         stride_tb, scale, SPLITS, HEADS: tl.constexpr, D: tl.constexpr,
-                        BS: tl.constexpr, TILE: tl.constexpr, FP8_KV: tl.constexpr):
+                        BS: tl.constexpr, TILE: tl.constexpr, FP8_KV: tl.constexpr,
+                        stride_ob=0, stride_oh=0, DIRECT: tl.constexpr = False):
     """The MHA variant (one query head per KV head): TILE tokens per iteration, each token's
     block looked up on its own (a tile spans TILE / BS blocks), scores and the weighted sum of
     V as elementwise products and sums in float32 instead of a 16-row padded tl.dot."""
@@ -183,10 +199,14 @@ def _decode_split_tiles(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_p
         m = m_new
     if FP8_KV:
         acc = acc * tl.load(kv_scale_ptr + 1)
-    row = (b * HEADS + h) * SPLITS + sp
-    tl.store(acc_ptr + row * D + d, acc)
-    tl.store(ml_ptr + row * 2, m)
-    tl.store(ml_ptr + row * 2 + 1, lsum)
+    if DIRECT:  # one split: the output itself (acc_ptr is out)
+        o = acc / lsum
+        tl.store(acc_ptr + b * stride_ob + h * stride_oh + d, o.to(acc_ptr.dtype.element_ty))
+    else:
+        row = (b * HEADS + h) * SPLITS + sp
+        tl.store(acc_ptr + row * D + d, acc)
+        tl.store(ml_ptr + row * 2, m)
+        tl.store(ml_ptr + row * 2 + 1, lsum)
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
@@ -287,15 +307,22 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"paged_decode: K cache {k_cache.dtype}, V cache {v_cache.dtype}, "
                          f"kv_scale {'given' if kv_scale is not None else 'None'}: an FP8 cache "
                          "needs kv_scale, any other none")
-    acc = torch.empty(b * heads * splits, d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(b * heads * splits, 2, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    direct = splits == 1  # the split kernel writes the output: no reduction launched
+    if direct:
+        acc = ml = out
+        extra = dict(stride_ob=out.stride(0), stride_oh=out.stride(1), DIRECT=True)
+    else:
+        acc = torch.empty(b * heads * splits, d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(b * heads * splits, 2, dtype=torch.float32, device=q.device)
+        extra = {}
     if mha_tile and group == 1:
         tile, warps, stages = _config(mha_tile, mha_tile)
         _decode_split_tiles[(b, kv, splits)](
             q, k_cache, v_cache, tables, lens, acc, ml, kv_scale if fp8_kv else lens,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             tables.stride(0), scale, splits, HEADS=heads, D=d, BS=bs,
-            TILE=tile, FP8_KV=fp8_kv, num_warps=warps, **stages)
+            TILE=tile, FP8_KV=fp8_kv, num_warps=warps, **stages, **extra)
     else:
         tile, warps, stages = _config(dot_tile, max(16, bs))
         if tile < 16 or tile & (tile - 1):
@@ -306,8 +333,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             tables.stride(0), scale, splits, HEADS=heads, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BS=bs,
-            FP8_KV=fp8_kv, TILE=tile, num_warps=warps, **stages)
-    out = torch.empty_like(q)
+            FP8_KV=fp8_kv, TILE=tile, num_warps=warps, **stages, **extra)
+    if direct:
+        return out
     _decode_reduce[(b, heads)](acc, ml, out, out.stride(0), out.stride(1), splits, HEADS=heads,
                                D=d, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
     return out

@@ -146,6 +146,8 @@ def test_decode_splits_fill_the_gpu_then_stop():
     (3, 3, 2, [33, 5], True, None),  # MHA, scales from the amax
     (3, 3, 2, [33, 5], True, 32),  # MHA, the tiled kernel
     (6, 1, 4, [64, 16], True, None),  # MQA
+    (4, 2, 1, [1, 17, 40], True, None),  # one split: the output written by the split kernel
+    (3, 3, 1, [33, 5], True, 32),
 ])
 def test_paged_decode_fp8_cache(heads, kv, splits, lens, calibrated, tile):
     """An e4m3 cache with per-tensor K/V scales: the kernel (FP8 tiles widened in registers,
@@ -416,3 +418,35 @@ def test_paged_decode_kq_fp8_cache_equals_dot(heads, kv):
     got = paged_decode(*args, splits=2, kv_scale=sc, dot_tile=(32, 4, "kq")).float()
     tol = 2e-3 if dtype == torch.float16 else 1e-5
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dot_tile,tile", [(None, None), ((32, 4, "kq"), None), (None, 32)])
+def test_one_split_launches_no_reduction(dot_tile, tile, monkeypatch):
+    """splits == 1: the split kernel (each variant) writes the output, the reduction is not
+    launched, and the output equals the reduced one (splits 2) to float rounding."""
+    from kiln.llm import triton_attention as ta
+
+    launched = []
+    real = ta._decode_reduce
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(ta, "_decode_reduce", Spy())
+    g = torch.Generator().manual_seed(5)
+    d, bs, lens = 16, 16, [33, 5, 1]
+    kc = torch.randn(12, bs, 3, d, generator=g).to(DEV)
+    vc = torch.randn(12, bs, 3, d, generator=g).to(DEV)
+    tables = _scattered_tables(lens, bs, 12, g).to(DEV)
+    q = torch.randn(len(lens), 3, d, generator=g).to(DEV)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    kw = dict(mha_tile=tile, dot_tile=dot_tile)
+    one = paged_decode(q, kc, vc, tables, lens_t, d ** -0.5, splits=1, **kw)
+    assert not launched
+    two = paged_decode(q, kc, vc, tables, lens_t, d ** -0.5, splits=2, **kw)
+    assert len(launched) == 1
+    torch.testing.assert_close(one, two, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one.float(), reference(q, kc, vc, tables, lens_t, d ** -0.5),
+                               rtol=1e-4, atol=1e-4)
