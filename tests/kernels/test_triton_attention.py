@@ -73,20 +73,30 @@ def test_triton_attention_falls_back_for_fp32_and_integer_masks():
     assert not A.supports(n, (h, h, h, mask))
 
 
+@pytest.mark.parametrize("expanded", [False, True], ids=["keys", "full"])
 @pytest.mark.parametrize("causal", [0, 1])
-def test_triton_attention_bool_key_padding_mask(causal):
+def test_triton_attention_bool_key_padding_mask(causal, expanded, monkeypatch):
     """A boolean mask (True: attend), as HF's SDPA exports build it from attention_mask: the
-    padded keys of each sequence get no weight; same result as the additive -inf form."""
+    padded keys of each sequence get no weight; same result as the additive -inf form. At
+    [B, 1, 1, Sk] (the same for every query) it is read as one row of keys a block
+    (MASK_KEYS); materialized [B, 1, Sq, Sk], tile by tile."""
     b, h, s, d = 3, 2, 19, 16
     q, k, v = (randn(b, s, h * d, dtype=torch.float16) for _ in range(3))
     lengths = torch.tensor([19, 11, 1])
     keep = (torch.arange(s)[None, :] < lengths[:, None]).reshape(b, 1, 1, s).to(q.device)
+    if expanded:
+        keep = keep.expand(b, 1, s, s).contiguous()
+    seen = []
+    real = A.launch
+    monkeypatch.setattr(A, "launch", lambda *a, **kw: seen.append(kw["MASK_KEYS"]) or
+                        real(*a, **kw))
     n = call(FT.Attention, SMALL, num_heads=h, scale=0.25, causal=causal)
     assert A.supports(n, (q, k, v, keep))
     y = A.attention(n, q, k, v, keep)
     additive = torch.zeros(keep.shape, device=q.device).masked_fill(~keep, float("-inf"))
     want = _ref(_heads(q, h), _heads(k, h), _heads(v, h), additive, causal, 0.25)
     assert_close(y, want.transpose(1, 2).flatten(-2), scale=2)
+    assert seen == [not expanded]
 
 
 @pytest.mark.parametrize("bool_mask", [False, True])

@@ -6,7 +6,8 @@ q/k/v/mask are read through their strides: the packed [B, S, H*D] layout, k give
 masks broadcast over batch or heads cost no copy, nor does a merged projection's output
 (``qkv_split``: q, k and v are views of it). Masks are additive floats or booleans (True:
 attend, as SDPA reads them; HF's SDPA exports build a boolean key-padding mask, which cuDNN's
-SDPA took 2x longer over than with no mask at BERT-base b64). Causal is top-left aligned (key
+SDPA took 2x longer over than with no mask at BERT-base b64; a mask the same for every query,
+such as that one, is read as one row of keys per block). Causal is top-left aligned (key
 j <= query i), as kiln's Attention op defines it. Tactic: ``{"BLOCK_M", "BLOCK_N",
 "num_warps", "num_stages"}``. fp32 inputs and other layouts run the PyTorch kernel (SDPA).
 """
@@ -31,7 +32,8 @@ def _attn_kernel(Q, K, V, Mask, Out, qk_scale, Sq, Sk, H, D, DV,
                  s_mb, s_mh, s_mm, s_mn, s_ob, s_oh, s_om, s_od,
                  HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr,
                  BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 MASK_KEYS: tl.constexpr = False):
     start_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -55,7 +57,14 @@ def _attn_kernel(Q, K, V, Mask, Out, qk_scale, Sq, Sk, H, D, DV,
                      mask=(cols[None, :] < Sk) & (offs_d[:, None] < D), other=0.0)
         s = tl.dot(q, kt) * qk_scale  # log2 units: exp2 below
         keep = cols[None, :] < Sk
-        if HAS_MASK:
+        if HAS_MASK and MASK_KEYS:  # one mask row for every query (key padding): BLOCK_N
+            k_ptrs = Mask + b * s_mb + h * s_mh + cols * s_mn  # values, broadcast over rows
+            if MASK_BOOL:
+                keep = keep & (tl.load(k_ptrs, mask=cols < Sk, other=1) != 0)[None, :]
+            else:
+                s += (tl.load(k_ptrs, mask=cols < Sk, other=0.0).to(tl.float32)
+                      * 1.4426950408889634)[None, :]
+        elif HAS_MASK:
             m_ptrs = m_base + cols[None, :] * s_mn
             m_ok = (offs_m[:, None] < Sq) & (cols[None, :] < Sk)
             if MASK_BOOL:  # uint8 view of a bool mask: 0 masks the key out
@@ -170,7 +179,7 @@ def flash_attention(n, q, k, v, mask=None, causal=False, scale=None):
     launch(_attn_kernel, grid, q, k, v, m4, o, scale * _LOG2E, sq, sk, h, d, dv,
            *q.stride(), *k.stride(), *v.stride(), *ms, *o.stride(),
            HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
-           CAUSAL=bool(causal), BLOCK_M=t["BLOCK_M"],
+           CAUSAL=bool(causal), MASK_KEYS=mask is not None and ms[2] == 0, BLOCK_M=t["BLOCK_M"],
            BLOCK_N=t["BLOCK_N"], BLOCK_D=max(16, next_pow2(d)), BLOCK_DV=max(16, next_pow2(dv)),
            num_warps=t["num_warps"], num_stages=t["num_stages"])
     return o
