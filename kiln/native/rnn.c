@@ -89,27 +89,42 @@ TGT static void gemv_acc(long K, long j0, long j1, const float *h, const float *
     }
 }
 
-/* acc rows of the active batch rows += h rows RT[:, 0..N): split by column blocks over threads
- * when the work is large enough to pay for a parallel region. */
+struct gemv_job {
+    long blocks, K, N, ldh, ldr, lda;
+    const unsigned char *live;
+    const float *h, *RT;
+    float *acc;
+};
+
+/* items of (batch row, 64-column block) */
+static void gemv_items(void *ctx, long i0, long i1)
+{
+    const struct gemv_job *g = ctx;
+    for (long i = i0; i < i1; i++) {
+        long b = i / g->blocks, q = i % g->blocks;
+        if (!g->live[b])
+            continue;
+        long j0 = q * 64, j1 = j0 + 64 < g->N ? j0 + 64 : g->N;
+        gemv_acc(g->K, j0, j1, g->h + b * g->ldh, g->RT, g->ldr, g->acc + b * g->lda);
+    }
+}
+
+/* acc rows of the active batch rows += h rows RT[:, 0..N): split by column blocks over kiln's
+ * team (team.c: the caller takes blocks too, so a worker the loaded machine has not scheduled
+ * takes none and the step never waits for it) when the work is large enough to pay for it. */
 TGT static void gemv_rows(long B, const unsigned char *live, long K, long N, const float *h,
                           long ldh, const float *RT, long ldr, float *acc, long lda, int nthreads)
 {
     long blocks = (N + 63) / 64;
     int par = nthreads > 1 && blocks > 1 && B * K * N >= (1L << 17);
-    if (!par) {  /* no parallel region at all: even an if(0) one costs a team per step */
+    if (!par) {
         for (long b = 0; b < B; b++)
             if (live[b])
                 gemv_acc(K, 0, N, h + b * ldh, RT, ldr, acc + b * lda);
         return;
     }
-#pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
-    for (long b = 0; b < B; b++)
-        for (long q = 0; q < blocks; q++) {
-            if (!live[b])
-                continue;
-            long j0 = q * 64, j1 = j0 + 64 < N ? j0 + 64 : N;
-            gemv_acc(K, j0, j1, h + b * ldh, RT, ldr, acc + b * lda);
-        }
+    struct gemv_job g = {blocks, K, N, ldh, ldr, lda, live, h, RT, acc};
+    kiln_parallel(B * blocks, gemv_items, &g, nthreads);
 }
 
 /* What kiln_rnn reads from its long array (pointers as integers), in this order. */
@@ -237,6 +252,19 @@ TGT static int rnn_direction(const rnn_dir *q)
     return 0;
 }
 
+struct rnn_dirs {
+    rnn_dir *q;
+    _Atomic int rc;
+};
+
+static void rnn_dir_items(void *ctx, long i0, long i1)
+{
+    struct rnn_dirs *d = ctx;
+    for (long i = i0; i < i1; i++)
+        if (rnn_direction(&d->q[i]) != 0)
+            d->rc = 1;
+}
+
 /* An RNN, GRU or LSTM node, every direction (the second, of a bidirectional node, runs in
  * reverse; with two threads the two run side by side when there is enough work for it).
  * p: the P_* entries (pointers as integers; a 0 pointer is absent), per direction d the
@@ -271,10 +299,11 @@ TGT int kiln_rnn(const long *p, const float *f)
     long work = p[P_T] * p[P_B] * H * N;
     int side = dirs == 2 && p[P_THREADS] > 1 && work >= (1L << 20);
     int rc = 0;
-    if (side) {
+    if (side) {  /* on kiln's team: a worker that gets no core leaves both to the caller */
         q[0].nthreads = q[1].nthreads = 1;
-#pragma omp parallel for num_threads(2) reduction(| : rc)
-        for (int d = 0; d < 2; d++) rc |= rnn_direction(&q[d]);
+        struct rnn_dirs d = {q, 0};
+        kiln_parallel(2, rnn_dir_items, &d, 2);
+        rc = d.rc;
     } else {
         for (long d = 0; d < dirs && d < 2; d++) rc |= rnn_direction(&q[d]);
     }

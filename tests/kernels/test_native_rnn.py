@@ -119,6 +119,21 @@ def test_native_rnn_parallel_directions_large():
         torch.set_num_threads(threads)
 
 
+@needs_native
+@pytest.mark.parametrize("kind", ["GRU", "LSTM"])
+def test_native_rnn_parallel_columns_large(kind):
+    """One direction wide enough (batch x hidden x gate columns >= 2^17) for each step's GEMV to
+    be split by column blocks over kiln's team; some batch rows end early (lens)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        args = _case(kind, direction="forward", hid=136, seq=6, batch=3, inp=16, init=True,
+                     lens=True)
+        _check(kind, _attrs(direction="forward"), args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_native_rnn_declines_what_it_lacks():
     """An activation the C kernel has no code for, or float64 input: the step-by-step path
     runs the node (and gives the same as the reference)."""
