@@ -75,6 +75,7 @@ def main(args) -> int:
                         calib_cache=args.calib_cache, int8_asymmetric=args.asymmetric,
                         int8_smoothing=args.smooth, qdq_shared_int8=args.qdq_shared_int8,
                         qlinear_conv_int8=args.qlinear_conv_int8,
+                        int8_handoff=not args.no_int8_handoff,
                         layer_precision=parse_layer_precision(args.layer_precision),
                         verbose=args.verbose)
     out = args.output or (args.model.rsplit(".", 1)[0] + ".kiln")

@@ -310,3 +310,22 @@ def test_cuda_resnet50_int8_build():
     got = np.asarray(next(iter(e.create_context().run(held).values())), np.float32)
     want = np.asarray(next(iter(ref.create_context().run(held).values())), np.float32)
     assert _cos(got, want) > 0.98
+
+
+def test_cli_flag_turns_handoffs_off(monkeypatch, tmp_path):
+    """``kiln build --no-int8-handoff`` reaches BuilderConfig.int8_handoff."""
+    import kiln.builder
+    from kiln.cli import main as cli
+
+    seen = []
+
+    def fake_build(self, model, base_dir=None):
+        seen.append(self.config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(kiln.builder.Builder, "build", fake_build)
+    for flags, want in (([], True), (["--no-int8-handoff"], False)):
+        with pytest.raises(SystemExit):
+            cli.main(["build", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "m.kiln"),
+                      *flags])
+        assert seen[-1].int8_handoff is want

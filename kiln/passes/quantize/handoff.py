@@ -103,7 +103,7 @@ def fuse_handoffs(graph: Graph, log=lambda m: None) -> dict:
         elif p.op is N.LayerNormalization and _norm_quant(graph, p, users, outputs):
             done["norm"] += 1
     if any(done.values()):
-        log(f"int8 hand-offs: {done['gemm']} GEMM/conv output(s) and {done['norm']} LayerNorm "
+        log(f"int8: hand-offs: {done['gemm']} GEMM/conv output(s) and {done['norm']} LayerNorm "
             "output(s) written as their readers' 8-bit codes")
     return done
 
