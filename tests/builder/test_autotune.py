@@ -697,3 +697,20 @@ def test_builder_config_rejects_a_negative_plan_payback():
     from kiln.builder import BuilderConfig
     with pytest.raises(ValueError, match="plan_payback"):
         BuilderConfig(device="cuda", plan_payback=-1)
+
+
+def test_signature_ignores_calibrated_scales_but_not_their_use():
+    """Two INT8 layers that differ only in their calibrated scales share a timing; a dynamic
+    scale (0) or an output handed off as codes does not."""
+    from kiln.ops import int8 as I8
+
+    x = torch.zeros(4, 8)
+
+    def sig(**kw):
+        return autotune.signature(I8.Int8MatMul, "K", None, I8.Int8MatMul.make_attrs(**kw), [x])
+
+    assert sig(x_scale=0.1, x_zero=100) == sig(x_scale=0.3, x_zero=90)
+    assert sig(x_scale=0.1, out_scale=0.2) == sig(x_scale=0.5, out_scale=0.7)
+    assert sig(x_scale=0.1) != sig(x_scale=0.0)
+    assert sig(x_scale=0.1) != sig(x_scale=0.1, out_scale=0.2)
+    assert sig(x_scale=0.1) != sig(x_scale=0.1, activation="Relu")
