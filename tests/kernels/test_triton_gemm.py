@@ -58,6 +58,40 @@ def test_triton_gemm_transposes_alpha_beta(trans):
     assert_close(y, 0.5 * af @ bf + 2 * c.float(), scale=3)
 
 
+@pytest.mark.parametrize("act,tactic,full_c", [
+    ("Relu", "lt", False), ("GeluTanh", "lt", False), ("Gelu", "cublas", False),
+    ("Relu", "flat", True), ("", "cublas", True)])
+def test_triton_fused_gemm_cublas_tactics(act, tactic, full_c, monkeypatch):
+    """FusedGemm (transB, as HF's Conv1D and torch's Linear export it): cuBLASLt's fused
+    bias + ReLU / tanh-GELU, cuBLAS + the Triton pass (a bias row, or a full C as the
+    residual); against the written-out product."""
+    a, bt = randn(9, 20, dtype=torch.float16), randn(12, 20, dtype=torch.float16)
+    c = randn(9, 12, dtype=torch.float16) if full_c else randn(12, dtype=torch.float16)
+    t = {"lt": G.CUBLASLT_TACTIC, "flat": FLAT, "cublas": CUBLAS}[tactic]
+    n = call(FC.FusedGemm, t, activation=act, transB=1)
+    space = G._fused_gemm_tactics(n, (a, bt, c))
+    assert any(x.get("impl") == t["impl"] and bool(x.get("flat")) == bool(t.get("flat"))
+               for x in space)  # (the test's own blocks are smaller)
+    assert any(x.get("impl") == "cublaslt" for x in space) == (act in G.LT_ACTS
+                                                               and not full_c)
+    seen = []
+    real = torch._addmm_activation
+    monkeypatch.setattr(torch, "_addmm_activation",
+                        lambda *x, **k: seen.append(k) or real(*x, **k))
+    y = G.fused_gemm(n, a, bt, c)
+    assert bool(seen) == (tactic == "lt")
+    assert_close(y, ACT[act](a.float() @ bt.float().t() + c.float()), scale=3)
+
+
+def test_triton_fused_gemm_no_cublas_with_trans_a():
+    a, b, c = randn(20, 9, dtype=torch.float16), randn(20, 12, dtype=torch.float16), \
+        randn(12, dtype=torch.float16)
+    n = call(FC.FusedGemm, activation="Relu", transA=1)
+    assert not [t for t in G._fused_gemm_tactics(n, (a, b, c)) if "impl" in t]
+    k = [k for k in kernels_for(FC.FusedGemm, "cuda") if k.name == "TritonFusedGemm"][0]
+    assert k.library(G.CUBLASLT_TACTIC) == "cublas" and k.library(None) is None
+
+
 def test_triton_fused_gemm_full_c_is_a_residual():
     a, b = randn(9, 20, dtype=torch.float16), randn(20, 12, dtype=torch.float16)
     c = randn(9, 12, dtype=torch.float16)

@@ -325,11 +325,39 @@ def gemm(n, a, b, c=None):
     return _gemm(n, a, b, c, None, alpha=alpha, beta=beta)
 
 
-@register(FC.FusedGemm, backend="cuda", name="TritonFusedGemm", tactics=_gemm_tactics,
-          supports=_gemm_supports)
+def _gemm_epilogue_inputs(n, inputs):
+    """FusedGemm's (bias row, residual) in FusedMatMul's terms: C is the bias when it is a row
+    of N values, else the [M, N] addend (the residual)."""
+    c = inputs[2] if len(inputs) > 2 else None
+    r = inputs[3] if len(inputs) > 3 else None
+    nn = _gemm_operands(n, inputs)[1].shape[1]
+    bias = c if c is not None and c.numel() == nn else None
+    return bias, (r if r is not None else (c if c is not None and bias is None else None))
+
+
+def _fused_gemm_tactics(n, inputs) -> list[dict]:
+    """The Triton tiles, and (no transA) FusedMatMul's cuBLAS tactics: cuBLAS + the Triton
+    epilogue pass, and cuBLASLt's own bias + ReLU / tanh-GELU epilogue (HF's Conv1D layers,
+    GPT-2's MLP among them, export Gemm)."""
+    tiles = _gemm_tactics(n, inputs)
+    if n.a.transA:
+        return tiles
+    bias, res = _gemm_epilogue_inputs(n, inputs)
+    act = n.a.activation
+    out = tiles + ([dict(t) for t in CUBLAS_TACTICS] if act or res is not None else [])
+    return out + ([dict(CUBLASLT_TACTIC)] if lt_fuses(act, bias, res) else [])
+
+
+@register(FC.FusedGemm, backend="cuda", name="TritonFusedGemm", tactics=_fused_gemm_tactics,
+          supports=_gemm_supports, makes_plan=_matmul_plan)
 def fused_gemm(n, a, b, c=None, r=None):
     if not _gemm_supports(n, (a, b, c, r)):
         return torch_fused.fused_gemm(n, a, b, c, r)
+    t = getattr(n, "tactic", None) or {}
+    if t.get("impl") in ("cublas", "cublaslt") and not n.a.transA:
+        x, w = _gemm_operands(n, (a, b))
+        bias, res = _gemm_epilogue_inputs(n, (a, b, c, r))
+        return _matmul(n, x, w, bias, res, n.a.activation, n.a.alpha, n.a.beta)
     return _gemm(n, a, b, c, r, n.a.activation, act_a=n.a.alpha, act_b=n.a.beta)
 
 
