@@ -54,9 +54,10 @@ KILN_LLM_LOOKAHEAD=0 part llm0 "${LLM0_S:-90}" python -m bench.llm --device cuda
 part step "${STEP_S:-90}" python -m bench.llm_step --kv-cache-dtype fp8 ${STEP_ARGS:-} \
   --json "$OUT/step.json"
 # the decode kernels at b256 x 640: tl.dot at 64/128 tokens, its K . q^T variant (kq), each
-# at num_stages 2 and 4 too, and the tiled MHA kernel (8 warps never won on 2026-12-04)
+# at num_stages 2 and 4 too, and the tiled MHA kernel, plain and with the next tile prefetched
+# (pf) (8 warps never won on 2026-12-04)
 part attn "${ATTN_S:-60}" python -m bench.llm_attention ${ATTN_ARGS:---warps 4 --dot-tiles \
-64,128 --kq-tiles 64,128 --stages 2,4} --json "$OUT/attn.json"
+64,128 --kq-tiles 64,128 --stages 2,4 --pf-tiles 64,128} --json "$OUT/attn.json"
 # llm0 into llm's files (8 files at most come back): its rows tagged lookahead_off
 if [[ -f "$OUT/llm0.txt" ]]; then
   { echo "=== llm0: KILN_LLM_LOOKAHEAD=0 ==="; cat "$OUT/llm0.txt"; } >> "$OUT/llm.txt"

@@ -26,7 +26,7 @@ import torch
 
 from bench.llm import BANDWIDTH
 from kiln.llm import kv_quant
-from kiln.llm.triton_attention import KQ, decode_splits, paged_decode
+from kiln.llm.triton_attention import KQ, PF, decode_splits, paged_decode
 
 
 def make_case(batch, ctx, heads, kv_heads, head_dim, block_size, device, seed=0):
@@ -66,12 +66,13 @@ def median_call_s(fn, iters: int, device: str, warmup: int = 3) -> float:
 
 def run(batch=256, ctx=640, heads=32, kv_heads=32, head_dim=128, block_size=16, layers=32,
         kvs=("auto", "fp8"), tiles=(0, 32, 64, 128), iters=20, device="cuda",
-        warps=(4,), dot_tiles=(), kq_tiles=(), stages=()) -> list[dict]:
+        warps=(4,), dot_tiles=(), kq_tiles=(), stages=(), pf_tiles=()) -> list[dict]:
     """One row per KV dtype and kernel: ``tiles`` 0 = the tl.dot kernel, N = the tiled MHA
     kernel with N tokens a tile, once per ``warps``; ``dot_tiles``: the tl.dot kernel with N
     tokens a tile (``KILN_LLM_DECODE_DOT_TILE=N:W``), once per ``warps``; ``kq_tiles``: its
     K . q^T variant (``_decode_split_kq``), once per ``warps``; ``stages``: the dot and kq
-    kernels again at each of these num_stages."""
+    kernels again at each of these num_stages; ``pf_tiles``: the tiled MHA kernel with the next
+    tile prefetched (PREFETCH), once per ``warps``."""
     q, kc, vc, tables, lens = make_case(batch, ctx, heads, kv_heads, head_dim, block_size, device)
     scale = head_dim ** -0.5
     sms = (torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda"
@@ -87,12 +88,16 @@ def run(batch=256, ctx=640, heads=32, kv_heads=32, head_dim=128, block_size=16, 
             sc = torch.stack([kc.abs().amax(), vc.abs().amax()]).float() * (2 / kv_quant.FP8_MAX)
             k, v = kv_quant.quantize(kc, sc[0]), kv_quant.quantize(vc, sc[1])
         kernels = [(t, w, None) for t in tiles for w in (warps if t else (None,))]
+        kernels += [((t, PF), w, None) for t in pf_tiles for w in warps]
         kernels += [(0, None, (t, w)) for t in dot_tiles for w in warps]
         kernels += [(0, None, (t, w, KQ)) for t in kq_tiles for w in warps]
         kernels += [(0, None, (t, w, st)) for t in dot_tiles for w in warps for st in stages]
         kernels += [(0, None, (t, w, st, KQ)) for t in kq_tiles for w in warps for st in stages]
         for tile, w, dot in kernels:
+            pf = isinstance(tile, tuple)
+            tile = tile[0] if pf else tile
             name = "dot" if not tile else f"tile{tile}" + (f":{w}" if len(warps) > 1 else "")
+            name += ":pf" if pf else ""
             if dot:
                 nums = [c for c in dot if c != KQ]
                 name = (("kq" if dot[-1] == KQ else "dot") + f"{nums[0]}:{nums[1]}"
@@ -106,9 +111,10 @@ def run(batch=256, ctx=640, heads=32, kv_heads=32, head_dim=128, block_size=16, 
                 print(row, flush=True)
                 continue
 
-            def call(k=k, v=v, sc=sc, tile=tile, w=w, dot=dot):
+            def call(k=k, v=v, sc=sc, tile=tile, w=w, dot=dot, pf=pf):
+                mha = ((tile, w, PF) if pf else (tile, w)) if tile else None
                 return paged_decode(q, k, v, tables, lens, scale, splits, kv_scale=sc,
-                                    mha_tile=(tile, w) if tile else None, dot_tile=dot)
+                                    mha_tile=mha, dot_tile=dot)
             try:
                 out = call().float()
                 sec = median_call_s(call, iters, device)
@@ -146,6 +152,8 @@ def main(argv=None):
     ap.add_argument("--kq-tiles", default="",
                     help="the K . q^T variant of the tl.dot kernel at N tokens a tile (x --warps)")
     ap.add_argument("--stages", default="", help="num_stages to time the dot/kq tiles at too")
+    ap.add_argument("--pf-tiles", default="",
+                    help="the tiled MHA kernel with the next tile prefetched, N tokens a tile")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--json", help="write the rows here")
@@ -156,7 +164,8 @@ def main(argv=None):
                [int(w) for w in args.warps.split(",") if w],
                [int(t) for t in args.dot_tiles.split(",") if t],
                [int(t) for t in args.kq_tiles.split(",") if t],
-               [int(t) for t in args.stages.split(",") if t])
+               [int(t) for t in args.stages.split(",") if t],
+               [int(t) for t in args.pf_tiles.split(",") if t])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -43,6 +43,7 @@ from kiln.llm.fused import FusedOps
 from kiln.llm.runner import ModelRunner
 from kiln.llm.triton_attention import (
     KQ,
+    PF,
     decode_splits,
     dot_tile_from_env,
     mha_tile_from_env,
@@ -60,7 +61,8 @@ FP8_DECODE_TILE = (128, 4)  # MHA decode over an FP8 cache: the tiled kernel (se
 # can take from registers instead of a shared-memory copy per element; unmeasured) too
 DOT_CANDIDATES = ((16, 4), (32, 4), (64, 4), (128, 4), (64, 4, 2), (64, 4, 4), (128, 4, 2),
                   (64, 4, KQ), (128, 4, KQ))
-MHA_CANDIDATES = ((64, 4), (128, 4), (128, 4, 2), (128, 4, 4))
+# the tiled kernel with the next tile's loads issued before this tile's math ("pf") too
+MHA_CANDIDATES = ((64, 4), (128, 4), (128, 4, 2), (128, 4, 4), (64, 4, PF), (128, 4, PF))
 
 log = logging.getLogger("kiln.llm")
 
@@ -393,9 +395,12 @@ class CudaModelRunner(ModelRunner):
         """(name, mha_tile, dot_tile) of the decode kernel configurations _tune_decode times:
         the tl.dot kernel at 16 to 128 tokens a tile, and for MHA models the tiled kernel."""
         def name(kind, c):
+            tail = ""
             if c[-1] == KQ:  # the K . q^T variant of the tl.dot kernel
                 kind, c = "kq", c[:-1]
-            return f"{kind}{c[0]}:{c[1]}" + (f":s{c[2]}" if len(c) > 2 else "")
+            elif c[-1] == PF:  # the tiled kernel, next tile prefetched
+                tail, c = ":pf", c[:-1]
+            return f"{kind}{c[0]}:{c[1]}" + (f":s{c[2]}" if len(c) > 2 else "") + tail
         out = [(name("dot", c), None, c) for c in DOT_CANDIDATES]
         cfg = self.model.cfg
         if cfg.num_heads == cfg.num_kv_heads:

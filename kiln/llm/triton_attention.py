@@ -156,15 +156,43 @@ def _decode_split_kq(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
         tl.store(ml_ptr + row * 2 + 1, lsum, mask=gmask)
 
 
+@triton.jit
+def _tile_rows(tables_ptr, b, stride_tb, tok, end, h, stride_kb, stride_kt, stride_kh, d,
+               BS: tl.constexpr):
+    """(each token's offset [TILE, D] in the cache, the valid tokens [TILE]) of one tile."""
+    valid = tok < end
+    blk = tl.load(tables_ptr + b * stride_tb + tok // BS, mask=valid, other=0).to(tl.int64)
+    off = (blk[:, None] * stride_kb + (tok % BS)[:, None] * stride_kt + h * stride_kh
+           + d[None, :])
+    return off, valid
+
+
+@triton.jit
+def _tile_update(q, k, v, valid, m, lsum, acc, qk_scale):
+    """The online softmax over one tile's float32 K, V [TILE, D]: (m, lsum, acc) updated."""
+    s = tl.sum(q[None, :] * k, 1) * qk_scale
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 0))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new)
+    lsum = lsum * alpha + tl.sum(p, 0)
+    acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+    return m_new, lsum, acc
+
+
 @triton.jit(do_not_specialize=["stride_tb", "SPLITS"])
 def _decode_split_tiles(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
                         kv_scale_ptr, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
                         stride_tb, scale, SPLITS, HEADS: tl.constexpr, D: tl.constexpr,
                         BS: tl.constexpr, TILE: tl.constexpr, FP8_KV: tl.constexpr,
-                        stride_ob=0, stride_oh=0, DIRECT: tl.constexpr = False):
+                        stride_ob=0, stride_oh=0, DIRECT: tl.constexpr = False,
+                        PREFETCH: tl.constexpr = False):
     """The MHA variant (one query head per KV head): TILE tokens per iteration, each token's
     block looked up on its own (a tile spans TILE / BS blocks), scores and the weighted sum of
-    V as elementwise products and sums in float32 instead of a 16-row padded tl.dot."""
+    V as elementwise products and sums in float32 instead of a 16-row padded tl.dot.
+    PREFETCH: the next tile's block ids, K and V are loaded before this tile is computed
+    (carried through the loop in the cache's dtype: two tiles in flight a program, whatever
+    the compiler's pipelining does with loads whose addresses come from loads)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -181,22 +209,26 @@ def _decode_split_tiles(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_p
     m = float("-inf")
     lsum = 0.0
     acc = tl.zeros([D], tl.float32)
-    for pos in range(start, end, TILE):
-        tok = pos + t
-        valid = tok < end
-        blk = tl.load(tables_ptr + b * stride_tb + tok // BS, mask=valid, other=0).to(tl.int64)
-        off = (blk[:, None] * stride_kb + (tok % BS)[:, None] * stride_kt + h * stride_kh
-               + d[None, :])
-        k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(q[None, :] * k, 1) * qk_scale
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)
-        lsum = lsum * alpha + tl.sum(p, 0)
-        v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-        m = m_new
+    if PREFETCH:
+        off, valid = _tile_rows(tables_ptr, b, stride_tb, start + t, end, h, stride_kb,
+                                stride_kt, stride_kh, d, BS)
+        k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
+        for pos in range(start, end, TILE):
+            off_n, valid_n = _tile_rows(tables_ptr, b, stride_tb, pos + TILE + t, end, h,
+                                        stride_kb, stride_kt, stride_kh, d, BS)
+            k_n = tl.load(k_ptr + off_n, mask=valid_n[:, None], other=0.0)
+            v_n = tl.load(v_ptr + off_n, mask=valid_n[:, None], other=0.0)
+            m, lsum, acc = _tile_update(q, k.to(tl.float32), v.to(tl.float32), valid, m, lsum,
+                                        acc, qk_scale)
+            k, v, valid = k_n, v_n, valid_n
+    else:
+        for pos in range(start, end, TILE):
+            off, valid = _tile_rows(tables_ptr, b, stride_tb, pos + t, end, h, stride_kb,
+                                    stride_kt, stride_kh, d, BS)
+            k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+            m, lsum, acc = _tile_update(q, k, v, valid, m, lsum, acc, qk_scale)
     if FP8_KV:
         acc = acc * tl.load(kv_scale_ptr + 1)
     if DIRECT:  # one split: the output itself (acc_ptr is out)
@@ -270,15 +302,16 @@ def dot_tile_from_env() -> tuple[int, int] | None:
 
 
 KQ = "kq"  # a dot_tile ending in this string: the K . q^T kernel (_decode_split_kq)
+PF = "pf"  # an mha_tile ending in this string: the tiled kernel with PREFETCH
 
 
 def _config(cfg, default_tile: int) -> tuple[int, int, dict]:
     """A kernel configuration N, (N, W) or (N, W, S) -> (tokens, warps, {num_stages: S}
-    where given); None -> (default_tile, 4, {}). A trailing ``KQ`` is not a number here."""
+    where given); None -> (default_tile, 4, {}). A trailing ``KQ`` / ``PF`` is no number."""
     if not cfg:
         return default_tile, 4, {}
     cfg = cfg if isinstance(cfg, tuple) else (cfg,)
-    cfg = tuple(c for c in cfg if c != KQ)
+    cfg = tuple(c for c in cfg if not isinstance(c, str))
     tile, warps = cfg[0], cfg[1] if len(cfg) > 1 else 4
     return tile, warps, {"num_stages": cfg[2]} if len(cfg) > 2 else {}
 
@@ -297,7 +330,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     or (tokens, warps). ``dot_tile``: the tl.dot kernel's tokens per iteration (a power of two,
     at least 16), or (tokens, warps); None: one block (at least 16 tokens), 4 warps. Either
     may carry a third number, Triton's num_stages (the loop's software pipelining depth); a
-    dot_tile tuple ending in ``KQ`` ("kq") runs ``_decode_split_kq`` (scores as K . q^T).
+    dot_tile tuple ending in ``KQ`` ("kq") runs ``_decode_split_kq`` (scores as K . q^T), an
+    mha_tile tuple ending in ``PF`` ("pf") the tiled kernel with PREFETCH.
     """
     b, heads, d = q.shape
     _, bs, kv, _ = k_cache.shape
@@ -318,6 +352,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         extra = {}
     if mha_tile and group == 1:
         tile, warps, stages = _config(mha_tile, mha_tile)
+        if isinstance(mha_tile, tuple) and mha_tile[-1] == PF:
+            extra["PREFETCH"] = True
         _decode_split_tiles[(b, kv, splits)](
             q, k_cache, v_cache, tables, lens, acc, ml, kv_scale if fp8_kv else lens,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -38,8 +38,9 @@ def test_paged_decode_matches_sdpa(heads, kv, splits, lens):
     _check_paged_decode(heads, kv, splits, lens)
 
 
-@pytest.mark.parametrize("tile", [8, (32, 8), 64, (32, 4, 2)])  # within a block, two blocks (8
-# warps), past the longest sequence, 2 pipeline stages
+@pytest.mark.parametrize("tile", [8, (32, 8), 64, (32, 4, 2), (8, 4, "pf"), (32, 4, 2, "pf"),
+                                  (64, 4, "pf")])  # within a block, two blocks (8 warps), past
+# the longest sequence, 2 pipeline stages; the same with the next tile prefetched
 @pytest.mark.parametrize("splits,lens", [(1, [33, 5]), (3, [1, 17, 40]), (4, [64, 16])])
 def test_paged_decode_tiled_mha_matches_sdpa(tile, splits, lens):
     """The MHA variant: tiles of ``tile`` tokens across block boundaries, splits rounded to
@@ -148,6 +149,7 @@ def test_decode_splits_fill_the_gpu_then_stop():
     (6, 1, 4, [64, 16], True, None),  # MQA
     (4, 2, 1, [1, 17, 40], True, None),  # one split: the output written by the split kernel
     (3, 3, 1, [33, 5], True, 32),
+    (3, 3, 2, [33, 5], True, (16, 4, "pf")),  # the tiled kernel, next tile prefetched
 ])
 def test_paged_decode_fp8_cache(heads, kv, splits, lens, calibrated, tile):
     """An e4m3 cache with per-tensor K/V scales: the kernel (FP8 tiles widened in registers,
@@ -266,11 +268,12 @@ def mha_dir(tmp_path_factory):
     return write_hf_dir(tmp_path_factory.mktemp("tiny-mha"), cfg, tiny_state_dict(cfg), tok)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
-def test_cuda_runner_tiled_mha_decode(mha_dir, kv_dtype, monkeypatch):
-    """An MHA model's decode steps in the tiled kernel (decode_tile=(32, 4)), fused kernels on:
-    the torch path's tokens (FP32 cache on the CPU: all 6; FP8 with calibrated scales, or FP16
-    on a GPU: the first 4)."""
+@pytest.mark.parametrize("kv_dtype,tile", [("auto", (32, 4)), ("fp8", (32, 4)),
+                                           ("auto", (32, 4, "pf"))])
+def test_cuda_runner_tiled_mha_decode(mha_dir, kv_dtype, tile, monkeypatch):
+    """An MHA model's decode steps in the tiled kernel (decode_tile=(32, 4), and with the next
+    tile prefetched), fused kernels on: the torch path's tokens (FP32 cache on the CPU: all 6;
+    FP8 with calibrated scales, or FP16 on a GPU: the first 4)."""
     from kiln.llm import LLM, SamplingParams, cuda_runner
     from kiln.llm.cuda_runner import CudaModelRunner
 
@@ -289,14 +292,14 @@ def test_cuda_runner_tiled_mha_decode(mha_dir, kv_dtype, monkeypatch):
     eng = llm.engine
     eng.runner = CudaModelRunner(eng.model, 32, eng.config.block_size, cuda_graphs=False,
                                  max_model_len=256, fused_ops=True, kv_cache_dtype=kv_dtype,
-                                 calculate_kv_scales=True, decode_tile=(32, 4))
+                                 calculate_kv_scales=True, decode_tile=tile)
     tiled.clear()  # on a GPU the engines above tune, warm up and decode in other kernels
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
     n = 6 if kv_dtype == "auto" and DEV == "cpu" else 4
     assert [g[:n] for g in got] == [w[:n] for w in want]
     d = eng.runner.describe()
-    assert d["decode_tile"] == (32, 4) and d["decode"] == "eager-triton", d
-    assert tiled and all(t == (32, 4) for t in tiled)  # every decode call: MHA, tiled
+    assert d["decode_tile"] == tile and d["decode"] == "eager-triton", d
+    assert tiled and all(t == tile for t in tiled)  # every decode call: MHA, tiled
 
 
 @pytest.mark.parametrize("kv_dtype,env,want", [
@@ -384,6 +387,7 @@ def test_decode_candidates_by_model(mha_dir, tiny_dir):
     assert "kq64:4" in names["gqa"] and "kq128:4" in names["gqa"]
     assert not any(n.startswith("tile") for n in names["gqa"])
     assert "tile128:4" in names["mha"] and "tile128:4:s4" in names["mha"]
+    assert "tile64:4:pf" in names["mha"] and "tile128:4:pf" in names["mha"]
     assert set(names["gqa"]) < set(names["mha"])
 
 
@@ -420,7 +424,8 @@ def test_paged_decode_kq_fp8_cache_equals_dot(heads, kv):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dot_tile,tile", [(None, None), ((32, 4, "kq"), None), (None, 32)])
+@pytest.mark.parametrize("dot_tile,tile", [(None, None), ((32, 4, "kq"), None), (None, 32),
+                                           (None, (16, 4, "pf"))])
 def test_one_split_launches_no_reduction(dot_tile, tile, monkeypatch):
     """splits == 1: the split kernel (each variant) writes the output, the reduction is not
     launched, and the output equals the reduced one (splits 2) to float rounding."""
