@@ -36,6 +36,7 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
         pad_conv,
         pointwise,
         qkv,
+        reshape_act,
         rmsnorm,
         squeeze_excite,
     )
@@ -54,9 +55,11 @@ def _passes(device: str = "cpu") -> list[tuple[str, Pass]]:
     elementwise = pointwise if device == "cpu" else _CudaPointwise
     # CUDA's attention kernels read a boolean keep-mask at its key-padding shape
     keep_mask = [] if device == "cpu" else [attention_mask]
+    # ... and fuse an activation a Reshape separates from its product (HF Conv1D: GPT-2)
+    sink = [] if device == "cpu" else [reshape_act]
     order = [refine, fold, eliminate, pad_conv, conv_taps, conv_bn, conv_bias, layernorm,
              rmsnorm, gelu, activation, input_affine, attention, *keep_mask, qkv, matmul_add,
-             squeeze_excite, conv_bias_act, *late, elementwise, layout, eliminate]
+             squeeze_excite, *sink, conv_bias_act, *late, elementwise, layout, eliminate]
     # refine, fold and eliminate walk subgraphs themselves; a fusion sees one graph, so it is
     # run again on every subgraph (an If branch or Loop body of Conv + Relu fuses as the outer
     # graph does, and its layers run as the outer graph's would)

@@ -170,3 +170,30 @@ def export_module(module, shape, opset: int = 17) -> onnx.ModelProto:
 
     torch.manual_seed(0)
     return _export(module, (torch.randn(*shape),), ["x"], ["y"], {"x": {0: "b"}}, opset)
+
+
+@functools.cache
+def hf_gpt2(layers: int = 2) -> bytes:
+    """transformers GPT2Model (hidden 32, 2 heads, tanh GELU "gelu_new", Conv1D layers: Gemm
+    between Reshapes), no KV cache, dynamic batch and seq (TorchScript exporter, opset 17)."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_embd=32, n_layer=layers, n_head=2, vocab_size=50, n_positions=32,
+                     use_cache=False)
+    gpt = GPT2Model(cfg).eval()
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gpt = gpt
+
+        def forward(self, ids, mask):
+            return self.gpt(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+
+    ids = torch.randint(0, 50, (1, 8))
+    axes = {"ids": {0: "b", 1: "s"}, "mask": {0: "b", 1: "s"}}
+    return _export(Wrapped(), (ids, torch.ones_like(ids)), ["ids", "mask"], ["y"], axes,
+                   17).SerializeToString()
