@@ -6,6 +6,8 @@
 #   bash bench/gpu_cuda_kernels.sh                    # export,profile,tests,probe
 #   PARTS=export,profile EXPORT=tv_resnet50_op17 PROFILES=tv_resnet50_op17:256 \
 #     bash bench/gpu_cuda_kernels.sh                  # ResNet-50 b256 alone (~2-3 min)
+#   PARTS=export,profile EXPORT=hf_gpt2_op17 PROFILES=hf_gpt2_op17:8 \
+#     bash bench/gpu_cuda_kernels.sh                  # GPT-2: the MLP's tanh GELU in cuBLASLt
 #   PARTS=cold bash bench/gpu_cuda_kernels.sh         # fresh-process load + first run (b1)
 #
 # In this order (the figures first; the probe last, in case the old call hangs the device):
@@ -67,7 +69,7 @@ for spec in $PROFILES; do
 import json, sys
 d = json.load(open(sys.argv[1]))['kiln fp16']
 for ln in d['log']:
-    if 'layer.0/' in ln: print('  ' + ln[:90] + ' ... ' + ln[-260:])" "$W/profile-$tag.json"
+    if 'layer.0/' in ln or '/h.0/' in ln: print('  ' + ln[:90] + ' ... ' + ln[-260:])" "$W/profile-$tag.json"
 done
 if [[ ",$PARTS," == *",q8,"* ]]; then
   [[ "$Q8_TESTS" == 1 ]] && part q8-tests 420 python -m pytest -q -p no:cacheprovider -rfE \
@@ -88,7 +90,7 @@ fi
 part cold 150 python -m bench.cold_parts --corpus "$C" --models "$COLD_MODELS" \
   --plan-margins 0.25 --warm none,cublas --json "$W/cold.json"
 part tests 90 python -m pytest -q -p no:cacheprovider -rfE -o faulthandler_timeout=30 \
-  tests/kernels/test_triton_gemm.py -k "layernorm or cublaslt or library or flat" \
+  tests/kernels/test_triton_gemm.py -k "layernorm or cublaslt or library or flat or fused_gemm" \
   || true
 part tests-more 90 python -m pytest -q -p no:cacheprovider -rfE -o faulthandler_timeout=30 \
   tests/kernels/test_triton_conv.py tests/kernels/test_triton_norm.py \
