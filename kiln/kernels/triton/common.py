@@ -122,10 +122,12 @@ def e4m3(y, EXACT: tl.constexpr):
 def quantize8(y, scale, shift, FP8: tl.constexpr, EXACT: tl.constexpr):
     """An fp32 tile as the codes of an INT8/FP8 layer's input: int8 ``clamp(floor(y / s +
     0.5) + shift, -128, 127)`` or e4m3 ``y / s`` saturated at 448 (s: ``scale``)."""
-    if FP8:
-        return e4m3(tl.minimum(tl.maximum(y / scale, -448.0), 448.0), EXACT)
-    q = tl.floor(y / scale + 0.5) + shift
-    return tl.minimum(tl.maximum(q, -128.0), 127.0).to(tl.int8)
+    if FP8:  # one return: a compiled Triton function's returns must share one type
+        q = e4m3(tl.minimum(tl.maximum(y / scale, -448.0), 448.0), EXACT)
+    else:
+        q = tl.floor(y / scale + 0.5) + shift
+        q = tl.minimum(tl.maximum(q, -128.0), 127.0).to(tl.int8)
+    return q
 
 
 def channels_last_out(x, channels: int, oh: int, ow: int):
