@@ -54,10 +54,48 @@ TGT static inline __m256 clip8(__m256 v, int on, float clip)
 
 enum { RNN_PF = 8 };  /* rows ahead that gemv_acc prefetches */
 
-/* acc[j0..j1) += h[0..K) RT[:, j0..j1) (RT row stride ldr); j0, j1 multiples of 8. Eight
- * accumulators per block: enough independent FMAs to cover their latency. */
+TGT static void gemv_acc_ymm(long K, long j0, long j1, const float *h, const float *RT, long ldr,
+                             float *acc);
+
+/* AVX-512: blocks of 128 columns, eight zmm accumulators; each column's sum is the AVX2
+ * block's (one chain over k in order) and the columns past the last 128-block take the AVX2
+ * path, which splits them as it splits any, so the two ISAs give the same bits. */
+TGT_ZMM static void gemv_acc_zmm(long K, long j0, long j1, const float *h, const float *RT,
+                                 long ldr, float *acc)
+{
+    long j = j0;
+    for (; j + 128 <= j1; j += 128) {
+        __m512 a[8];
+        for (int u = 0; u < 8; u++) a[u] = _mm512_loadu_ps(acc + j + 16 * u);
+        for (long k = 0; k < K; k++) {
+            __m512 hk = _mm512_set1_ps(h[k]);
+            const float *r = RT + k * ldr + j;
+            if (k + RNN_PF < K) {
+                const char *f = (const char *)(r + RNN_PF * ldr);
+                for (int c = 0; c < 8; c++) _mm_prefetch(f + 64 * c, _MM_HINT_T0);
+            }
+            for (int u = 0; u < 8; u++)
+                a[u] = _mm512_fmadd_ps(hk, _mm512_loadu_ps(r + 16 * u), a[u]);
+        }
+        for (int u = 0; u < 8; u++) _mm512_storeu_ps(acc + j + 16 * u, a[u]);
+    }
+    if (j < j1)
+        gemv_acc_ymm(K, j, j1, h, RT, ldr, acc);
+}
+
+/* acc[j0..j1) += h[0..K) RT[:, j0..j1) (RT row stride ldr); j0, j1 multiples of 8. */
 TGT static void gemv_acc(long K, long j0, long j1, const float *h, const float *RT, long ldr,
                          float *acc)
+{
+    if (j1 - j0 >= 128 && kiln_use_avx512())
+        gemv_acc_zmm(K, j0, j1, h, RT, ldr, acc);
+    else
+        gemv_acc_ymm(K, j0, j1, h, RT, ldr, acc);
+}
+
+/* Eight accumulators per 64-column block: enough independent FMAs to cover their latency. */
+TGT static void gemv_acc_ymm(long K, long j0, long j1, const float *h, const float *RT, long ldr,
+                             float *acc)
 {
     long j = j0;
     for (; j + 64 <= j1; j += 64) {

@@ -53,6 +53,14 @@ def _case(kind, *, direction="forward", layout=0, hid=6, batch=2, seq=5, inp=7, 
     return args
 
 
+def _run_native(kind, a, args):
+    n_out = 3 if kind == "LSTM" else 2
+    call = Call(a, n_out, len(args))
+    got = KERNEL[kind](call, *args)
+    assert call.cache.get("rnn_run") is not None, "the C recurrence did not take the node"
+    return got
+
+
 def _check(kind, a, args):
     n_out = 3 if kind == "LSTM" else 2
     call = Call(a, n_out, len(args))
@@ -132,6 +140,27 @@ def test_native_rnn_parallel_columns_large(kind):
         _check(kind, _attrs(direction="forward"), args)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_native
+@pytest.mark.parametrize("kind, hid", [("GRU", 48), ("LSTM", 40), ("GRU", 96), ("RNN", 136)])
+def test_native_rnn_isas_agree_to_the_bit(kind, hid, conv_isa):
+    """The recurrent GEMV's AVX-512 blocks (128 columns) sum each column as the AVX2 blocks do,
+    and the columns past them take the AVX2 path: both ISAs give the same bits, and match the
+    reference (run under each ISA by the conv_isa fixture, against the AVX2 result). Eight
+    rows: the input projection is the same GEMV, inside the recurrence (a GEMM's ISAs may
+    differ in the last bit)."""
+    args = _case(kind, direction="bidirectional", hid=hid, seq=4, batch=2, inp=24, init=True)
+    a = _attrs(direction="bidirectional")
+    _check(kind, a, args)
+    got = _run_native(kind, a, args)
+    native.set_conv_isa("avx2")
+    try:
+        want = _run_native(kind, a, args)
+    finally:
+        native.set_conv_isa(conv_isa)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
 
 
 def test_native_rnn_declines_what_it_lacks():
