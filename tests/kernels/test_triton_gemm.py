@@ -193,6 +193,13 @@ def test_triton_flat_epilogue_no_ops():
 def test_triton_gemm_tactic_space():
     big = G.gemm_tactics(8192, 768, 3072)
     assert all(t["SPLIT_K"] == 1 for t in big)  # 8192x768 fills the GPU: no split-K
+    assert any(t["num_stages"] > 2 for t in big)  # 48 K steps and more: pipelined
+    # ResNet-50's 64 -> 256 1x1 conv at b256: one K step for BLOCK_K 64, two for 32
+    short = G.gemm_tactics(256 * 56 * 56, 256, 64)
+    assert short and all(t["num_stages"] == (1 if t["BLOCK_K"] >= 64 else 2) for t in short)
+    for m, n, k in ((802816, 512, 128), (16, 768, 2304), (4096, 64, 96)):
+        assert all(t["num_stages"] <= -(-k // (t["BLOCK_K"] * t["SPLIT_K"]))
+                   for t in G.gemm_tactics(m, n, k))
     small = G.gemm_tactics(16, 768, 3072)
     assert any(t["SPLIT_K"] > 1 for t in small) and all(t["BLOCK_M"] <= 32 for t in small)
 

@@ -117,13 +117,19 @@ TILE_KEEP = 5  # tile configs per product that reach the autotuner
 
 def gemm_tactics(m: int, n: int, k: int) -> list[dict]:
     """The configs worth timing for an M x N x K product: no tile more than twice the
-    problem, split-K only when K is long and the output tiles too few to fill the GPU; of
-    those, the :func:`best_tiles`."""
+    problem, split-K only when K is long and the output tiles too few to fill the GPU, no more
+    pipeline stages than K steps (ResNet's 64-channel 1x1 convs: memory-bound products whose
+    programs per SM the unused stages' shared memory capped at one); of those, the
+    :func:`best_tiles`."""
     out = []
     for t in fitting_tiles(_CONFIGS, m, n):
         if t["SPLIT_K"] > 1 and (k < 1024 or tile_count(t, m, n) >= 128):
             continue
-        out.append(t)
+        # no more stages than K steps: a stage past them loads nothing, but still holds its
+        # tiles' shared memory (H200, 128x128x64 tile: 32 KB at one stage, 128 KB at four)
+        t["num_stages"] = max(1, min(t["num_stages"], -(-k // (t["BLOCK_K"] * t["SPLIT_K"]))))
+        if t not in out:
+            out.append(t)
     return best_tiles(out, m, n) or [dict(DEFAULT)]
 
 
