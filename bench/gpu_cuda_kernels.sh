@@ -40,7 +40,7 @@ COLD_MODELS=${COLD_MODELS:-hf_bert_sdpa_op17,timm_tf_mobilenetv3_op13,tv_resnet5
 Q8_PROFILES=${Q8_PROFILES:-hf_bert_base_sdpa_op17:64:fp16,int8,fp8}
 Q8_TESTS=${Q8_TESTS:-0}
 Q8_HANDOFF=${Q8_HANDOFF:-1}
-EXPORT=${EXPORT:-hf_bert_base_sdpa_op17,tv_resnet50_op17}
+EXPORT=${EXPORT:-hf_bert_base_sdpa_op17}  # what the default PROFILES read
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 W=$(mktemp -d); C=${CORPUS:-/tmp/corpus}; mkdir -p "$C"
 pack() { tar czf "$OUT/r.tgz" -C "$W" . ; }
