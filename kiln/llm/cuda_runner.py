@@ -639,7 +639,11 @@ class CudaModelRunner(ModelRunner):
 
     def _decode_step(self, ids, positions, entries) -> tuple[_Step, int]:
         """Fill a decode step's inputs and launch it: (the step, its rows); the results land
-        in step.logits / step.tokens."""
+        in step.logits / step.tokens. A step launched ahead is dropped: this one may take its
+        buffers (a benchmark's own _decode calls between engine steps)."""
+        if self._ahead is not None:
+            self.ahead_stats["misses"] += 1
+            self._ahead = None
         b = len(entries)
         width = max(len(t) for _, _, t in entries)
         size = next((s for s in self.sizes if s >= b), None)

@@ -93,3 +93,24 @@ def test_lookahead_is_not_launched_past_the_tables_or_max_tokens(tiny_dir):
         eng.step()
     assert r.ahead_stats["hits"] == 2  # tokens 3 and 4 (no launch after the last)
     assert r.describe()["lookahead"] == {"on": True, "hits": 2, "misses": 0, "launched": 2}
+
+
+def test_a_raw_decode_call_between_steps_drops_the_step_launched_ahead(tiny_dir):
+    """runner._decode (as bench.llm_step calls it) refills the step buffers a step launched
+    ahead sits in: that step is dropped, the engine's next step runs as usual."""
+    want = _run(LLM(tiny_dir, num_blocks=64).engine, late=False)
+    eng = _engine(tiny_dir, True, ladder=True)
+    got, ids = {}, {}
+    for i in range(len(PROMPTS) - 1):
+        p = SamplingParams(max_tokens=MAX[i], temperature=0, ignore_eos=True)
+        ids[eng.add_request(PROMPTS[i], p).request_id] = i
+    r, raw = eng.runner, 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            got.setdefault(ids[o.request_id], []).extend(o.new_token_ids)
+        if r._ahead is not None and raw < 3:
+            with torch.inference_mode():
+                r._decode([7] * r._ahead.b, [3] * r._ahead.b, [(3, 1, [60])] * r._ahead.b)
+            raw += 1
+            assert r._ahead is None
+    assert raw == 3 and got == want
