@@ -109,6 +109,55 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
+def filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``filter_logits`` for every row of ``logits`` [rows, V] at once, each row with its own
+    temperature, top-k, top-p and min-p (the same order and ties: top-k keeps what is >= the
+    k-th value, top-p the most likely tokens until the mass before them reaches p, the first
+    always, min-p what is >= min_p times the top probability)."""
+    rows, vocab = logits.shape
+    dev = logits.device
+
+    def col(values):
+        return torch.tensor(values, dtype=logits.dtype, device=dev)[:, None]
+
+    x = logits / col([p.temperature for p in params])
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(ks):
+        kmax = max(ks)
+        top = torch.topk(x, kmax, dim=-1).values  # [rows, kmax], descending
+        at = torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None]
+        kth = top.gather(1, at)
+        kth = torch.where(torch.tensor(ks, device=dev)[:, None] > 0, kth,
+                          torch.full_like(kth, float("-inf")))
+        x = x.masked_fill(x < kth, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        before = probs.cumsum(-1) - probs
+        drop = before >= col([p.top_p for p in params])
+        drop[:, 0] = False
+        drop &= col([p.top_p < 1.0 for p in params]).bool()
+        x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
+    if any(p.min_p > 0 for p in params):
+        probs = x.softmax(-1)
+        mp = col([p.min_p for p in params])
+        x = x.masked_fill((probs < mp * probs.amax(-1, keepdim=True)) & (mp > 0), float("-inf"))
+    return x
+
+
+def draw_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of ``probs`` [rows, V], row i drawn with ``generators[i]``: one
+    uniform number per row from the row's own generator (so a request's tokens do not depend
+    on the rows beside it), then the inverse CDF of all rows at once: the first token whose
+    cumulative probability reaches (1 - u) times the row's total (never a token of
+    probability 0: the target is above 0 and at most the total)."""
+    dev = probs.device
+    u = torch.cat([torch.rand(1, generator=g, device=dev) for g in generators])
+    cdf = probs.float().cumsum(-1)
+    target = ((1.0 - u) * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
 class Sampler:
     """Samples one token per row; keeps one ``torch.Generator`` per request."""
 
@@ -131,18 +180,26 @@ class Sampler:
         self.generators.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, reqs) -> list[int]:
-        """``reqs``: the Request of each row (params, prompt and output tokens)."""
+        """``reqs``: the Request of each row (params, prompt and output tokens).
+
+        Penalties are applied per row (where asked); then greedy rows take the argmax and the
+        others are filtered and drawn together (``filter_rows``, ``draw_rows``): the same
+        distributions as ``filter_logits`` row by row, a few batched ops per step instead of
+        ~10 per row, and one device-to-host copy."""
         if all(r.params.greedy and not r.params.penalized for r in reqs):
             return logits.argmax(-1).tolist()  # the common case in one op
-        out = []
-        for row, r in zip(logits, reqs):
-            p = r.params
-            if p.penalized:
-                row = apply_penalties(row.clone(), p, r.prompt_token_ids, r.output_token_ids)
-            if p.greedy:
-                out.append(int(row.argmax()))
-                continue
-            probs = filter_logits(row, p).softmax(-1)
-            g = self.generator(r.request_id, p.seed)
-            out.append(int(torch.multinomial(probs, 1, generator=g)))
-        return out
+        x = logits
+        pen = [i for i, r in enumerate(reqs) if r.params.penalized]
+        if pen:
+            x = logits.clone()
+            for i in pen:
+                r = reqs[i]
+                apply_penalties(x[i], r.params, r.prompt_token_ids, r.output_token_ids)
+        out = x.argmax(-1)
+        drawn = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if drawn:
+            rows = [reqs[i] for i in drawn]
+            probs = filter_rows(x[drawn], [r.params for r in rows]).softmax(-1)
+            gens = [self.generator(r.request_id, r.params.seed) for r in rows]
+            out[drawn] = draw_rows(probs, gens)
+        return out.tolist()

@@ -113,3 +113,44 @@ def test_bad_params_name_the_field():
         SamplingParams(max_tokens=0)
     with pytest.raises(KilnError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+ROW_PARAMS = [dict(temperature=0.7, top_k=5), dict(temperature=1.0), dict(top_p=0.6),
+              dict(min_p=0.2, temperature=1.3), dict(top_k=8, top_p=0.9, min_p=0.05,
+                                                      temperature=0.7),
+              dict(top_k=1000), dict(temperature=2.0, top_p=0.3)]
+
+
+def test_filter_rows_is_filter_logits_row_by_row():
+    from kiln.llm.sampling import filter_rows
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(len(ROW_PARAMS), 50, generator=g) * 3
+    logits[0, :6] = 4.0  # ties at the k-th value
+    params = [SamplingParams(**kw) for kw in ROW_PARAMS]
+    got = filter_rows(logits, params)
+    for i, p in enumerate(params):
+        want = filter_logits(logits[i], p)
+        assert torch.equal(torch.isinf(got[i]), torch.isinf(want)), (i, ROW_PARAMS[i])
+        keep = ~torch.isinf(want)
+        torch.testing.assert_close(got[i][keep], want[keep])
+
+
+def test_a_mixed_batch_samples_each_row_as_alone():
+    """Greedy, penalized and drawn rows in one call: each row's token is the one it gets
+    alone (seeded draws come from the request's own generator)."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 80, generator=g) * 2
+    mk = [lambda: _req("g", SamplingParams(temperature=0)),
+          lambda: _req("p", SamplingParams(temperature=0, repetition_penalty=3.0), prompt=[
+              int(logits[1].argmax())]),
+          lambda: _req("d", SamplingParams(temperature=0.9, top_p=0.8, seed=11)),
+          lambda: _req("e", SamplingParams(temperature=1.2, top_k=10, seed=12,
+                                           frequency_penalty=0.5), output=[3, 3, 5])]
+    sb, sa = Sampler(), [Sampler() for _ in mk]
+    rb, ra = [m() for m in mk], [m() for m in mk]
+    for _ in range(3):  # a few steps: each request's generator advances alike
+        batch = sb.sample(logits, rb)
+        alone = [sa[i].sample(logits[i:i + 1], [ra[i]])[0] for i in range(len(mk))]
+        assert batch == alone
+    assert batch[0] == int(logits[0].argmax()) and batch[1] != int(logits[1].argmax())
