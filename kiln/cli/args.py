@@ -67,10 +67,6 @@ def add_calibration_args(p: argparse.ArgumentParser) -> None:
                    help="QDQ models: a Q/DQ pair read by weight layers and other ops alike makes "
                         "the weight layers INT8 on its codes too (off by default: faster, but "
                         "not always within 1e-4 of onnxruntime)")
-    g.add_argument("--no-int8-handoff", action="store_true",
-                   help="CUDA: every INT8/FP8 layer quantizes its float input itself, instead "
-                        "of the GEMM or LayerNorm before it writing the 8-bit codes (the "
-                        "default where only 8-bit layers read a tensor)")
     g.add_argument("--qlinear-conv-int8", action="store_true",
                    help="QOperator models: QLinearConv layers as kiln INT8 convolutions (faster; "
                         "off by default on the CPU: a few output codes in 10,000 differ from "

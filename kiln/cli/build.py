@@ -49,6 +49,10 @@ def add_arguments(p):
                         "start-up within this many runs (default 1000; 0: the margin alone)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="CUDA: launch kernels one by one instead of replaying CUDA graphs")
+    p.add_argument("--no-int8-handoff", action="store_true",
+                   help="CUDA: every INT8/FP8 layer quantizes its float input itself, instead "
+                        "of the GEMM or LayerNorm before it writing the 8-bit codes (the "
+                        "default where only 8-bit layers read a tensor)")
     add_common_args(p)
 
 
